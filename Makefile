@@ -1,0 +1,37 @@
+# gqa-serve: every entry point sets up what it needs on a fresh machine.
+#   make run    - install, then start the service on the CPU backend at 127.0.0.1:50051
+#   make test   - install, then run the test suite (GPU tests skipped where no GPU)
+#   make bench  - install, then run the benchmarks (writes bench-results/*.json)
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+EXTRAS ?= dev,bench
+ADDRESS ?= 127.0.0.1:50051
+
+.PHONY: install run test bench proto gpu-check clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+install: $(STAMP)
+
+run: install
+	@echo "gqa-serve: starting on $(ADDRESS) (CPU backend); try: $(BIN)/gqa-serve demo --address $(ADDRESS)"
+	$(BIN)/gqa-serve serve --backend cpu --address $(ADDRESS)
+
+test: install
+	$(BIN)/python -m pytest -m "not gpu"
+
+bench: install
+	$(BIN)/python -m tests.bench
+
+proto: install
+	$(BIN)/python proto/generate.py service/api
+
+clean:
+	rm -rf $(VENV) .pytest_cache bench-results

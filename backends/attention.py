@@ -1,0 +1,65 @@
+"""The grouped attention core shared by the stateless operation and the CPU caches.
+
+Shapes use ``N = B * Hkv`` as the batch of the matrix products:
+
+- ``q``: (N, G, D) in the compute dtype (float32, or float64 for float64 inputs), already multiplied by ``1 / sqrt(D)``; the G query heads that share
+  a KV head sit together, so each cached key and value is read once for all of them (no
+  ``repeat_interleave`` of K/V).
+- key segments: (N, D, s) views (keys *transposed*: the product ``q @ K^T`` is then a plain
+  row-major GEMM with the long sequence as its N dimension, measured ~1.8x faster on the CPU
+  than reading (s, D) keys through a transposed operand).
+- value segments: (N, s, D) views.
+
+Several segments stand for the pieces of a ring buffer (a wrapped window, sinks plus window);
+attention does not depend on the order of keys, so no segment is ever copied to make them
+contiguous. Narrower segments are widened to the compute dtype in blocks of ``_BLOCK`` rows, so a
+full-precision copy of the cache is never materialized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["attend"]
+
+_BLOCK = 2048
+
+
+def _blocks(length: int):
+    for start in range(0, length, _BLOCK):
+        yield start, min(start + _BLOCK, length)
+
+
+def attend(
+    q: torch.Tensor,
+    key_segments: Sequence[torch.Tensor],
+    value_segments: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """Softmax(q K^T) V over the concatenation of the segments; (N, G, D) in ``q``'s dtype."""
+    n, g, d = q.shape
+    total = sum(k.shape[-1] for k in key_segments)
+    scores = torch.empty((n, g, total), dtype=q.dtype, device=q.device)
+    offset = 0
+    for keys in key_segments:
+        s = keys.shape[-1]
+        if keys.dtype == q.dtype:
+            torch.bmm(q, keys, out=scores[:, :, offset : offset + s])
+        else:
+            for a, b in _blocks(s):
+                torch.bmm(q, keys[:, :, a:b].to(q.dtype), out=scores[:, :, offset + a : offset + b])
+        offset += s
+    # softmax subtracts the row maximum, so extreme scores do not overflow.
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.zeros((n, g, d), dtype=q.dtype, device=q.device)
+    offset = 0
+    for values in value_segments:
+        s = values.shape[1]
+        if values.dtype == q.dtype:
+            out.baddbmm_(probs[:, :, offset : offset + s], values)
+        else:
+            for a, b in _blocks(s):
+                out.baddbmm_(probs[:, :, offset + a : offset + b], values[:, a:b].to(q.dtype))
+        offset += s
+    return out

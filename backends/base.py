@@ -1,0 +1,337 @@
+"""The backend contract: what a backend declares and the per-layer cache it creates.
+
+A backend is a class with its capabilities as class data and one factory, ``create_cache``,
+for the cache of one layer of one stream. The cache owns B x Hkv x C x D keys and values,
+allocated once; its layout is a ring (position ``p`` lives at a fixed row, see ``row_of``), so
+appending is O(1) and eviction moves no bytes. What is resident and attended comes from the
+stream's ``EvictionPolicy``; storage (dense, int8 codes plus scales, GPU) is the subclass's.
+
+The step is atomic: everything is checked before anything is written, and a failure after
+the write restores the overwritten row, so a rejected or failed step leaves the cache exactly
+as it was.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+
+from .errors import BackendUnavailable, CacheFullError, RollbackError
+from .policy import EvictionPolicy, PolicyKind
+from .validation import check_step_tensors, dtype_name
+
+__all__ = [
+    "Backend",
+    "Capabilities",
+    "CacheSpec",
+    "LayerCache",
+    "StepOutcome",
+    "row_runs",
+]
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can serve: dtypes of the tensors it exchanges, head widths, devices."""
+
+    dtypes: tuple[torch.dtype, ...]
+    devices: tuple[str, ...]
+    max_head_dim: int = 1 << 16
+    head_dim_multiple: int = 1
+
+    def reasons_against(self, name: str, dtype: torch.dtype, head_dim: int, device: str) -> list[str]:
+        reasons = []
+        if dtype not in self.dtypes:
+            reasons.append(
+                f"{name}: dtype {dtype_name(dtype)} not supported (supports {', '.join(dtype_name(d) for d in self.dtypes)})"
+            )
+        if head_dim < 1 or head_dim > self.max_head_dim or head_dim % self.head_dim_multiple:
+            reasons.append(
+                f"{name}: head_dim {head_dim} not supported (1..{self.max_head_dim}, multiple of {self.head_dim_multiple})"
+            )
+        if torch.device(device).type not in self.devices:
+            reasons.append(f"{name}: device {device} not supported (supports {', '.join(self.devices)})")
+        return reasons
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """The shape of one layer's cache, fixed for the life of a stream."""
+
+    batch_size: int
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    policy: EvictionPolicy
+    device: str = "cpu"
+
+    def __post_init__(self):
+        for name in ("batch_size", "num_query_heads", "num_kv_heads", "head_dim"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.num_query_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_query_heads ({self.num_query_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+
+    @property
+    def capacity(self) -> int:
+        return self.policy.capacity
+
+    @property
+    def group_size(self) -> int:
+        return self.num_query_heads // self.num_kv_heads
+
+    @property
+    def rows_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What one step did: the output and the cache's bookkeeping after it."""
+
+    output: torch.Tensor  # (B, Hq, D) in the spec's dtype
+    tokens_seen: int  # T after the step
+    resident: int  # L after the step
+    first_position: int  # oldest resident position
+    last_position: int  # newest resident position (the token just appended)
+    evicted_tokens: int  # tokens that stopped being resident in this step
+    bytes_written: int  # bytes stored for the new token
+    bytes_moved: int  # bytes copied inside the cache to evict (0 for a ring layout)
+    attended: int = 0  # positions the new token attended to
+
+
+def row_runs(positions: range, row_of, capacity_rows: range) -> list[tuple[int, int]]:
+    """Contiguous row runs ``[start, stop)`` holding ``positions`` (a consecutive range).
+
+    ``capacity_rows`` is the row region the positions cycle through (for the sink layout, the
+    window region after the sinks). A range of consecutive positions is at most two runs.
+    """
+    if not len(positions):
+        return []
+    first = row_of(positions.start)
+    n = len(positions)
+    end = capacity_rows.stop
+    if first + n <= end:
+        return [(first, first + n)]
+    head = end - first
+    return [(first, end), (capacity_rows.start, capacity_rows.start + n - head)]
+
+
+class LayerCache(abc.ABC):
+    """One layer of one stream: ring-layout bookkeeping over storage the subclass owns."""
+
+    def __init__(self, spec: CacheSpec):
+        self.spec = spec
+        self.policy = spec.policy
+        self.tokens_seen = 0
+
+    # -- storage, the subclass's ---------------------------------------------------------
+    @property
+    @abc.abstractmethod
+    def nbytes(self) -> int:
+        """Bytes this cache holds allocated (keys, values and any scales)."""
+
+    @abc.abstractmethod
+    def _write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Stores (B, Hkv, n, D) keys and values at rows ``start .. start+n-1``."""
+
+    @abc.abstractmethod
+    def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows ``[start, stop)`` as (B, Hkv, n, D) tensors in the spec's dtype (a copy)."""
+
+    @abc.abstractmethod
+    def _save_rows(self, start: int, stop: int) -> object:
+        """An opaque copy of the stored rows, exactly as stored, for ``_restore_rows``."""
+
+    @abc.abstractmethod
+    def _restore_rows(self, start: int, saved: object) -> None:
+        ...
+
+    @abc.abstractmethod
+    def _attend(self, query: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """Attention of (B, Hq, D) ``query`` over the stored row runs; (B, Hq, D) out."""
+
+    # -- layout ---------------------------------------------------------------------------
+    def row_of(self, position: int) -> int:
+        """The row that position ``position`` lives in (a ring; sinks stay put)."""
+        p = self.policy
+        if p.kind is PolicyKind.SINK:
+            if position < p.sinks:
+                return position
+            return p.sinks + (position - p.sinks) % p.window
+        return position % p.capacity
+
+    def _runs(self, positions: tuple[range, ...]) -> list[tuple[int, int]]:
+        p = self.policy
+        runs: list[tuple[int, int]] = []
+        for r in positions:
+            if p.kind is PolicyKind.SINK and r.start >= p.sinks:
+                region = range(p.sinks, p.capacity)
+            else:
+                region = range(0, p.capacity)
+            runs.extend(row_runs(r, self.row_of, region))
+        return runs
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one position occupies for the whole batch (keys and values)."""
+        return self.nbytes // self.spec.capacity
+
+    # -- public ---------------------------------------------------------------------------
+    @property
+    def resident_length(self) -> int:
+        return self.policy.resident_length(self.tokens_seen)
+
+    def resident_positions(self) -> tuple[range, ...]:
+        return self.policy.resident(self.tokens_seen)
+
+    def check_step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
+        """Raises ``TypeError``/``ValueError`` for tensors this cache cannot take."""
+        s = self.spec
+        b, d = check_step_tensors(query, new_key, new_value, s.num_query_heads, s.num_kv_heads)
+        if b != s.batch_size:
+            raise ValueError(f"query: batch size {b} (shape {tuple(query.shape)}) but the stream has batch_size {s.batch_size}")
+        if d != s.head_dim:
+            raise ValueError(f"query: head width {d} (shape {tuple(query.shape)}) but the stream has head_dim {s.head_dim}")
+        if query.dtype != s.dtype:
+            raise TypeError(f"query: dtype {dtype_name(query.dtype)} but the stream's dtype is {dtype_name(s.dtype)}")
+        if query.device.type != torch.device(s.device).type:
+            raise ValueError(f"query: device {query.device} but the stream lives on {s.device}")
+        if not self.policy.has_room(self.tokens_seen):
+            raise CacheFullError(
+                f"cache full: policy none holds {self.policy.capacity} tokens and all are used"
+            )
+
+    def step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> StepOutcome:
+        """Appends one token and attends to what the policy says; atomic."""
+        self.check_step(query, new_key, new_value)
+        t = self.tokens_seen
+        row = self.row_of(t)
+        saved = self._save_rows(row, row + 1)
+        try:
+            self._write_rows(row, new_key.unsqueeze(2), new_value.unsqueeze(2))
+            attended = self.policy.attended(t + 1)
+            output = self._attend(query, self._runs(attended))
+        except BaseException:
+            self._restore_rows(row, saved)
+            raise
+        self.tokens_seen = t + 1
+        resident = self.policy.resident(t + 1)
+        return StepOutcome(
+            output=output,
+            tokens_seen=t + 1,
+            resident=self.policy.resident_length(t + 1),
+            first_position=resident[0].start,
+            last_position=resident[-1].stop - 1,
+            evicted_tokens=self.policy.evicted_by_step(t),
+            bytes_written=self.row_bytes,
+            bytes_moved=0,
+            attended=sum(len(r) for r in attended),
+        )
+
+    def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Loads S tokens (B, Hkv, S, D), oldest first, into an empty cache.
+
+        The policy applies as if the tokens had arrived one by one: only the positions it
+        keeps resident after S tokens are stored.
+        """
+        s = self.spec
+        if self.tokens_seen:
+            raise ValueError("prefill: the cache already holds tokens")
+        for name, t in (("prefill key", keys), ("prefill value", values)):
+            if t.dim() != 4 or (t.shape[0], t.shape[1], t.shape[3]) != (s.batch_size, s.num_kv_heads, s.head_dim):
+                raise ValueError(
+                    f"{name}: expected shape (B, Hkv, S, D) with B={s.batch_size}, Hkv={s.num_kv_heads}, "
+                    f"D={s.head_dim}, got {tuple(t.shape)}"
+                )
+            if t.dtype != s.dtype:
+                raise TypeError(f"{name}: dtype {dtype_name(t.dtype)} but the stream's dtype is {dtype_name(s.dtype)}")
+        if keys.shape != values.shape:
+            raise ValueError(f"prefill value: shape {tuple(values.shape)} differs from prefill key {tuple(keys.shape)}")
+        n = keys.shape[2]
+        if self.policy.kind is PolicyKind.NONE and n > self.policy.capacity:
+            raise CacheFullError(f"prefill of {n} tokens exceeds the capacity {self.policy.capacity} of policy none")
+        for r in self.policy.resident(n):
+            for (a, b), pos in self._runs_with_positions(r):
+                self._write_rows(a, keys[:, :, pos : pos + (b - a)], values[:, :, pos : pos + (b - a)])
+        self.tokens_seen = n
+
+    def _runs_with_positions(self, r: range):
+        pos = r.start
+        for a, b in self._runs((r,)):
+            yield (a, b), pos
+            pos += b - a
+
+    def export(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The resident keys and values, (B, Hkv, L, D), in position order, oldest first."""
+        keys, values = [], []
+        for a, b in self._runs(self.resident_positions()):
+            k, v = self._read_rows(a, b)
+            keys.append(k)
+            values.append(v)
+        if not keys:
+            s = self.spec
+            empty = torch.empty((s.batch_size, s.num_kv_heads, 0, s.head_dim), dtype=s.dtype, device=s.device)
+            return empty, empty.clone()
+        return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def rollback(self, k: int) -> None:
+        """Drops the last ``k`` tokens if that is exact (EVICTION.md); else ``RollbackError``."""
+        if k < 0:
+            raise ValueError(f"rollback: count must be >= 0, got {k}")
+        reach = self.policy.rollback_reach(self.tokens_seen)
+        if k > reach:
+            raise RollbackError(
+                f"rollback of {k} tokens is not exact: at T={self.tokens_seen} at most {reach} can be dropped",
+                reach,
+            )
+        self.tokens_seen -= k
+
+
+class Backend(abc.ABC):
+    """A named way to store caches and attend. Capabilities are class data."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    default_device: ClassVar[str] = "cpu"
+
+    @classmethod
+    def probe(cls) -> list[str]:
+        """Reasons this backend cannot run on this machine at all (empty when it can)."""
+        return []
+
+    def reasons_against(self, spec: CacheSpec) -> list[str]:
+        return self.probe() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
+
+    def check(self, spec: CacheSpec) -> None:
+        reasons = self.reasons_against(spec)
+        if reasons:
+            raise BackendUnavailable(reasons)
+
+    @abc.abstractmethod
+    def cache_nbytes(self, spec: CacheSpec) -> int:
+        """Bytes ``create_cache(spec)`` will allocate: admission is decided on this, before allocation."""
+
+    @abc.abstractmethod
+    def create_cache(self, spec: CacheSpec) -> LayerCache:
+        ...
+
+
+def dense_nbytes(spec: CacheSpec) -> int:
+    """Keys plus values, dense, in the spec's dtype."""
+    b, h, c, d = spec.rows_shape
+    return 2 * b * h * c * d * torch.empty((), dtype=spec.dtype).element_size()
+
+
+def scaled_query(query: torch.Tensor, num_kv_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, Hq, D) -> (B*Hkv, G, D) in ``dtype``, multiplied by 1/sqrt(D)."""
+    b, hq, d = query.shape
+    return query.reshape(b * num_kv_heads, hq // num_kv_heads, d).to(dtype) * (1.0 / math.sqrt(d))

@@ -1,0 +1,1 @@
+"""Pure quantize / dequantize functions for KV caches; no knowledge of backends."""
