@@ -2,12 +2,13 @@
 #   make run    - install, then start the service on the CPU backend at 127.0.0.1:50051
 #   make test   - install, then run the test suite (GPU tests skipped where no GPU)
 #   make bench  - install, then run the benchmarks (writes bench-results/*.json)
+#   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-EXTRAS ?= dev,bench
+EXTRAS ?= dev,bench,triton
 ADDRESS ?= 127.0.0.1:50051
 
 .PHONY: install run test bench proto gpu-check clean
@@ -32,6 +33,9 @@ bench: install
 
 proto: install
 	$(BIN)/python proto/generate.py service/api
+
+gpu-check: install
+	bash tests/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache bench-results

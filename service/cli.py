@@ -42,24 +42,24 @@ def cmd_step(args: argparse.Namespace) -> int:
     try:
         payload = json.loads(text)
     except json.JSONDecodeError as exc:
-        return _fail(f"input is not valid JSON: {exc}")
+        return fail(f"input is not valid JSON: {exc}")
     if not isinstance(payload, dict):
-        return _fail(f"input must be one JSON object with keys {', '.join(STEP_KEYS)}")
+        return fail(f"input must be one JSON object with keys {', '.join(STEP_KEYS)}")
     missing = [k for k in STEP_KEYS if k not in payload]
     if missing:
-        return _fail(f"input is missing {', '.join(missing)}")
+        return fail(f"input is missing {', '.join(missing)}")
     unknown = sorted(set(payload) - set(STEP_KEYS))
     if unknown:
-        return _fail(f"input has unknown keys {', '.join(unknown)}")
+        return fail(f"input has unknown keys {', '.join(unknown)}")
     try:
         result = gqa_decode_step(**{k: payload[k] for k in STEP_KEYS})
     except (TypeError, ValueError) as exc:
-        return _fail(str(exc))
+        return fail(str(exc))
     print(json.dumps({k: tensor_to_json(result[k]) for k in ("output", "new_key_cache", "new_value_cache")}))
     return 0
 
 
-def _fail(message: str) -> int:
+def fail(message: str) -> int:
     print(f"gqa-serve: error: {message}".replace("\n", " "), file=sys.stderr)
     return 2
 
@@ -71,6 +71,10 @@ def build_parser() -> argparse.ArgumentParser:
     step = sub.add_parser("step", help="one decode step: a JSON object on stdin (or --json) to a JSON object on stdout")
     step.add_argument("--json", help="the input object, instead of reading stdin")
     step.set_defaults(func=cmd_step)
+
+    from .cli_server import add_commands
+
+    add_commands(sub)
 
     return parser
 

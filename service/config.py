@@ -1,0 +1,138 @@
+"""Server configuration: one object, read from flags and ``GQA_*`` variables in one place.
+
+Every field has a flag ``--field-name`` and a variable ``GQA_FIELD_NAME``; a flag wins over the
+variable, the variable over the default. ``ServerConfig.validate`` runs once at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+
+__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args"]
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot be served; the message names the flag."""
+
+
+@dataclass
+class ServerConfig:
+    address: str = field(default="127.0.0.1:50051", metadata={"help": "host:port the gRPC server binds"})
+    """host:port the gRPC server binds; loopback by default."""
+
+    backend: str = field(default="cpu", metadata={"help": "default backend of new streams (cpu, int8, cuda)"})
+    """Backend of streams that do not name one."""
+
+    dtype: str = field(default="float32", metadata={"help": "default stream dtype (float32, float16, bfloat16)"})
+    """Dtype of streams that do not name one."""
+
+    max_streams: int = field(default=1024, metadata={"help": "streams open at once"})
+    """Streams open at once; an open past it gets RESOURCE_EXHAUSTED."""
+
+    max_cache_bytes: int = field(default=4 * GiB, metadata={"help": "bytes of all streams' caches together"})
+    """Total cache bytes; a stream's bytes are reserved at open, before allocation."""
+
+    max_capacity: int = field(default=1 << 20, metadata={"help": "rows per layer a stream may ask for"})
+    """Largest capacity (rows per layer) of one stream."""
+
+    max_layers: int = field(default=256, metadata={"help": "layers per stream"})
+    max_heads: int = field(default=256, metadata={"help": "query heads per stream"})
+    max_head_dim: int = field(default=1024, metadata={"help": "head width"})
+    max_batch_size: int = field(default=256, metadata={"help": "batch size per stream"})
+
+    max_message_bytes: int = field(default=64 * MiB, metadata={"help": "gRPC message size, both directions"})
+    """Largest gRPC message either way; larger snapshots are chunked below it."""
+
+    idle_timeout_s: float = field(default=300.0, metadata={"help": "seconds of silence before a stream is freed"})
+    """A stream that sends nothing for this long is closed and its caches freed."""
+
+    max_queued_steps: int = field(default=8, metadata={"help": "steps read ahead per stream"})
+    """Requests of one stream read ahead of the one being computed; beyond it the server stops
+    reading and HTTP/2 flow control holds the client back."""
+
+    grace_period_s: float = field(default=10.0, metadata={"help": "seconds open streams get to finish on SIGTERM"})
+    """On SIGTERM: new streams are refused at once, open ones end with UNAVAILABLE after this."""
+
+    inline_step_bytes: int = field(default=1 * MiB, metadata={"help": "steps reading fewer cache bytes run on the event loop"})
+    """A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
+    costs more than the step. Longer steps run on the compute pool so streams stay responsive."""
+
+    workers: int = field(default=0, metadata={"help": "compute threads (0: one per core)"})
+
+    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on the host of --address (0: off)"})
+    """Port of the Prometheus exposition, on the same host as ``address``; 0 turns it off."""
+
+    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    def validate(self) -> "ServerConfig":
+        host, sep, port = self.address.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
+            raise ConfigError(f"--address: expected HOST:PORT, got {self.address!r}")
+        if self.dtype not in ("float32", "float16", "bfloat16"):
+            raise ConfigError(f"--dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        for name in ("max_streams", "max_cache_bytes", "max_capacity", "max_layers", "max_heads",
+                     "max_head_dim", "max_batch_size", "max_message_bytes", "max_queued_steps"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"--{_flag(name)}: must be positive, got {getattr(self, name)}")
+        if self.idle_timeout_s <= 0:
+            raise ConfigError(f"--idle-timeout-s: must be positive, got {self.idle_timeout_s}")
+        if self.grace_period_s < 0:
+            raise ConfigError(f"--grace-period-s: must be >= 0, got {self.grace_period_s}")
+        if self.workers < 0:
+            raise ConfigError(f"--workers: must be >= 0, got {self.workers}")
+        if not 0 <= self.metrics_port < 65536:
+            raise ConfigError(f"--metrics-port: expected 0..65535, got {self.metrics_port}")
+        return self
+
+    @property
+    def host(self) -> str:
+        return self.address.rpartition(":")[0]
+
+    @property
+    def compute_workers(self) -> int:
+        return self.workers or (os.cpu_count() or 1)
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _env(name: str) -> str:
+    return "GQA_" + name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field; defaults stay unset so that the environment can fill them."""
+    for f in fields(ServerConfig):
+        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+        parser.add_argument(
+            f"--{_flag(f.name)}",
+            dest=f.name,
+            type=kind,
+            default=None,
+            help=f"{f.metadata.get('help', '')} [env {_env(f.name)}, default {f.default}]",
+        )
+
+
+def from_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | None = None) -> ServerConfig:
+    env = os.environ if env is None else env
+    values = {}
+    for f in fields(ServerConfig):
+        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+        flag_value = getattr(args, f.name, None) if args is not None else None
+        if flag_value is not None:
+            values[f.name] = flag_value
+        elif _env(f.name) in env:
+            raw = env[_env(f.name)]
+            try:
+                values[f.name] = kind(raw)
+            except ValueError:
+                raise ConfigError(f"{_env(f.name)}: expected {kind.__name__}, got {raw!r}") from None
+    return dataclasses.replace(ServerConfig(), **values).validate()

@@ -1,0 +1,181 @@
+"""Builds and runs the grpc.aio server: the attention service, health, reflection, reaper.
+
+``Server`` owns one event loop's worth of state. ``run(config)`` serves until SIGTERM/SIGINT
+and drains; ``ServerThread`` runs the same server on a background thread for in-process tests
+and benchmarks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .api import gqa_pb2, gqa_pb2_grpc
+from .config import ServerConfig
+from .engine import Engine, EngineObserver
+from .errors import Unavailable
+from .servicer import AttentionServicer
+
+__all__ = ["Server", "ServerThread", "run"]
+
+log = logging.getLogger("gqa.server")
+
+SERVICE_NAME = gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name
+
+
+class Server:
+    """One gRPC server over one engine."""
+
+    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] | None = None,
+                 observer: EngineObserver | None = None, interceptors: list | None = None):
+        self.config = config
+        kwargs = {"clock": clock} if clock is not None else {}
+        self.engine = Engine(config, observer=observer, **kwargs)
+        self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
+        self.health = health.aio.HealthServicer()
+        options = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.grpc = grpc.aio.server(options=options, interceptors=interceptors or [])
+        gqa_pb2_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(self.engine, config, self.pool), self.grpc)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
+        self.port = self.grpc.add_insecure_port(config.address)
+        if not self.port:
+            raise OSError(f"cannot bind {config.address}")
+        self._reaper: asyncio.Task | None = None
+        self._stopped = asyncio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.grpc.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._reaper = asyncio.create_task(self._reap_forever())
+        log.info("gqa-serve listening on %s (backend %s, dtype %s)", self.address, self.config.backend, self.config.dtype)
+
+    async def _reap_forever(self) -> None:
+        period = min(5.0, max(0.05, self.config.idle_timeout_s / 4))
+        while True:
+            await asyncio.sleep(period)
+            for stream in self.engine.reap_idle():
+                log.info("stream %s idle: freed %d bytes", stream.id, stream.bytes_reserved)
+
+    async def drain(self) -> None:
+        """SIGTERM: NOT_SERVING, refuse new streams, finish steps, end streams after the grace."""
+        log.info("draining: grace period %.1f s", self.config.grace_period_s)
+        self.engine.start_draining()
+        await self.health.enter_graceful_shutdown()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.config.grace_period_s
+        while self.engine.active_streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        self.engine.close_all(Unavailable("the server is shutting down; reopen the stream on another replica"),
+                              "shutdown")
+        await self.stop(grace=min(1.0, self.config.grace_period_s) or None)
+
+    async def stop(self, grace: float | None = None) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+        await self.grpc.stop(grace)
+        self.pool.shutdown(wait=False, cancel_futures=True)
+        self._stopped.set()
+
+    async def wait(self) -> None:
+        await self._stopped.wait()
+
+
+async def _run(config: ServerConfig) -> None:
+    server = Server(config)
+    await server.start()
+    loop = asyncio.get_running_loop()
+    draining: list[asyncio.Task] = []
+
+    def on_signal(signame: str) -> None:
+        if draining:
+            return
+        log.info("received %s", signame)
+        draining.append(asyncio.ensure_future(server.drain()))
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, on_signal, sig.name)
+    print(f"gqa-serve: serving gqa.v1 on {server.address}", flush=True)
+    await server.wait()
+
+
+def run(config: ServerConfig) -> int:
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_run(config))
+    return 0
+
+
+class ServerThread:
+    """A server on a background thread and event loop (for tests and benchmarks)."""
+
+    def __init__(self, config: ServerConfig, **server_kwargs):
+        self._config = config
+        self._kwargs = server_kwargs
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server: Server | None = None
+        self._thread = threading.Thread(target=self._main, name="gqa-server", daemon=True)
+
+    def _main(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.loop.run_until_complete(self._start())
+        except BaseException as exc:  # surfaced by start()
+            self._error = exc
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_until_complete(self.server.wait())
+        self.loop.close()
+
+    async def _start(self) -> None:
+        self.server = Server(self._config, **self._kwargs)
+        await self.server.start()
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait(30)
+        if self._error is not None:
+            raise self._error
+        return self
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def engine(self) -> Engine:
+        return self.server.engine
+
+    def call(self, coro, timeout: float = 30):
+        """Runs a coroutine on the server's loop and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self.server is not None and self._thread.is_alive():
+            self.call(self.server.stop(0))
+        self._thread.join(10)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,62 @@
+"""gqa.v1 ``Tensor`` messages to torch tensors and back, checked once here.
+
+Wire format: little-endian, row-major bytes; float16 and bfloat16 as raw 16-bit words.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import torch
+
+from .api import gqa_pb2
+from .errors import InvalidArgument
+
+__all__ = ["from_proto", "to_proto", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE", "DTYPE_NAMES"]
+
+if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+    raise ImportError("gqa-serve's tensor codec assumes a little-endian host")
+
+DTYPE_TO_TORCH = {
+    gqa_pb2.DTYPE_FLOAT32: torch.float32,
+    gqa_pb2.DTYPE_FLOAT16: torch.float16,
+    gqa_pb2.DTYPE_BFLOAT16: torch.bfloat16,
+}
+TORCH_TO_DTYPE = {v: k for k, v in DTYPE_TO_TORCH.items()}
+DTYPE_NAMES = {
+    gqa_pb2.DTYPE_FLOAT32: "float32",
+    gqa_pb2.DTYPE_FLOAT16: "float16",
+    gqa_pb2.DTYPE_BFLOAT16: "bfloat16",
+}
+NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+
+
+def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None) -> torch.Tensor:
+    """A writable torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed."""
+    if message.dtype not in DTYPE_TO_TORCH:
+        raise InvalidArgument(
+            f"{name}.dtype: {message.dtype} is not a supported dtype (DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16)"
+        )
+    shape = tuple(message.shape)
+    if rank is not None and len(shape) != rank:
+        raise InvalidArgument(f"{name}.shape: expected {rank} dimensions, got {list(shape)}")
+    if any(d < 0 for d in shape):
+        raise InvalidArgument(f"{name}.shape: dimensions must be >= 0, got {list(shape)}")
+    dtype = DTYPE_TO_TORCH[message.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    count = math.prod(shape)
+    if count * itemsize != len(message.data):
+        raise InvalidArgument(
+            f"{name}.data: {len(message.data)} bytes, but shape {list(shape)} of {DTYPE_NAMES[message.dtype]} "
+            f"needs {count * itemsize}"
+        )
+    if count == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(message.data), dtype=dtype).reshape(shape)
+
+
+def to_proto(tensor: torch.Tensor) -> gqa_pb2.Tensor:
+    tensor = tensor.detach().to("cpu").contiguous()
+    data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+    return gqa_pb2.Tensor(dtype=TORCH_TO_DTYPE[tensor.dtype], shape=list(tensor.shape), data=data)
