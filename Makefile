@@ -11,7 +11,7 @@ STAMP  := $(VENV)/.installed
 EXTRAS ?= dev,bench,triton
 ADDRESS ?= 127.0.0.1:50051
 
-.PHONY: install run test bench proto gpu-check clean
+.PHONY: install tools run test bench proto gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,12 +21,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# External tools the tests drive (promtool, prometheus, helm, hadolint, node packages...).
+tools: install
+	@for script in tests/tools/install_*.sh; do \
+		[ -e "$$script" ] || continue; \
+		echo "tools: $$script"; bash "$$script" || exit 1; \
+	done
+
 run: install
 	@echo "gqa-serve: starting on $(ADDRESS) (CPU backend); try: $(BIN)/gqa-serve demo --address $(ADDRESS)"
 	$(BIN)/gqa-serve serve --backend cpu --address $(ADDRESS)
 
-test: install
-	$(BIN)/python -m pytest -m "not gpu"
+test: install tools
+	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/python -m pytest -m "not gpu"
 
 bench: install
 	$(BIN)/python -m tests.bench
