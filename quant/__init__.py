@@ -1,1 +1,19 @@
 """Pure quantize / dequantize functions for KV caches; no knowledge of backends."""
+
+from .int8 import (
+    QMAX,
+    SCALE_DTYPES,
+    dequantize_int8,
+    dequantize_int8_residual,
+    quantize_int8,
+    quantize_int8_residual,
+)
+
+__all__ = [
+    "QMAX",
+    "SCALE_DTYPES",
+    "dequantize_int8",
+    "dequantize_int8_residual",
+    "quantize_int8",
+    "quantize_int8_residual",
+]

@@ -1,0 +1,156 @@
+"""Symmetric int8 quantization along the last dimension (absmax / 127), as pure functions.
+
+A KV cache quantizes each (token, KV head) row of D values on its own: ``scale = absmax / 127``
+and ``code = round(x / scale)``, so ``x ~= code * scale`` with ``|x - code * scale| <= scale / 2``.
+Codes stay in ``[-127, 127]``: ``-128`` is never produced, so negating a code is always exact and
+the grid is symmetric around zero.
+
+Defined behaviour at the edges:
+
+- A row of zeros gets scale 0 and codes 0; it dequantizes to exact zeros (no 0/0).
+- Outliers: one large value in a row sets that row's scale, so the row's other values are
+  resolved to ``absmax / 254`` at worst. Rows do not affect each other (an outlier token or head
+  costs precision only in itself).
+- Non-finite input (NaN, +-inf) is refused with ``ValueError`` naming the tensor: a code cannot
+  hold it, and one inf would turn its row's scale into inf and every other value into NaN.
+- ``scale_dtype=float16`` halves the scale bytes. The codes are then computed against the scale
+  *as stored* (rounded to float16), so the error bound above holds for what is kept. A row whose
+  ``absmax / 127`` exceeds float16's range is refused (``ValueError``); a row so small that its
+  scale rounds to zero in float16 (absmax below about 4e-6) is stored as zeros, an absolute error
+  below its absmax; between the two, scales in float16's subnormal range (absmax below about
+  8e-3) keep fewer than 11 significant bits.
+
+No function here knows about caches or backends.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # bitsandbytes is a declared dependency; its CPU kernels are plain torch in 0.50
+    from bitsandbytes.functional import int8_vectorwise_quant as _bnb_quant
+except ImportError:  # pragma: no cover - kept usable where bitsandbytes cannot load
+    _bnb_quant = None
+
+__all__ = [
+    "QMAX",
+    "SCALE_DTYPES",
+    "dequantize_int8",
+    "dequantize_int8_residual",
+    "quantize_int8",
+    "quantize_int8_residual",
+]
+
+QMAX = 127
+SCALE_DTYPES = (torch.float32, torch.float16)
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+# Below this absmax, 127 / absmax overflows float32.
+_TINY = QMAX / torch.finfo(torch.float32).max
+
+
+def _check_input(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise TypeError(f"{name}: expected a floating dtype, got {x.dtype}")
+    if x.dim() < 1 or x.shape[-1] < 1:
+        raise ValueError(f"{name}: expected at least one value per row, got shape {tuple(x.shape)}")
+    finite = torch.isfinite(x)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"{name}: {bad} non-finite value(s) (NaN or inf) in shape {tuple(x.shape)}; int8 codes cannot hold them"
+        )
+
+
+def quantize_int8(
+    x: torch.Tensor, *, scale_dtype: torch.dtype = torch.float32, name: str = "x"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantizes ``x`` (..., D) per row of its last dimension.
+
+    Returns ``(codes, scales)``: int8 codes of ``x``'s shape in ``[-127, 127]`` and scales of
+    shape ``x.shape[:-1]`` in ``scale_dtype`` (float32 or float16), on ``x``'s device.
+    Raises ``ValueError`` (naming ``name``) for non-finite input or a float16 scale overflow.
+    """
+    _check_input(x, name)
+    if scale_dtype not in SCALE_DTYPES:
+        raise TypeError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
+    lead, d = x.shape[:-1], x.shape[-1]
+    # float64 input is narrowed first: the scales are float32 at most anyway.
+    x2 = x.reshape(-1, d).to(torch.float32)
+    if not bool(torch.isfinite(x2).all()):
+        raise ValueError(f"{name}: values beyond the float32 range in shape {tuple(x.shape)}")
+    codes = None
+    if scale_dtype == torch.float32 and _bnb_quant is not None and x2.shape[0] > 0:
+        # bitsandbytes' row-wise absmax quantizer (LLM.int8()'s "vectorwise") is exactly this
+        # scheme with the absmax kept instead of absmax / 127. It multiplies by 127 / absmax, so
+        # an all-zero row comes back as NaN cast to int8 (unspecified): those rows are zeroed
+        # here. A row so tiny that 127 / absmax overflows goes the plain way below.
+        codes, absmax, _ = _bnb_quant(x2)
+        if bool((absmax < _TINY).logical_and(absmax > 0).any()):
+            codes = None
+        else:
+            codes = codes.masked_fill((absmax == 0).unsqueeze(-1), 0)
+            scales = absmax / QMAX
+    if codes is None:
+        # float16 scales: the codes must be computed against the rounded scale that is stored,
+        # which bitsandbytes cannot do (it only divides by the float32 absmax). Dividing (rather
+        # than multiplying by a reciprocal) keeps subnormal scales finite.
+        absmax = x2.abs().amax(dim=-1)
+        scales32 = absmax / QMAX
+        if scale_dtype == torch.float16 and bool((scales32 > _FLOAT16_MAX).any()):
+            raise ValueError(
+                f"{name}: a row's absmax {float(absmax.max()):.4g} needs a scale beyond float16's range "
+                f"(rows up to {_FLOAT16_MAX * QMAX:.4g}); use float32 scales"
+            )
+        scales = scales32.to(scale_dtype)
+        stored = scales.to(torch.float32).unsqueeze(-1)
+        zero = stored == 0
+        codes = torch.round(x2 / stored.masked_fill(zero, 1.0)).masked_fill_(zero, 0)
+        codes = codes.clamp_(-QMAX, QMAX).to(torch.int8)
+    return codes.reshape(x.shape), scales.reshape(lead)
+
+
+def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``codes * scales`` (scales broadcast over the last dimension), computed in float32, in ``dtype``.
+
+    bitsandbytes' ``int8_vectorwise_dequant`` takes the absmax and multiplies by it and by 1/127
+    (two roundings); with the scale stored directly one float32 product is exact to one rounding
+    and needs no round trip of the scale through ``* 127``, so plain torch is used here.
+    float64 ``dtype`` computes in float64 (the product of an int8 and a float32 is exact there).
+    """
+    if codes.dtype != torch.int8:
+        raise TypeError(f"codes: expected int8, got {codes.dtype}")
+    if tuple(scales.shape) != tuple(codes.shape[:-1]):
+        raise ValueError(f"scales: expected shape {tuple(codes.shape[:-1])} for codes {tuple(codes.shape)}, got {tuple(scales.shape)}")
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (codes.to(work) * scales.to(work).unsqueeze(-1)).to(dtype)
+
+
+def quantize_int8_residual(
+    x: torch.Tensor, pieces: int, *, name: str = "x"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Splits ``x`` (..., D) into ``pieces`` int8 terms: ``x ~= sum_i codes[i] * scales[i]``.
+
+    Each piece quantizes what the previous ones left over, so the error shrinks by a factor of
+    about 254 per piece (three pieces reach float32's resolution of the row's absmax). This lets
+    a float operand meet an int8 cache in exact integer matrix products. Returns codes
+    (pieces, ..., D) int8 and float32 scales (pieces, ...).
+    """
+    if pieces < 1:
+        raise ValueError(f"pieces must be >= 1, got {pieces}")
+    residual = x.to(torch.float32)
+    codes, scales = [], []
+    for i in range(pieces):
+        c, s = quantize_int8(residual, name=name)
+        codes.append(c)
+        scales.append(s)
+        if i + 1 < pieces:
+            residual = residual - c.to(torch.float32) * s.unsqueeze(-1)
+    return torch.stack(codes), torch.stack(scales)
+
+
+def dequantize_int8_residual(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The sum of the pieces of ``quantize_int8_residual``."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (codes.to(work) * scales.to(work).unsqueeze(-1)).sum(0).to(dtype)
