@@ -1,0 +1,297 @@
+"""The ``cuda`` backend: selection and probing without a device, the SDPA baseline path on CPU
+tensors, and (marked ``gpu``) the backend itself on a real GPU against the float64 oracle.
+
+The Triton kernel's own correctness without a GPU is in ``test_triton_kernel.py`` (interpreter).
+Nothing here imports ``triton`` in this process.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from backends import cuda as cuda_backend
+from backends import registry
+from backends.base import CacheSpec
+from backends.cuda import CUDABackend, CUDACache, DeviceFacts
+from backends.errors import BackendUnavailable
+from backends.policy import EvictionPolicy
+from tests.oracle import attended_positions, attention_ref
+
+HAS_CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (run by `make gpu-check`)")
+
+# (atol, rtol) against the float64 oracle on the same rounded inputs. The kernel rounds the
+# probabilities to the cache dtype before the P.V product (as flash kernels do), and the output
+# to the cache dtype.
+TOLERANCES = {
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (3e-2, 2e-2),
+    torch.float32: (2e-5, 1e-4),
+}
+
+FACTS = {
+    "cpu-build": (DeviceFacts(False, 0, True), ["cuda: torch has no CUDA (CPU build)"]),
+    "no-device": (DeviceFacts(True, 0, True), ["cuda: no CUDA device"]),
+    "no-triton": (DeviceFacts(True, 1, False), ["cuda: triton not installed"]),
+    "cpu-build-no-triton": (
+        DeviceFacts(False, 0, False),
+        ["cuda: torch has no CUDA (CPU build)", "cuda: triton not installed"],
+    ),
+    "ready": (DeviceFacts(True, 1, True), []),
+}
+
+# (kind, kwargs, prefill, steps): every policy, each past its window so the ring wraps.
+POLICIES = {
+    "none": ("none", dict(capacity=40), 7, 20),
+    "strict": ("strict", dict(window=9), 4, 25),
+    "greedy": ("greedy", dict(window=6, capacity=10), 0, 27),
+    "sink": ("sink", dict(window=7, sinks=3), 5, 24),
+}
+
+
+def _fake(monkeypatch, facts: DeviceFacts) -> None:
+    monkeypatch.setattr(cuda_backend, "device_facts", lambda: facts)
+    monkeypatch.setattr(registry, "_instances", {})
+
+
+@pytest.mark.parametrize("case", list(FACTS), ids=list(FACTS))
+def test_probe_reports_each_missing_piece(monkeypatch, case):
+    facts, expected = FACTS[case]
+    _fake(monkeypatch, facts)
+    reasons = CUDABackend.probe()
+    assert len(reasons) == len(expected)
+    for got, want in zip(reasons, expected):
+        assert got.startswith(want), (got, want)
+
+
+def test_probe_on_this_machine_never_raises():
+    reasons = CUDABackend.probe()
+    assert all(r.startswith("cuda: ") for r in reasons)
+    if not HAS_CUDA:
+        assert reasons, "no usable CUDA here, so probe must say why"
+
+
+def test_registry_refuses_cuda_with_reasons(monkeypatch):
+    _fake(monkeypatch, FACTS["no-device"][0])
+    with pytest.raises(BackendUnavailable) as err:
+        registry.get_backend("cuda")
+    assert err.value.reasons == ["cuda: no CUDA device"]
+    info = {i.name: i for i in registry.describe()}["cuda"]
+    assert not info.available and info.reasons == ["cuda: no CUDA device"]
+    assert info.capabilities is CUDABackend.capabilities
+
+
+def test_registry_gives_cuda_when_the_probe_passes(monkeypatch):
+    _fake(monkeypatch, FACTS["ready"][0])
+    backend = registry.get_backend("cuda")
+    assert isinstance(backend, CUDABackend) and backend.attention == "triton"
+
+
+def test_import_and_probe_do_not_load_triton():
+    code = (
+        "import sys, backends.cuda as c; c.CUDABackend.probe(); "
+        "print('triton' in sys.modules, 'backends.triton_decode' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.split() == ["False", "False"], out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "dtype, device, head_dim, needle",
+    [
+        (torch.float32, "cuda", 64, "cuda: dtype float32 not supported"),
+        (torch.float16, "cpu", 64, "cuda: device cpu not supported"),
+        (torch.float16, "cuda", 512, "cuda: head_dim 512 not supported"),
+    ],
+    ids=["float32", "cpu-device", "head-dim-512"],
+)
+def test_capabilities_refuse_what_the_kernel_cannot_serve(monkeypatch, dtype, device, head_dim, needle):
+    _fake(monkeypatch, FACTS["ready"][0])
+    spec = CacheSpec(1, 4, 2, head_dim, dtype, EvictionPolicy.strict(8), device=device)
+    with pytest.raises(BackendUnavailable) as err:
+        CUDABackend().create_cache(spec)
+    assert len(err.value.reasons) == 1 and err.value.reasons[0].startswith(needle), err.value.reasons
+
+
+def test_unknown_attention_path_is_refused():
+    with pytest.raises(ValueError, match="attention"):
+        CUDABackend(attention="flash")
+
+
+def test_cache_nbytes_is_dense_keys_plus_values():
+    spec = CacheSpec(2, 8, 2, 64, torch.bfloat16, EvictionPolicy.greedy(16, 24), device="cuda")
+    assert CUDABackend().cache_nbytes(spec) == 2 * 2 * 2 * 24 * 64 * 2
+
+
+# -- running a cache step by step against the oracle ---------------------------------------
+
+def _resident_positions(kind: str, t: int, kw: dict) -> list[int]:
+    """Straight from EVICTION.md's table (independent of backends/policy.py)."""
+    if kind == "none":
+        return list(range(t))
+    if kind == "strict":
+        return list(range(max(0, t - kw["window"]), t))
+    if kind == "greedy":
+        c, w = kw["capacity"], kw["window"]
+        g = c - w + 1
+        length = t if t <= c else t - g * math.ceil((t - c) / g)
+        return list(range(t - length, t))
+    sinks, w = kw["sinks"], kw["window"]
+    return list(range(min(t, sinks))) + [p for p in range(max(0, t - w), t) if p >= sinks]
+
+
+def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
+    """Drives ``cache`` through ``prefill`` + ``steps`` tokens; checks each output and the
+    final export against the oracle. Returns the largest output error seen."""
+    s = cache.spec
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(s.dtype)
+
+    hist_k, hist_v = [], []  # per position, (B, Hkv, D) in the cache dtype, on the CPU
+    if prefill:
+        pk, pv = rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim), rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim)
+        cache.prefill(pk.to(s.device), pv.to(s.device))
+        hist_k += list(pk.unbind(2))
+        hist_v += list(pv.unbind(2))
+    atol, rtol = TOLERANCES[s.dtype]
+    worst = 0.0
+    for i in range(steps):
+        if rollback_at is not None and i == rollback_at:
+            cache.rollback(2)
+            del hist_k[-2:], hist_v[-2:]
+        q = rand(s.batch_size, s.num_query_heads, s.head_dim)
+        k, v = rand(s.batch_size, s.num_kv_heads, s.head_dim), rand(s.batch_size, s.num_kv_heads, s.head_dim)
+        out = cache.step(q.to(s.device), k.to(s.device), v.to(s.device))
+        hist_k.append(k)
+        hist_v.append(v)
+        t = len(hist_k)
+        pos = attended_positions(kind, t, kw.get("window", 0), kw.get("sinks", 0))
+        K = torch.stack([hist_k[p] for p in pos], 2).double().numpy()
+        V = torch.stack([hist_v[p] for p in pos], 2).double().numpy()
+        ref = attention_ref(q.double().numpy(), K, V, s.num_query_heads, s.num_kv_heads)
+        got = out.output.cpu().double()
+        assert out.output.dtype == s.dtype and out.bytes_moved == 0
+        assert out.attended == len(pos)
+        torch.testing.assert_close(got, torch.from_numpy(ref), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"{kind} step {i} (T={t}): {m}")
+        worst = max(worst, float(np.abs(got.numpy() - ref).max()))
+    ek, ev = cache.export()
+    resident = _resident_positions(kind, len(hist_k), kw)
+    assert torch.equal(ek.cpu(), torch.stack([hist_k[p] for p in resident], 2))
+    assert torch.equal(ev.cpu(), torch.stack([hist_v[p] for p in resident], 2))
+    return worst
+
+
+@pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
+def test_sdpa_baseline_path_on_cpu_tensors(policy):
+    """The baseline path's run handling (a wrapped ring is concatenated) checked without a GPU."""
+    kind, kw, prefill, steps = POLICIES[policy]
+    spec = CacheSpec(2, 8, 2, 16, torch.float32, EvictionPolicy.create(kind, **kw), device="cpu")
+    run_policy(CUDACache(spec, attention="sdpa"), kind, kw, prefill, steps)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+
+GPU_DTYPES = [torch.float16, torch.bfloat16]
+GPU_HEADS = [(32, 8, 128), (8, 1, 64), (4, 4, 80)]  # (Hq, Hkv, D): GQA, MQA, MHA with odd D
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("policy", list(POLICIES), ids=list(POLICIES))
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+@pytest.mark.parametrize("heads", GPU_HEADS, ids=lambda h: f"hq{h[0]}-hkv{h[1]}-d{h[2]}")
+def test_gpu_cache_matches_oracle(heads, attention, policy, dtype):
+    pytest.importorskip("triton")
+    hq, hkv, d = heads
+    kind, kw, prefill, steps = POLICIES[policy]
+    spec = CacheSpec(2, hq, hkv, d, dtype, EvictionPolicy.create(kind, **kw), device="cuda")
+    cache = CUDABackend(attention=attention).create_cache(spec)
+    rollback_at = steps // 2 if kind in ("greedy", "none") else None
+    ptr = cache._k.data_ptr(), cache._v.data_ptr()
+    run_policy(cache, kind, kw, prefill, steps, rollback_at=rollback_at)
+    assert (cache._k.data_ptr(), cache._v.data_ptr()) == ptr, "the cache was reallocated"
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+@pytest.mark.parametrize("total", [1, 63, 4097, 50_001])
+def test_gpu_kernel_long_and_wrapped_sequences(dtype, total):
+    """Many splits over a wrapped window plus sinks, against float64 on the attended rows."""
+    pytest.importorskip("triton")
+    from backends.triton_decode import decode_attention
+
+    b, hq, hkv, d = 2, 32, 8, 128
+    cap = total + 37
+    gen = torch.Generator(device="cuda").manual_seed(total)
+    keys = torch.randn(b * hkv, cap, d, device="cuda", generator=gen).to(dtype)
+    values = torch.randn(b * hkv, cap, d, device="cuda", generator=gen).to(dtype)
+    q = torch.randn(b, hq, d, device="cuda", generator=gen).to(dtype)
+    sinks = min(4, total)
+    rest = total - sinks
+    split = sinks + (cap - sinks) // 2
+    tail = min(rest, cap - split)
+    runs = [(0, sinks), (split, split + tail), (sinks, sinks + rest - tail)]
+    rows = torch.cat([torch.arange(a, z) for a, z in runs]).cuda()
+    out = decode_attention(q, keys, values, runs, num_kv_heads=hkv)
+    kk = keys[:, rows].double().view(b, hkv, total, d)
+    vv = values[:, rows].double().view(b, hkv, total, d)
+    qq = q.double().view(b, hkv, hq // hkv, d)
+    ref = torch.softmax(qq @ kk.transpose(-1, -2) / math.sqrt(d), -1) @ vv
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), ref.view(b, hq, d), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_int8_kernel_matches_dequantized_oracle(dtype):
+    pytest.importorskip("triton")
+    from backends.triton_decode import decode_attention_int8
+
+    b, hq, hkv, d, cap = 2, 32, 8, 128, 3000
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    x = torch.randn(2, b * hkv, cap, d, device="cuda", generator=gen)
+    scales = x.abs().amax(-1).clamp_min(1e-8) / 127
+    codes = torch.round(x / scales[..., None]).clamp(-127, 127).to(torch.int8)
+    deq = codes.double() * scales.double()[..., None]
+    q = torch.randn(b, hq, d, device="cuda", generator=gen).to(dtype)
+    runs = [(0, 4), (2000, 3000), (4, 1500)]
+    rows = torch.cat([torch.arange(a, z) for a, z in runs]).cuda()
+    out = decode_attention_int8(q, codes[0], scales[0], codes[1], scales[1], runs, num_kv_heads=hkv)
+    n = len(rows)
+    kk = deq[0][:, rows].view(b, hkv, n, d)
+    vv = deq[1][:, rows].view(b, hkv, n, d)
+    qq = q.double().view(b, hkv, hq // hkv, d)
+    ref = torch.softmax(qq @ kk.transpose(-1, -2) / math.sqrt(d), -1) @ vv
+    atol, rtol = TOLERANCES[dtype]
+    torch.testing.assert_close(out.double(), ref.view(b, hq, d), atol=atol, rtol=rtol)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_rejected_step_leaves_the_cache_unchanged():
+    pytest.importorskip("triton")
+    spec = CacheSpec(1, 8, 2, 64, torch.float16, EvictionPolicy.strict(5), device="cuda")
+    cache = CUDABackend().create_cache(spec)
+    for _ in range(7):
+        cache.step(*(torch.randn(*s, device="cuda", dtype=torch.float16) for s in ((1, 8, 64), (1, 2, 64), (1, 2, 64))))
+    before = cache.export()
+    with pytest.raises(ValueError):
+        cache.step(torch.randn(1, 8, 64, device="cuda", dtype=torch.float16),
+                   torch.randn(1, 3, 64, device="cuda", dtype=torch.float16),
+                   torch.randn(1, 3, 64, device="cuda", dtype=torch.float16))
+    after = cache.export()
+    assert cache.tokens_seen == 7
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
+
