@@ -1,5 +1,9 @@
 """Builds and runs the grpc.aio server: the attention service, health, reflection, reaper.
 
+With ``config.metrics_port`` nonzero the server also records metrics (``service.metrics``): the
+engine's observer, an outermost interceptor for the ``grpc_server_*`` families, and /metrics on
+``config.host:metrics_port``. With 0 none of them exists, so metrics off costs nothing.
+
 ``Server`` owns one event loop's worth of state. ``run(config)`` serves until SIGTERM/SIGINT
 and drains; ``ServerThread`` runs the same server on a background thread for in-process tests
 and benchmarks.
@@ -22,6 +26,7 @@ from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, EngineObserver
 from .errors import Unavailable
+from .metrics import ObserverFanOut, ServiceMetrics
 from .servicer import AttentionServicer
 
 __all__ = ["Server", "ServerThread", "run"]
@@ -37,8 +42,18 @@ class Server:
     def __init__(self, config: ServerConfig, *, clock: Callable[[], float] | None = None,
                  observer: EngineObserver | None = None, interceptors: list | None = None):
         self.config = config
+        interceptors = list(interceptors or [])
+        self.metrics: ServiceMetrics | None = None
+        if config.metrics_port:
+            self.metrics = ServiceMetrics()
+            observer = self.metrics.recorder if observer is None else ObserverFanOut(self.metrics.recorder, observer)
+            # Outermost, so RPCs that inner interceptors refuse are counted too.
+            interceptors.insert(0, self.metrics.interceptor)
+            self.metrics.interceptor.initialize(gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"])
         kwargs = {"clock": clock} if clock is not None else {}
         self.engine = Engine(config, observer=observer, **kwargs)
+        if self.metrics is not None:
+            self.metrics.bind(self.engine)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
         self.health = health.aio.HealthServicer()
         options = [
@@ -46,7 +61,7 @@ class Server:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.grpc = grpc.aio.server(options=options, interceptors=interceptors or [])
+        self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
         gqa_pb2_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(self.engine, config, self.pool), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
@@ -60,7 +75,19 @@ class Server:
     def address(self) -> str:
         return f"{self.config.host}:{self.port}"
 
+    @property
+    def metrics_address(self) -> str | None:
+        """host:port of /metrics while it is served, else None."""
+        http = self.metrics.http if self.metrics is not None else None
+        return f"{self.config.host}:{http.port}" if http is not None else None
+
     async def start(self) -> None:
+        if self.metrics is not None:
+            try:
+                self.metrics.start_http(self.config.host, self.config.metrics_port)
+            except OSError as exc:
+                raise OSError(f"cannot serve metrics on {self.config.host}:{self.config.metrics_port}: {exc} "
+                              "(--metrics-port / GQA_METRICS_PORT; 0 turns metrics off)") from None
         await self.grpc.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -92,6 +119,8 @@ class Server:
             self._reaper.cancel()
         await self.grpc.stop(grace)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        if self.metrics is not None:
+            self.metrics.stop_http()
         self._stopped.set()
 
     async def wait(self) -> None:
@@ -113,6 +142,8 @@ async def _run(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, on_signal, sig.name)
     print(f"gqa-serve: serving gqa.v1 on {server.address}", flush=True)
+    if server.metrics_address:
+        print(f"gqa-serve: metrics on http://{server.metrics_address}/metrics", flush=True)
     await server.wait()
 
 

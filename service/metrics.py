@@ -1,0 +1,547 @@
+"""Every Prometheus metric of the service, declared here and nowhere else.
+
+Three parts, bundled by ``ServiceMetrics`` (one per server, on its own registry):
+
+- ``MetricsRecorder``: the engine's observer. The engine hands it plain stats (a stream opened,
+  a step's report, a refusal); it turns them into ``gqa_*`` updates. Gauges that describe the
+  engine's state (active streams, cache bytes, the budget) are read from the engine at scrape
+  time, so they can never drift from it.
+- ``GrpcServerMetrics``: a grpc.aio server interceptor exporting the ``grpc_server_*`` families
+  under the names and labels of go-grpc-prometheus, for unary and streaming RPCs alike, message
+  counts included.
+- ``serve_http``: the text exposition on its own port, with the process and platform collectors.
+
+Labels take bounded values only (backend, dtype, policy, outcome, reason, gRPC method and code);
+never a stream id. Names carry their unit (``_seconds``, ``_bytes``) and counters end in
+``_total``. Histogram buckets are explicit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import grpc
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily
+
+from . import __version__
+from .engine import Engine, EngineObserver, StepReport, Stream
+
+__all__ = [
+    "ServiceMetrics",
+    "MetricsRecorder",
+    "GrpcServerMetrics",
+    "ObserverFanOut",
+    "serve_http",
+    "LATENCY_BUCKETS",
+    "RPC_BUCKETS",
+    "LIFETIME_BUCKETS",
+    "OPEN_REFUSAL_REASONS",
+    "STEP_REFUSAL_CODES",
+    "GRPC_CODE_NAMES",
+]
+
+# A decode step on a CPU takes tens of microseconds for a small head, milliseconds for a long
+# window, and a queued step can wait up to seconds under overload: 10 us .. 10 s, ~2.5x apart.
+LATENCY_BUCKETS = (
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
+    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
+    1.0, 2.5, 5.0, 10.0,
+)
+# RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
+# client's generation (minutes).
+RPC_BUCKETS = (
+    100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+)
+LIFETIME_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0)
+
+# Why ``Engine.open`` refuses a stream (the reasons it passes to ``open_refused``).
+OPEN_REFUSAL_REASONS = ("budget", "streams", "draining", "backend", "invalid", "memory")
+# Codes a step is refused with in-band; pre-created so the first refusal shows in ``rate()``.
+STEP_REFUSAL_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
+STREAM_LABELS = ("backend", "dtype", "policy")
+
+
+def _go_code_name(code: grpc.StatusCode) -> str:
+    # The names of Go's codes.Code.String(), which the go-grpc-prometheus dashboards filter on.
+    if code is grpc.StatusCode.OK:
+        return "OK"
+    if code is grpc.StatusCode.CANCELLED:
+        return "Canceled"
+    return "".join(part.capitalize() for part in code.name.split("_"))
+
+
+GRPC_CODE_NAMES = {code: _go_code_name(code) for code in grpc.StatusCode}
+
+
+# -- the engine's observer ----------------------------------------------------------------------
+@dataclass(slots=True)
+class _StreamSeries:
+    """The children of one (backend, dtype, policy), bound once so a step does no label lookup."""
+
+    queue: object
+    compute: object
+    duration: object
+    ok: object
+    evicted: object
+    evictions: object
+    moved: object
+    written: object
+
+
+class MetricsRecorder(EngineObserver):
+    """Turns the engine's plain stats into ``gqa_*`` metrics; reads its state at scrape time."""
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        stream = STREAM_LABELS
+        self.step_queue = Histogram(
+            "gqa_step_queue_seconds",
+            "Time a decode step waited between its arrival at the server and the start of its compute.",
+            stream, buckets=LATENCY_BUCKETS, registry=r)
+        self.step_compute = Histogram(
+            "gqa_step_compute_seconds",
+            "Time a decode step spent computing: cache append, eviction and attention.",
+            stream, buckets=LATENCY_BUCKETS, registry=r)
+        self.step_duration = Histogram(
+            "gqa_step_duration_seconds",
+            "Server-side latency of a decode step that succeeded: queue wait plus compute.",
+            stream, buckets=LATENCY_BUCKETS, registry=r)
+        self.steps = Counter(
+            "gqa_steps_total",
+            "Decode steps on streams by outcome: ok, or the lower-case status code it was refused with.",
+            stream + ("outcome",), registry=r)
+        self.opened = Counter(
+            "gqa_streams_opened_total", "Streams opened.", stream, registry=r)
+        self.open_refusals = Counter(
+            "gqa_stream_open_refusals_total",
+            "Stream opens the engine refused, by reason: budget (cache bytes), streams (stream limit), "
+            "draining (shutting down), backend (cannot serve it), invalid (bad prefill), memory (allocation).",
+            ("reason",), registry=r)
+        self.lifetime = Histogram(
+            "gqa_stream_lifetime_seconds",
+            "Time from a stream's open to its close, by why it closed (client, forced, idle, shutdown).",
+            stream + ("reason",), buckets=LIFETIME_BUCKETS, registry=r)
+        self.evicted = Counter(
+            "gqa_evicted_tokens_total", "Tokens that stopped being resident in a cache because of eviction.",
+            stream, registry=r)
+        self.evictions = Counter(
+            "gqa_eviction_events_total", "Decode steps that evicted at least one token.", stream, registry=r)
+        self.moved = Counter(
+            "gqa_cache_moved_bytes_total",
+            "Bytes copied inside caches to evict (0 for ring layouts): the cost that separates strict from greedy.",
+            stream, registry=r)
+        self.written = Counter(
+            "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r)
+        info = Gauge("gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=r)
+        info.labels(__version__).set(1)
+        for reason in OPEN_REFUSAL_REASONS:
+            self.open_refusals.labels(reason)
+        self._series: dict[tuple[str, str, str], _StreamSeries] = {}
+        self._series_lock = threading.Lock()
+        self._engine: Engine | None = None
+        registry.register(_EngineStateCollector(self))
+
+    def bind(self, engine: Engine) -> None:
+        """The engine whose state the scrape-time gauges read."""
+        self._engine = engine
+
+    def _bound(self, labels: tuple[str, str, str]) -> _StreamSeries:
+        series = self._series.get(labels)
+        if series is None:
+            with self._series_lock:
+                series = self._series.get(labels)
+                if series is None:
+                    for code in STEP_REFUSAL_CODES:
+                        self.steps.labels(*labels, code.lower())
+                    series = _StreamSeries(
+                        queue=self.step_queue.labels(*labels),
+                        compute=self.step_compute.labels(*labels),
+                        duration=self.step_duration.labels(*labels),
+                        ok=self.steps.labels(*labels, "ok"),
+                        evicted=self.evicted.labels(*labels),
+                        evictions=self.evictions.labels(*labels),
+                        moved=self.moved.labels(*labels),
+                        written=self.written.labels(*labels),
+                    )
+                    self._series[labels] = series
+        return series
+
+    def seen_labels(self) -> list[tuple[str, str, str]]:
+        with self._series_lock:
+            return list(self._series)
+
+    # -- EngineObserver ---------------------------------------------------------------------
+    def stream_opened(self, stream: Stream) -> None:
+        self._bound(stream.labels)
+        self.opened.labels(*stream.labels).inc()
+
+    def stream_closed(self, stream: Stream, reason: str) -> None:
+        now = self._engine.clock() if self._engine is not None else time.monotonic()
+        self.lifetime.labels(*stream.labels, reason).observe(max(0.0, now - stream.opened_at))
+
+    def open_refused(self, reason: str) -> None:
+        self.open_refusals.labels(reason).inc()
+
+    def step_done(self, stream: Stream, report: StepReport, queue_seconds: float) -> None:
+        s = self._bound(stream.labels)
+        compute = report.compute_ns * 1e-9
+        s.queue.observe(queue_seconds)
+        s.compute.observe(compute)
+        s.duration.observe(queue_seconds + compute)
+        s.ok.inc()
+        outcome = report.outcome
+        if outcome.evicted_tokens:
+            s.evicted.inc(outcome.evicted_tokens)
+            s.evictions.inc()
+        if outcome.bytes_moved:
+            s.moved.inc(outcome.bytes_moved)
+        if outcome.bytes_written:
+            s.written.inc(outcome.bytes_written)
+
+    def step_refused(self, stream: Stream, code: str) -> None:
+        self._bound(stream.labels)
+        self.steps.labels(*stream.labels, code.lower()).inc()
+
+
+class _EngineStateCollector:
+    """Gauges read from the engine when Prometheus scrapes, not kept up to date by hand."""
+
+    def __init__(self, recorder: MetricsRecorder):
+        self._recorder = recorder
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, ...]:
+        return (
+            GaugeMetricFamily("gqa_active_streams", "Streams open now.", labels=STREAM_LABELS),
+            GaugeMetricFamily("gqa_cache_reserved_bytes",
+                              "Cache bytes reserved by open streams (each reserves its full capacity at open)."),
+            GaugeMetricFamily("gqa_cache_in_use_bytes", "Cache bytes holding resident tokens now."),
+            GaugeMetricFamily("gqa_cache_budget_bytes",
+                              "The server's cache budget (--max-cache-bytes); opens past it are refused."),
+            GaugeMetricFamily("gqa_streams_limit", "Streams the server holds at most (--max-streams)."),
+        )
+
+    def describe(self) -> Iterable[GaugeMetricFamily]:
+        return self._families()
+
+    def collect(self) -> Iterable[GaugeMetricFamily]:
+        engine = self._recorder._engine
+        if engine is None:
+            return []
+        active, reserved, in_use, budget, limit = self._families()
+        counts = dict.fromkeys(self._recorder.seen_labels(), 0)  # gone to 0, not gone
+        for stream in engine.streams():
+            counts[stream.labels] = counts.get(stream.labels, 0) + 1
+        for labels, n in sorted(counts.items()):
+            active.add_metric(list(labels), n)
+        reserved.add_metric([], engine.bytes_reserved)
+        in_use.add_metric([], engine.bytes_in_use())
+        budget.add_metric([], engine.config.max_cache_bytes)
+        limit.add_metric([], engine.config.max_streams)
+        return [active, reserved, in_use, budget, limit]
+
+
+class ObserverFanOut(EngineObserver):
+    """Passes each stat to several observers in turn (the recorder and, say, a test's)."""
+
+    def __init__(self, *observers: EngineObserver):
+        self.observers = observers
+
+    def stream_opened(self, stream):
+        for o in self.observers:
+            o.stream_opened(stream)
+
+    def stream_closed(self, stream, reason):
+        for o in self.observers:
+            o.stream_closed(stream, reason)
+
+    def open_refused(self, reason):
+        for o in self.observers:
+            o.open_refused(reason)
+
+    def step_done(self, stream, report, queue_seconds):
+        for o in self.observers:
+            o.step_done(stream, report, queue_seconds)
+
+    def step_refused(self, stream, code):
+        for o in self.observers:
+            o.step_refused(stream, code)
+
+
+# -- gRPC server metrics --------------------------------------------------------------------------
+_RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
+
+
+def _rpc_type(request_streaming: bool, response_streaming: bool) -> str:
+    if request_streaming:
+        return "bidi_stream" if response_streaming else "client_stream"
+    return "server_stream" if response_streaming else "unary"
+
+
+@dataclass(slots=True)
+class _MethodSeries:
+    labels: tuple[str, str, str]
+    started: object
+    received: object
+    sent: object
+    handling: object
+    handled_family: object
+    handled: dict = field(default_factory=dict)
+
+    def handled_child(self, code: grpc.StatusCode):
+        child = self.handled.get(code)
+        if child is None:
+            child = self.handled[code] = self.handled_family.labels(*self.labels, GRPC_CODE_NAMES[code])
+        return child
+
+
+class _Call:
+    """One RPC in flight: counts its messages and remembers the status its handler set."""
+
+    __slots__ = ("series", "code")
+
+    def __init__(self, series: _MethodSeries):
+        self.series = series
+        self.code: grpc.StatusCode | None = None
+
+
+class _CountingContext:
+    """The handler's context, counting what it reads and writes and the code it aborts with."""
+
+    __slots__ = ("_context", "_call")
+
+    def __init__(self, context, call: _Call):
+        self._context = context
+        self._call = call
+
+    def __getattr__(self, name):
+        return getattr(self._context, name)
+
+    async def read(self):
+        message = await self._context.read()
+        if message is not grpc.aio.EOF:
+            self._call.series.received.inc()
+        return message
+
+    async def write(self, message) -> None:
+        await self._context.write(message)
+        self._call.series.sent.inc()
+
+    async def abort(self, code, details="", trailing_metadata=()):
+        self._call.code = code
+        await self._context.abort(code, details, trailing_metadata)
+
+    def set_code(self, code) -> None:
+        self._call.code = code
+        self._context.set_code(code)
+
+
+async def _counted(requests, series: _MethodSeries):
+    async for message in requests:
+        series.received.inc()
+        yield message
+
+
+def _final_code(call: _Call, exc: BaseException | None) -> grpc.StatusCode:
+    if exc is None:
+        return call.code or grpc.StatusCode.OK
+    if isinstance(exc, grpc.aio.AbortError):
+        return call.code or grpc.StatusCode.UNKNOWN
+    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
+        return grpc.StatusCode.CANCELLED
+    return grpc.StatusCode.UNKNOWN  # what grpc.aio answers an unhandled exception with
+
+
+class GrpcServerMetrics(grpc.aio.ServerInterceptor):
+    """go-grpc-prometheus's server metrics for a grpc.aio server, streaming RPCs included.
+
+    Wraps async handlers (coroutines and async generators); a synchronous handler on an aio
+    server is passed through unmeasured.
+    """
+
+    def __init__(self, registry: CollectorRegistry):
+        r = registry
+        self.started = Counter("grpc_server_started_total", "Total number of RPCs started on the server.",
+                               _RPC_LABELS, registry=r)
+        self.handled = Counter("grpc_server_handled_total",
+                               "Total number of RPCs completed on the server, regardless of success or failure.",
+                               _RPC_LABELS + ("grpc_code",), registry=r)
+        self.received = Counter("grpc_server_msg_received_total",
+                                "Total number of RPC stream messages received on the server.",
+                                _RPC_LABELS, registry=r)
+        self.sent = Counter("grpc_server_msg_sent_total", "Total number of gRPC stream messages sent by the server.",
+                            _RPC_LABELS, registry=r)
+        self.handling = Histogram("grpc_server_handling_seconds",
+                                  "Histogram of response latency (seconds) of gRPC that had been application-level "
+                                  "handled by the server.",
+                                  _RPC_LABELS, buckets=RPC_BUCKETS, registry=r)
+        self._methods: dict[str, _MethodSeries] = {}
+
+    def _series(self, full_method: str, request_streaming: bool, response_streaming: bool) -> _MethodSeries:
+        series = self._methods.get(full_method)
+        if series is None:
+            service, _, method = full_method.lstrip("/").rpartition("/")
+            labels = (_rpc_type(request_streaming, response_streaming), service, method)
+            series = _MethodSeries(labels, self.started.labels(*labels), self.received.labels(*labels),
+                                   self.sent.labels(*labels), self.handling.labels(*labels), self.handled)
+            self._methods[full_method] = series
+        return series
+
+    def initialize(self, service: "object") -> None:
+        """Creates every series of a service's methods at 0 (a ``ServiceDescriptor``), every code
+        included, so a rate over the first RPCs or the first error is not lost."""
+        for m in service.methods:
+            series = self._series(f"/{service.full_name}/{m.name}", m.client_streaming, m.server_streaming)
+            for code in grpc.StatusCode:
+                series.handled_child(code)
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        series = self._series(handler_call_details.method, handler.request_streaming, handler.response_streaming)
+        if handler.request_streaming and handler.response_streaming:
+            behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+        elif handler.request_streaming:
+            behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+        elif handler.response_streaming:
+            behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+        else:
+            behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        if inspect.isasyncgenfunction(behavior):
+            wrapped = self._wrap_generator(behavior, series, handler.request_streaming)
+        elif inspect.iscoroutinefunction(behavior):
+            wrapped = self._wrap_coroutine(behavior, series, handler.request_streaming, handler.response_streaming)
+        else:
+            return handler
+        return factory(wrapped, request_deserializer=handler.request_deserializer,
+                       response_serializer=handler.response_serializer)
+
+    @staticmethod
+    def _begin(series: _MethodSeries, request_or_iterator, request_streaming: bool):
+        series.started.inc()
+        if request_streaming:
+            return _counted(request_or_iterator, series)
+        series.received.inc()
+        return request_or_iterator
+
+    @staticmethod
+    def _end(series: _MethodSeries, call: _Call, exc: BaseException | None, t0: float) -> None:
+        series.handled_child(_final_code(call, exc)).inc()
+        series.handling.observe(time.perf_counter() - t0)
+
+    def _wrap_coroutine(self, behavior: Callable, series: _MethodSeries, request_streaming: bool,
+                        response_streaming: bool):
+        begin, end = self._begin, self._end
+
+        async def handler(request_or_iterator, context):
+            t0 = time.perf_counter()
+            call = _Call(series)
+            request = begin(series, request_or_iterator, request_streaming)
+            try:
+                response = await behavior(request, _CountingContext(context, call))
+            except BaseException as exc:
+                end(series, call, exc, t0)
+                raise
+            if not response_streaming and (call.code is None or call.code is grpc.StatusCode.OK):
+                series.sent.inc()
+            end(series, call, None, t0)
+            return response
+
+        return handler
+
+    def _wrap_generator(self, behavior: Callable, series: _MethodSeries, request_streaming: bool):
+        begin, end = self._begin, self._end
+
+        async def handler(request_or_iterator, context):
+            t0 = time.perf_counter()
+            call = _Call(series)
+            request = begin(series, request_or_iterator, request_streaming)
+            responses = behavior(request, _CountingContext(context, call))
+            failure: BaseException | None = None
+            try:
+                async for response in responses:
+                    yield response
+                    series.sent.inc()  # resumed: the server wrote it and asks for the next
+            except BaseException as exc:
+                failure = exc
+                raise
+            finally:
+                try:
+                    await responses.aclose()
+                finally:
+                    end(series, call, failure, t0)
+
+        return handler
+
+
+# -- exposition -----------------------------------------------------------------------------
+@dataclass
+class MetricsHttpServer:
+    """The /metrics endpoint; ``close()`` stops it and frees the port."""
+
+    httpd: object
+    thread: threading.Thread
+    host: str
+    port: int
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def serve_http(registry: CollectorRegistry, host: str, port: int) -> MetricsHttpServer:
+    """Serves ``registry`` in the text format at http://host:port/metrics on a daemon thread."""
+    bind = host.strip("[]") or "0.0.0.0"
+    httpd, thread = start_http_server(port, addr=bind, registry=registry)
+    return MetricsHttpServer(httpd, thread, host, httpd.server_address[1])
+
+
+class ServiceMetrics:
+    """A server's metrics: the registry, the engine's recorder, the gRPC interceptor, /metrics."""
+
+    def __init__(self) -> None:
+        # The *_created series double every counter's series for a value no dashboard reads;
+        # go-grpc-prometheus has none. (Process-wide in prometheus_client.)
+        disable_created_metrics()
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
+        self.recorder = MetricsRecorder(self.registry)
+        self.interceptor = GrpcServerMetrics(self.registry)
+        self.http: MetricsHttpServer | None = None
+
+    def bind(self, engine: Engine) -> None:
+        self.recorder.bind(engine)
+
+    def start_http(self, host: str, port: int) -> MetricsHttpServer:
+        self.http = serve_http(self.registry, host, port)
+        return self.http
+
+    def stop_http(self) -> None:
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's value (0 when absent), for tests and the benchmark."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0
