@@ -1,0 +1,125 @@
+"""A bounded stream load for the metrics tests and benchmark: what the client saw, to compare.
+
+Every loop here is bounded in count and in time.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import torch
+
+from service.api import gqa_pb2, gqa_pb2_grpc
+from service.tensors import to_proto
+
+POLICIES = {
+    "none": gqa_pb2.EVICTION_POLICY_NONE,
+    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
+    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
+    "sink": gqa_pb2.EVICTION_POLICY_SINK,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class Shape:
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    layers: int = 1
+
+
+@dataclass
+class StreamResult:
+    """What one Decode stream's client observed."""
+
+    ok_steps: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    evicted_tokens: int = 0
+    eviction_events: int = 0
+    code: grpc.StatusCode | None = None
+    seconds: float = 0.0
+
+
+def open_request(policy: str = "strict", window: int = 8, shape: Shape = Shape(), *, capacity: int = 0,
+                 sinks: int = 0) -> gqa_pb2.DecodeRequest:
+    return gqa_pb2.DecodeRequest(request_id=0, open=gqa_pb2.OpenStream(
+        dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=shape.heads, num_kv_heads=shape.kv_heads,
+        head_dim=shape.head_dim, num_layers=shape.layers, policy=POLICIES[policy], window=window,
+        capacity=capacity, sink_tokens=sinks,
+    ))
+
+
+def step_requests(shape: Shape, count: int, *, seed: int = 0) -> list[gqa_pb2.DecodeRequest]:
+    """``count`` valid steps, built ahead so the client spends no time making tensors."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(count):
+        out.append(gqa_pb2.DecodeRequest(request_id=i + 1, step=gqa_pb2.Step(
+            layer=i % shape.layers,
+            query=to_proto(torch.randn(1, shape.heads, shape.head_dim, generator=g)),
+            new_key=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
+            new_value=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
+        )))
+    return out
+
+
+def run_stream(address: str, open_req: gqa_pb2.DecodeRequest, steps: list[gqa_pb2.DecodeRequest], *,
+               pace_s: float = 0.0, hold: threading.Event | None = None, hold_timeout_s: float = 20.0,
+               opened: threading.Event | None = None, timeout_s: float = 60.0) -> StreamResult:
+    """Opens a stream, sends ``steps`` (pipelined, or one per ``pace_s``), then waits for
+    ``hold`` (at most ``hold_timeout_s``) and half-closes. Returns what the responses said."""
+    result = StreamResult()
+
+    def requests():
+        yield open_req
+        for i, request in enumerate(steps):
+            if pace_s and i:
+                if hold is None:
+                    time.sleep(pace_s)
+                elif not hold.is_set():
+                    hold.wait(pace_s)  # once released, the rest go out unpaced
+            yield request
+        if hold is not None:
+            hold.wait(hold_timeout_s)
+
+    t0 = time.perf_counter()
+    with grpc.insecure_channel(address) as channel:
+        stub = gqa_pb2_grpc.AttentionServiceStub(channel)
+        call = stub.Decode(requests(), timeout=timeout_s)
+        try:
+            for response in call:
+                kind = response.WhichOneof("kind")
+                if kind == "opened":
+                    if opened is not None:
+                        opened.set()
+                elif kind == "step":
+                    step = response.step
+                    if step.status.code:
+                        name = grpc.StatusCode(_code_tuple(step.status.code)).name
+                        result.refused[name] = result.refused.get(name, 0) + 1
+                    else:
+                        result.ok_steps += 1
+                        result.evicted_tokens += step.evicted_tokens
+                        result.eviction_events += int(step.evicted_tokens > 0)
+            result.code = grpc.StatusCode.OK
+        except grpc.RpcError as exc:
+            result.code = exc.code()
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def _code_tuple(number: int):
+    for code in grpc.StatusCode:
+        if code.value[0] == number:
+            return code.value
+    raise ValueError(number)
