@@ -88,6 +88,15 @@ def _mm(a, b, UPCAST: tl.constexpr):
     return tl.dot(a, b)
 
 
+@triton.jit
+def _widen_codes(codes, dtype: tl.constexpr, UPCAST: tl.constexpr):
+    # int8 codes are exact in float16/bfloat16. The interpreter (3.9) converts int8 to bfloat16
+    # wrongly, so there they go straight to float32 (the product widens to it anyway).
+    if UPCAST:
+        return codes.to(tl.float32)
+    return codes.to(dtype)
+
+
 @triton.jit(do_not_specialize=["s0", "l0", "s1", "l1", "s2", "n_total"])
 def _split_kernel(
     Q, K, V, KS, VS, O, LSE,
@@ -138,7 +147,7 @@ def _split_kernel(
         if QUANT:
             ks = tl.load(KS + pid_n * stride_ksn + row, mask=n_mask, other=0.0).to(tl.float32)
             vs = tl.load(VS + pid_n * stride_vsn + row, mask=n_mask, other=0.0).to(tl.float32)
-            qk = _mm(q, tl.trans(k.to(q.dtype)), UPCAST) * (ks * qk_scale)[None, :]
+            qk = _mm(q, tl.trans(_widen_codes(k, q.dtype, UPCAST)), UPCAST) * (ks * qk_scale)[None, :]
         else:
             qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         # Every block holds at least one valid row (lo < hi), so m_new is finite.
@@ -148,7 +157,7 @@ def _split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANT:
-            pv = _mm((p * vs[None, :]).to(q.dtype), v.to(q.dtype), UPCAST)
+            pv = _mm((p * vs[None, :]).to(q.dtype), _widen_codes(v, q.dtype, UPCAST), UPCAST)
         else:
             pv = _mm(p.to(v.dtype), v, UPCAST)
         acc = acc * alpha[:, None] + pv
