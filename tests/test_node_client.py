@@ -197,3 +197,11 @@ def test_half_codecs_round_to_nearest_even_like_numpy_and_torch():
     bf16 = torch.from_numpy(values).to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
     np.testing.assert_array_equal(np.asarray(got["bf16"], np.uint16), bf16)
     np.testing.assert_array_equal(np.asarray(got["back16"], np.uint32), half.astype(np.float32).view(np.uint32))
+
+
+def test_server_info(server):
+    (line,) = run_client("--address", server.address, "--mode", "info")
+    info = line["info"]
+    assert info["default_backend"] == "cpu" and info["default_dtype"] == "DTYPE_FLOAT32"
+    assert any(b["name"] == "cpu" and b["available"] for b in info["backends"])
+    assert info["limits"]["max_message_bytes"] > 0

@@ -182,7 +182,7 @@ class GqaClient {
     return this._unary('DecodeStep', request, deadlineSeconds);
   }
 
-  getServerInfo({ deadlineSeconds = 10 } = {}) {
+  getServerInfo({ deadlineSeconds = 30 } = {}) {
     return this._unary('GetServerInfo', {}, deadlineSeconds);
   }
 
