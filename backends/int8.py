@@ -195,11 +195,19 @@ class Int8Cache(LayerCache):
         q = scaled_query(query, s.num_kv_heads)  # (N, G, D) float32
         k = self._k.view(n, s.head_dim, s.capacity)
         v = self._v.view(n, s.capacity, s.head_dim)
-        ks = torch.cat([self._ks.view(n, s.capacity)[:, a:b] for a, b in runs], dim=1).float()
-        vs = torch.cat([self._vs.view(n, s.capacity)[:, a:b] for a, b in runs], dim=1).float()
+        ks = _gather(self._ks.view(n, s.capacity), runs)
+        vs = _gather(self._vs.view(n, s.capacity), runs)
         kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
         out = kernel(q, k, v, ks, vs, runs)
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
+
+
+def _gather(scales: torch.Tensor, runs) -> torch.Tensor:
+    """The scales of the attended rows in run order, (N, S) float32 (a view when possible)."""
+    if len(runs) == 1:
+        a, b = runs[0]
+        return scales[:, a:b].to(torch.float32)
+    return torch.cat([scales[:, a:b] for a, b in runs], dim=1).to(torch.float32)
 
 
 def _check_finite(*named: tuple[str, torch.Tensor]) -> None:
@@ -212,42 +220,51 @@ def _check_finite(*named: tuple[str, torch.Tensor]) -> None:
             )
 
 
+def _mixer(scales: torch.Tensor) -> torch.Tensor:
+    """(P, N, G) piece scales -> (N, G, P*G) matrices that sum the pieces of each row back."""
+    p, n, g = scales.shape
+    eye = torch.eye(g, dtype=torch.float32, device=scales.device)
+    return (scales.permute(1, 2, 0).unsqueeze(-1) * eye.view(1, g, 1, g)).reshape(n, g, p * g)
+
+
 def _attend_int_mm(q, k, v, ks, vs, runs):
     """Scores and weighted sums as exact int8 products; see the module docstring.
 
     q (N, G, D) float32, already scaled; k (N, D, C) and v (N, C, D) int8 codes; ks, vs (N, S)
     float32 scales of the attended rows in run order. Returns (N, G, D) float32.
+
+    One KV head at a time, so that the int32 products, their float32 sums and the weights'
+    pieces (about 26 * G * S bytes) stay in the core's cache between the passes.
     """
     n, g, d = q.shape
     total = ks.shape[1]
-    p = PIECES
-    qc, qsc = quantize_int8_residual(q, p, name="query")  # (P, N, G, D), (P, N, G)
-    qc = qc.transpose(0, 1).reshape(n, p * g, d)
-    iscores = torch.empty((n, p * g, total), dtype=torch.int32, device=q.device)
+    qc, qsc = quantize_int8_residual(q, PIECES, check=False)  # (P, N, G, D), (P, N, G)
+    qc = qc.transpose(0, 1).reshape(n, PIECES * g, d)
+    qmix = _mixer(qsc)
+    scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
     for h in range(n):
         if len(runs) == 1:
             a, b = runs[0]
-            torch._int_mm(qc[h], k[h, :, a:b], out=iscores[h])
-            continue
-        off = 0
-        for a, b in runs:  # a product over D: 127 * 127 * D stays far inside int32
-            iscores[h, :, off : off + b - a] = torch._int_mm(qc[h], k[h, :, a:b])
-            off += b - a
-    # sum over pieces of int32 score * query scale, then the key scale per position.
-    scores = torch.einsum("npgs,png->ngs", iscores.view(n, p, g, total).float(), qsc)
+            iscores = torch._int_mm(qc[h], k[h, :, a:b])
+        else:  # a product over D: 127 * 127 * D stays far inside int32
+            iscores = torch.cat([torch._int_mm(qc[h], k[h, :, a:b]) for a, b in runs], dim=1)
+        torch.mm(qmix[h], iscores.to(torch.float32), out=scores[h])
     scores.mul_(ks.unsqueeze(1))
     weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
-    wc, wsc = quantize_int8_residual(weights, p, name="weights")  # (P, N, G, S), (P, N, G)
-    wc = wc.transpose(0, 1).reshape(n, p * g, total)
-    out = torch.zeros((n, p * g, d), dtype=torch.float32, device=q.device)
+    out = torch.empty((n, g, d), dtype=torch.float32, device=q.device)
     for h in range(n):
+        wc, wsc = quantize_int8_residual(weights[h], PIECES, check=False)  # (P, G, S), (P, G)
+        wc = wc.view(PIECES * g, total)
+        acc = None
         off = 0
         for a, b in runs:
             for c0, c1 in _chunks(a, b, _INT32_SAFE_ROWS):
                 w = c1 - c0
-                out[h] += torch._int_mm(wc[h, :, off : off + w], v[h, c0:c1]).float()
+                part = torch._int_mm(wc[:, off : off + w], v[h, c0:c1]).to(torch.float32)
+                acc = part if acc is None else acc.add_(part)
                 off += w
-    return torch.einsum("npgd,png->ngd", out.view(n, p, g, d), wsc)
+        torch.mm(_mixer(wsc.unsqueeze(1))[0], acc, out=out[h])
+    return out
 
 
 def _attend_blocks(q, k, v, ks, vs, runs):

@@ -128,26 +128,37 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
 
 
 def quantize_int8_residual(
-    x: torch.Tensor, pieces: int, *, name: str = "x"
+    x: torch.Tensor, pieces: int, *, name: str = "x", check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Splits ``x`` (..., D) into ``pieces`` int8 terms: ``x ~= sum_i codes[i] * scales[i]``.
 
-    Each piece quantizes what the previous ones left over, so the error shrinks by a factor of
-    about 254 per piece (three pieces reach float32's resolution of the row's absmax). This lets
-    a float operand meet an int8 cache in exact integer matrix products. Returns codes
-    (pieces, ..., D) int8 and float32 scales (pieces, ...).
+    Piece 0 is ``quantize_int8``'s absmax / 127 quantization; each later piece quantizes what is
+    left with a scale 254 times finer (the residual is at most half a step, so its codes still
+    fit in [-127, 127]). The error is at most ``absmax / (254 * 254**(pieces-1))`` per value:
+    three pieces reach float32's resolution of the row's absmax. This lets a float operand meet
+    int8 codes in exact integer matrix products. Returns codes (pieces, ..., D) int8 and float32
+    scales (pieces, ...). ``check=False`` skips the finiteness check for trusted operands.
     """
     if pieces < 1:
         raise ValueError(f"pieces must be >= 1, got {pieces}")
-    residual = x.to(torch.float32)
-    codes, scales = [], []
+    if check:
+        _check_input(x, name)
+    y = x.to(torch.float32)
+    step = y.abs().amax(dim=-1, keepdim=True).div_(QMAX)
+    zero = step == 0
+    # one division, then every piece is a round and a rescale of the same buffer: few passes
+    # over data that a caller can keep cache-sized.
+    y = y / step.masked_fill(zero, 1.0)
+    codes = torch.empty((pieces,) + tuple(x.shape), dtype=torch.int8, device=x.device)
+    rounded = torch.empty_like(y)
     for i in range(pieces):
-        c, s = quantize_int8(residual, name=name)
-        codes.append(c)
-        scales.append(s)
+        torch.round(y, out=rounded)
+        codes[i].copy_(rounded)
         if i + 1 < pieces:
-            residual = residual - c.to(torch.float32) * s.unsqueeze(-1)
-    return torch.stack(codes), torch.stack(scales)
+            y.sub_(rounded).mul_(2 * QMAX)
+    ratios = torch.tensor([(2.0 * QMAX) ** -i for i in range(pieces)], dtype=torch.float32, device=x.device)
+    scales = step.squeeze(-1).unsqueeze(0) * ratios.view((pieces,) + (1,) * (x.dim() - 1))
+    return codes, scales
 
 
 def dequantize_int8_residual(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
