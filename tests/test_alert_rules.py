@@ -1,0 +1,115 @@
+"""Alerting rules and dashboard queries, checked by promtool.
+
+``promtool check rules`` on the rule file, ``promtool test rules`` on its unit tests, and every
+dashboard panel's PromQL parsed by promtool (as recording rules, Grafana's interval variables
+replaced by a duration).
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RULES = ROOT / "helm" / "gqa-serve" / "rules" / "gqa-serve-alerts.yaml"
+RULE_TESTS = sorted((ROOT / "tests" / "promtool").glob("*.test.yaml"))
+DASHBOARD = ROOT / "helm" / "gqa-serve" / "dashboards" / "gqa-serve.json"
+ALERTS = {"GqaStepLatencyP99High", "GqaCacheNearBudget", "GqaStreamOpensRefused", "GqaRpcErrorRatioHigh",
+          "GqaStepErrorRatioHigh"}
+# Grafana's range variables are not PromQL; any duration stands in for them.
+GRAFANA_INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool not installed (tests/tools/install_prometheus.sh; `make tools`)")
+
+
+def _promtool(*args: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", *args], cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def _panel_queries() -> list[tuple[str, str]]:
+    dashboard = json.loads(DASHBOARD.read_text())
+    return [(f"{p['title']} [{t['refId']}]", t["expr"]) for p in dashboard["panels"] for t in p["targets"]]
+
+
+def _rule_blocks() -> dict[str, str]:
+    # The rule file's text per alert (no YAML parser needed: promtool checks the structure).
+    parts = re.split(r"^\s*- alert: ", RULES.read_text(), flags=re.M)[1:]
+    return {part.split("\n", 1)[0].strip(): part for part in parts}
+
+
+def test_rule_file_has_every_alert_with_severity_and_text():
+    blocks = _rule_blocks()
+    assert set(blocks) == ALERTS
+    for name, text in blocks.items():
+        assert re.search(r"^\s+severity: (warning|critical)$", text, re.M), name
+        for key in ("expr", "for", "summary", "description"):
+            assert re.search(rf"^\s+{key}: \S", text, re.M), (name, key)
+
+
+def test_every_alert_has_unit_tests():
+    # Each alert is expected to fire (an `exp_alerts:` list with entries) somewhere.
+    tested = set()
+    for path in RULE_TESTS:
+        for name, body in re.findall(r"alertname: (\w+)\n\s+exp_alerts:(.*?)(?=\n\s+- eval_time|\n  - interval|\Z)",
+                                     path.read_text(), re.S):
+            if "exp_labels" in body:
+                tested.add(name)
+    assert tested == ALERTS
+
+
+@needs_promtool
+def test_promtool_check_rules():
+    done = _promtool("check", "rules", str(RULES))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in done.stdout
+
+
+@needs_promtool
+@pytest.mark.parametrize("path", RULE_TESTS, ids=lambda p: p.name)
+def test_promtool_test_rules(path):
+    done = _promtool("test", "rules", path.name, cwd=path.parent)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+@needs_promtool
+def test_every_dashboard_query_parses(tmp_path):
+    queries = _panel_queries()
+    rules = {"groups": [{"name": "dashboard", "rules": [
+        {"record": f"dashboard_query_{i}", "expr": GRAFANA_INTERVALS.sub("5m", expr)}
+        for i, (_, expr) in enumerate(queries)
+    ]}]}
+    path = tmp_path / "dashboard-queries.yaml"
+    path.write_text(json.dumps(rules, indent=1))  # JSON is YAML
+    done = _promtool("check", "rules", str(path))
+    names = "\n".join(f"dashboard_query_{i}: {title}" for i, (title, _) in enumerate(queries))
+    assert done.returncode == 0, done.stdout + done.stderr + "\n" + names
+    assert f"SUCCESS: {len(queries)} rules found" in done.stdout
+
+
+@needs_promtool
+def test_the_query_check_rejects_bad_promql(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(json.dumps({"groups": [{"name": "bad", "rules": [
+        {"record": "bad_query", "expr": "sum by (backend (rate(gqa_steps_total[5m]))"}]}]}))
+    assert _promtool("check", "rules", str(path)).returncode != 0
+
+
+def test_dashboard_and_rules_use_only_exported_metrics():
+    # Catches a renamed metric: every gqa_/grpc_server_ name in a query must be one the service
+    # declares (service/metrics.py), histogram suffixes included.
+    source = (ROOT / "service" / "metrics.py").read_text()
+    declared = set(re.findall(r'"((?:gqa|grpc_server)_[a-z_]+)"', source))
+    used = set()
+    for _, expr in _panel_queries():
+        used |= set(re.findall(r"\b((?:gqa|grpc_server)_[a-z_]+)", expr))
+    used |= set(re.findall(r"\b((?:gqa|grpc_server)_[a-z_]+)\{", RULES.read_text()))
+    used |= set(re.findall(r"\b((?:gqa|grpc_server)_[a-z_]+)\[", RULES.read_text()))
+    for name in used:
+        base = re.sub(r"_(bucket|sum|count)$", "", name)
+        assert name in declared or base in declared, name
