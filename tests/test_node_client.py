@@ -205,3 +205,16 @@ def test_server_info(server):
     assert info["default_backend"] == "cpu" and info["default_dtype"] == "DTYPE_FLOAT32"
     assert any(b["name"] == "cpu" and b["available"] for b in info["backends"])
     assert info["limits"]["max_message_bytes"] > 0
+
+
+def test_the_documented_node_snippet_runs(server, tmp_path):
+    """docs/clients.md's Node example, run as written against the test server."""
+    text = (ROOT / "docs" / "clients.md").read_text()
+    snippet = text.split("```js\n", 1)[1].split("```", 1)[0]
+    snippet = snippet.replace("'127.0.0.1:50051'", repr(server.address)).replace(
+        "require('./clients/node/client')", f"require({json.dumps(str(CLIENT / 'client.js'))})")
+    script = tmp_path / "snippet.js"
+    script.write_text(snippet)
+    proc = subprocess.run([NODE, str(script)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "Float32Array(32)" in proc.stdout and "refused" not in proc.stdout
