@@ -1,7 +1,6 @@
 """An independent float64 oracle for the decode step, written from the spec alone.
 
-It shares no code with ``backends/``: plain loops over heads, ``repeat`` of K/V per query
-head, float64 everywhere.
+It shares no code with ``backends/``: K/V repeated per query head, float64 everywhere.
 """
 
 from __future__ import annotations
@@ -10,22 +9,20 @@ import numpy as np
 
 
 def attention_ref(query, keys, values, num_query_heads: int, num_kv_heads: int) -> np.ndarray:
-    """query (B, Hq, D); keys/values (B, Hkv, S, D) with S >= 1 -> output (B, Hq, D), float64."""
+    """query (B, Hq, D); keys/values (B, Hkv, S, D) with S >= 1 -> output (B, Hq, D), float64.
+
+    K/V are expanded to the query heads (``np.repeat``): the oracle favours plainness over
+    speed, unlike the backends.
+    """
     q = np.asarray(query, dtype=np.float64)
-    k = np.asarray(keys, dtype=np.float64)
-    v = np.asarray(values, dtype=np.float64)
-    b, hq, d = q.shape
-    g = num_query_heads // num_kv_heads
-    out = np.empty((b, hq, d))
-    for bi in range(b):
-        for head in range(hq):
-            kv = head // g
-            scores = k[bi, kv] @ q[bi, head] / np.sqrt(d)
-            scores -= scores.max()
-            w = np.exp(scores)
-            w /= w.sum()
-            out[bi, head] = w @ v[bi, kv]
-    return out
+    k = np.repeat(np.asarray(keys, dtype=np.float64), num_query_heads // num_kv_heads, axis=1)
+    v = np.repeat(np.asarray(values, dtype=np.float64), num_query_heads // num_kv_heads, axis=1)
+    d = q.shape[-1]
+    scores = np.einsum("bhd,bhsd->bhs", q, k) / np.sqrt(d)
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhs,bhsd->bhd", weights, v)
 
 
 def decode_step_ref(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads):

@@ -1,0 +1,86 @@
+"""A small synchronous test client: real stubs over a loopback channel."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import grpc
+import torch
+
+from service.api import gqa_pb2, gqa_pb2_grpc
+from service.tensors import from_proto, to_proto
+
+POLICY = {
+    "none": gqa_pb2.EVICTION_POLICY_NONE,
+    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
+    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
+    "sink": gqa_pb2.EVICTION_POLICY_SINK,
+}
+DTYPE = {torch.float32: gqa_pb2.DTYPE_FLOAT32, torch.float16: gqa_pb2.DTYPE_FLOAT16,
+         torch.bfloat16: gqa_pb2.DTYPE_BFLOAT16}
+
+_END = object()
+
+
+def open_message(*, batch=1, hq=4, hkv=2, d=8, layers=1, policy="strict", window=8, capacity=0, sinks=0,
+                 dtype=torch.float32, backend="", prefill=None) -> gqa_pb2.OpenStream:
+    msg = gqa_pb2.OpenStream(backend=backend, dtype=DTYPE[dtype], batch_size=batch, num_query_heads=hq,
+                             num_kv_heads=hkv, head_dim=d, num_layers=layers, policy=POLICY[policy],
+                             window=window, capacity=capacity, sink_tokens=sinks)
+    for layer, (k, v) in (prefill or {}).items():
+        msg.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))
+    return msg
+
+
+def step_request(rid: int, layer: int, q, k, v) -> gqa_pb2.DecodeRequest:
+    return gqa_pb2.DecodeRequest(request_id=rid, step=gqa_pb2.Step(
+        layer=layer, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v)))
+
+
+class Session:
+    """One Decode stream driven request by request: ``send`` then ``recv``."""
+
+    def __init__(self, channel: grpc.Channel, open_msg: gqa_pb2.OpenStream, metadata=None):
+        self._requests: queue.Queue = queue.Queue()
+        self._requests.put(gqa_pb2.DecodeRequest(request_id=0, open=open_msg))
+        stub = gqa_pb2_grpc.AttentionServiceStub(channel)
+        self.call = stub.Decode(iter(self._requests.get, _END), metadata=metadata)
+        self._rid = 0
+        self.opened = next(self.call).opened
+
+    def send(self, request: gqa_pb2.DecodeRequest) -> None:
+        self._requests.put(request)
+
+    def recv(self) -> gqa_pb2.DecodeResponse:
+        return next(self.call)
+
+    def step(self, layer, q, k, v) -> gqa_pb2.DecodeResponse:
+        self._rid += 1
+        self.send(step_request(self._rid, layer, q, k, v))
+        response = self.recv()
+        assert response.request_id == self._rid
+        return response
+
+    def output(self, response) -> torch.Tensor:
+        assert response.step.status.code == 0, response.step.status.message
+        return from_proto(response.step.output, "output")
+
+    def close(self) -> None:
+        self._requests.put(_END)
+        for _ in self.call:  # drain to the end of the RPC
+            pass
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+
+def wait_until(predicate, timeout=10.0, interval=0.01) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

@@ -1,0 +1,31 @@
+"""Shared fixtures and tolerance tables."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+DATA = pathlib.Path(__file__).parent / "data"
+
+# Tolerances are data: (atol, rtol) of an output against the float64 oracle run on the same
+# (already rounded) inputs. Half types are bounded by rounding the output to 8 / 11 bits.
+TOLERANCES = {
+    torch.float32: (2e-5, 1e-4),
+    torch.float16: (2e-3, 4e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+    torch.float64: (1e-12, 1e-10),
+}
+
+
+@pytest.fixture(scope="session")
+def seed_examples() -> list[dict]:
+    return json.loads((DATA / "examples.json").read_text())
+
+
+def assert_close_to_oracle(actual: torch.Tensor, expected, dtype: torch.dtype, what: str = "output") -> None:
+    atol, rtol = TOLERANCES[dtype]
+    expected = torch.as_tensor(expected, dtype=torch.float64)
+    torch.testing.assert_close(actual.to(torch.float64), expected, atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")

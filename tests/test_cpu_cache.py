@@ -1,0 +1,211 @@
+"""The CPU backend's stream caches: every policy against the oracle, atomic refusals, layout."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from backends import registry
+from backends.base import CacheSpec
+from backends.cpu import CPUBackend
+from backends.errors import BackendUnavailable, CacheFullError
+from backends.policy import EvictionPolicy
+from tests.conftest import assert_close_to_oracle
+from tests.oracle import attended_positions, attention_ref
+
+B, HQ, HKV, D = 2, 8, 2, 16
+STEPS = 300
+# W and C chosen so that eviction happens many times within STEPS, the ring wraps often and,
+# for greedy, the attended window straddles the ring's end.
+POLICIES = {
+    "none": EvictionPolicy.none(STEPS + 40),
+    "strict": EvictionPolicy.strict(24),
+    "greedy": EvictionPolicy.greedy(19, 31),
+    "sink": EvictionPolicy.sink(20, 4),
+}
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def make_cache(policy: EvictionPolicy, dtype=torch.float32):
+    return CPUBackend().create_cache(CacheSpec(B, HQ, HKV, D, dtype, policy))
+
+
+class History:
+    """Every token a stream has seen, to run the oracle on exactly the attended positions."""
+
+    def __init__(self):
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+
+    def add(self, k, v):
+        self.keys.append(k)
+        self.values.append(v)
+
+    def stacked(self, positions):
+        return torch.stack([self.keys[p] for p in positions], 2), torch.stack([self.values[p] for p in positions], 2)
+
+
+def run_stream(policy_name: str, dtype, steps=STEPS, prefill=11, seed=0, window_override=None):
+    policy = POLICIES[policy_name]
+    g = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
+    cache = make_cache(policy, dtype)
+    hist = History()
+    pk, pv = rnd(B, HKV, prefill, D), rnd(B, HKV, prefill, D)
+    cache.prefill(pk, pv)
+    for p in range(prefill):
+        hist.add(pk[:, :, p], pv[:, :, p])
+    worst = 0.0
+    evictions = 0
+    for _ in range(steps):
+        q, k, v = rnd(B, HQ, D), rnd(B, HKV, D), rnd(B, HKV, D)
+        hist.add(k, v)
+        out = cache.step(q, k, v)
+        t = len(hist.keys)
+        window = window_override if window_override is not None else policy.window
+        pos = attended_positions(policy_name, t, window, policy.sinks)
+        keys, values = hist.stacked(pos)
+        ref = attention_ref(q.double(), keys.double(), values.double(), HQ, HKV)
+        assert_close_to_oracle(out.output, ref, dtype, what=f"T={t}")
+        resident = [p for r in policy.resident(t) for p in r]
+        assert (out.tokens_seen, out.resident) == (t, len(resident))
+        assert (out.first_position, out.last_position) == (resident[0], resident[-1])
+        evictions += out.evicted_tokens > 0
+        worst = max(worst, (out.output.double() - torch.as_tensor(ref)).abs().max().item())
+    return cache, hist, evictions
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_stream_matches_oracle(policy_name, dtype):
+    cache, hist, evictions = run_stream(policy_name, dtype)
+    if policy_name != "none":
+        assert evictions >= 10, "the test must evict many times"
+    # Export: the resident tokens in position order, exactly.
+    keys, values = cache.export()
+    resident = [p for r in cache.resident_positions() for p in r]
+    ek, ev = hist.stacked(resident)
+    assert torch.equal(keys, ek) and torch.equal(values, ev)
+
+
+@pytest.mark.parametrize("policy_name", ["strict", "greedy", "sink"])
+def test_window_plus_one_would_fail(policy_name):
+    """The conformance check for the W versus W+1 bug: the oracle with W+1 must disagree."""
+    with pytest.raises(AssertionError):
+        run_stream(policy_name, torch.float32, steps=80, window_override=POLICIES[policy_name].window + 1)
+
+
+def test_greedy_attends_like_strict():
+    strict = make_cache(EvictionPolicy.strict(7))
+    greedy = make_cache(EvictionPolicy.greedy(7, 12))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(60):
+        q, k, v = torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g)
+        a, b = strict.step(q, k, v), greedy.step(q, k, v)
+        torch.testing.assert_close(a.output, b.output, atol=1e-6, rtol=1e-5)
+        assert b.resident >= a.resident
+
+
+def snapshot(cache):
+    return cache.tokens_seen, cache._k.clone(), cache._v.clone()
+
+
+def assert_unchanged(cache, snap):
+    t, k, v = snap
+    assert cache.tokens_seen == t
+    assert torch.equal(cache._k, k) and torch.equal(cache._v, v)
+
+
+def test_none_full_raises_typed_error_and_keeps_cache():
+    cache = make_cache(EvictionPolicy.none(5))
+    for _ in range(5):
+        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    snap = snapshot(cache)
+    with pytest.raises(CacheFullError, match="full"):
+        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    assert_unchanged(cache, snap)
+
+
+BAD_STEPS = [
+    ("query-heads", lambda: (torch.zeros(B, HQ + 1, D), torch.zeros(B, HKV, D), torch.zeros(B, HKV, D)), ValueError),
+    ("batch", lambda: (torch.zeros(B + 1, HQ, D), torch.zeros(B + 1, HKV, D), torch.zeros(B + 1, HKV, D)), ValueError),
+    ("head-dim", lambda: (torch.zeros(B, HQ, D + 1), torch.zeros(B, HKV, D + 1), torch.zeros(B, HKV, D + 1)), ValueError),
+    ("dtype", lambda: (torch.zeros(B, HQ, D, dtype=torch.float16), torch.zeros(B, HKV, D, dtype=torch.float16),
+                       torch.zeros(B, HKV, D, dtype=torch.float16)), TypeError),
+    ("mixed", lambda: (torch.zeros(B, HQ, D), torch.zeros(B, HKV, D, dtype=torch.float64), torch.zeros(B, HKV, D)), TypeError),
+    ("rank", lambda: (torch.zeros(B, HQ, D, 1), torch.zeros(B, HKV, D), torch.zeros(B, HKV, D)), ValueError),
+]
+
+
+@pytest.mark.parametrize("name,make,exc", BAD_STEPS, ids=[b[0] for b in BAD_STEPS])
+def test_rejected_step_leaves_cache_unchanged(name, make, exc):
+    cache = make_cache(POLICIES["greedy"])
+    for _ in range(40):
+        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    snap = snapshot(cache)
+    with pytest.raises(exc):
+        cache.step(*make())
+    assert_unchanged(cache, snap)
+    cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    assert cache.tokens_seen == 41
+
+
+def test_failure_during_attention_restores_the_row(monkeypatch):
+    cache = make_cache(POLICIES["strict"])
+    for _ in range(30):  # wrapped: the next write overwrites a live row
+        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    snap = snapshot(cache)
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(cache, "_attend", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+    assert_unchanged(cache, snap)
+
+
+def test_append_is_in_place_and_eviction_moves_nothing():
+    cache = make_cache(POLICIES["greedy"])
+    ptrs = (cache._k.data_ptr(), cache._v.data_ptr())
+    moved = 0
+    for _ in range(100):
+        out = cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+        moved += out.bytes_moved
+        assert out.bytes_written == 2 * B * HKV * D * 4
+    assert (cache._k.data_ptr(), cache._v.data_ptr()) == ptrs
+    assert moved == 0
+    assert cache.nbytes == 2 * B * HKV * POLICIES["greedy"].capacity * D * 4
+
+
+def test_prefill_longer_than_window_keeps_what_the_policy_keeps():
+    policy = EvictionPolicy.greedy(4, 6)
+    cache = make_cache(policy)
+    keys, values = torch.randn(B, HKV, 9, D), torch.randn(B, HKV, 9, D)
+    cache.prefill(keys, values)
+    ek, ev = cache.export()
+    assert torch.equal(ek, keys[:, :, 3:9]) and torch.equal(ev, values[:, :, 3:9])
+
+
+def test_prefill_too_long_for_none():
+    cache = make_cache(EvictionPolicy.none(4))
+    with pytest.raises(CacheFullError):
+        cache.prefill(torch.randn(B, HKV, 5, D), torch.randn(B, HKV, 5, D))
+    assert cache.tokens_seen == 0
+
+
+def test_registry_reports_reasons():
+    with pytest.raises(BackendUnavailable, match="unknown backend"):
+        registry.get_backend("tpu")
+    assert registry.get_backend("cpu").name == "cpu"
+    infos = {i.name: i for i in registry.describe()}
+    assert infos["cpu"].available and not infos["cpu"].reasons
+
+
+def test_capabilities_refuse_with_every_reason():
+    backend = CPUBackend()
+    spec = CacheSpec(1, 2, 1, 8, torch.float64, EvictionPolicy.strict(4), device="meta")
+    with pytest.raises(BackendUnavailable) as info:
+        backend.create_cache(spec)
+    assert len(info.value.reasons) == 2
+    assert all(r.startswith("cpu:") for r in info.value.reasons)
