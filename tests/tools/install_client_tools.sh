@@ -64,7 +64,10 @@ if command -v npm >/dev/null 2>&1; then
         mkdir -p "$TOOLS/buf"
         [ -f "$TOOLS/buf/package.json" ] || echo '{"private": true}' >"$TOOLS/buf/package.json"
         (cd "$TOOLS/buf" && npm install --no-audit --no-fund --loglevel=error --save-exact "@bufbuild/buf@$BUF_VERSION")
-        ln -sfn ../buf/node_modules/.bin/buf "$TOOLS/bin/buf"
+        # Link the platform package's native binary, not the package's node launcher, so that
+        # buf runs without node.
+        native=$(cd "$TOOLS" && ls buf/node_modules/@bufbuild/buf-*/bin/buf 2>/dev/null | head -n 1)
+        ln -sfn "../${native:-buf/node_modules/.bin/buf}" "$TOOLS/bin/buf"
         "$TOOLS/bin/buf" --version
     fi
 fi
