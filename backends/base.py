@@ -259,16 +259,18 @@ class LayerCache(abc.ABC):
         n = keys.shape[2]
         if self.policy.kind is PolicyKind.NONE and n > self.policy.capacity:
             raise CacheFullError(f"prefill of {n} tokens exceeds the capacity {self.policy.capacity} of policy none")
-        for r in self.policy.resident(n):
-            for (a, b), pos in self._runs_with_positions(r):
-                self._write_rows(a, keys[:, :, pos : pos + (b - a)], values[:, :, pos : pos + (b - a)])
+        index = [p for r in self.policy.resident(n) for p in r]
+        if len(index) < n:
+            keys, values = keys[:, :, index], values[:, :, index]
+        self._store_resident(n, keys, values)
         self.tokens_seen = n
 
-    def _runs_with_positions(self, r: range):
-        pos = r.start
-        for a, b in self._runs((r,)):
-            yield (a, b), pos
-            pos += b - a
+    def _store_resident(self, t: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes the ``L(t)`` resident tokens (B, Hkv, L, D), in position order, to their rows."""
+        offset = 0
+        for a, b in self._runs(self.policy.resident(t)):
+            self._write_rows(a, keys[:, :, offset : offset + b - a], values[:, :, offset : offset + b - a])
+            offset += b - a
 
     def export(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The resident keys and values, (B, Hkv, L, D), in position order, oldest first."""
@@ -282,6 +284,47 @@ class LayerCache(abc.ABC):
             empty = torch.empty((s.batch_size, s.num_kv_heads, 0, s.head_dim), dtype=s.dtype, device=s.device)
             return empty, empty.clone()
         return torch.cat(keys, dim=2), torch.cat(values, dim=2)
+
+    def export_state(self) -> dict:
+        """The complete stored state, for a snapshot: ``encoding`` plus tensors in position
+        order. Loading it with ``load_state`` into an empty cache of the same spec gives a
+        cache whose next outputs are bit-identical (same rows, same values)."""
+        keys, values = self.export()
+        return {"encoding": "dense", "key": keys, "value": values}
+
+    def load_state(self, tokens_seen: int, state: dict) -> None:
+        """Restores ``export_state`` output into an empty cache; ``ValueError`` if inconsistent."""
+        if state.get("encoding") == "empty":
+            self._check_empty(tokens_seen)
+            return
+        if state.get("encoding") != "dense":
+            raise ValueError(f"snapshot encoding {state.get('encoding')!r} does not fit a dense cache")
+        keys, values = state["key"], state["value"]
+        self._check_state(tokens_seen, keys, values, self.spec.dtype)
+        self._store_resident(tokens_seen, keys, values)
+        self.tokens_seen = tokens_seen
+
+    def _check_empty(self, tokens_seen: int) -> None:
+        """Restores a layer with nothing resident (no data in the snapshot)."""
+        if self.tokens_seen:
+            raise ValueError("restore: the cache already holds tokens")
+        if tokens_seen < 0 or self.policy.resident_length(tokens_seen) != 0:
+            raise ValueError(f"restore: T={tokens_seen} needs resident tokens but the snapshot has none")
+        self.tokens_seen = tokens_seen
+
+    def _check_state(self, tokens_seen: int, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype) -> None:
+        s = self.spec
+        if self.tokens_seen:
+            raise ValueError("restore: the cache already holds tokens")
+        if tokens_seen < 0 or (self.policy.kind is PolicyKind.NONE and tokens_seen > self.policy.capacity):
+            raise ValueError(f"restore: T={tokens_seen} is impossible for this stream's policy")
+        resident = self.policy.resident_length(tokens_seen)
+        expected = (s.batch_size, s.num_kv_heads, resident, s.head_dim)
+        for name, t in (("key", keys), ("value", values)):
+            if tuple(t.shape) != expected:
+                raise ValueError(f"restore {name}: expected shape {expected} for T={tokens_seen}, got {tuple(t.shape)}")
+            if t.dtype != dtype:
+                raise ValueError(f"restore {name}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
 
     def rollback(self, k: int) -> None:
         """Drops the last ``k`` tokens if that is exact (EVICTION.md); else ``RollbackError``."""

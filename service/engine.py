@@ -241,9 +241,17 @@ class Engine:
 
     # -- lifecycle ----------------------------------------------------------------------------
     def open(self, config: StreamConfig,
-             prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Stream:
-        """Admits, allocates and prefills a stream; on any failure nothing stays reserved."""
+             prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             restore: list[tuple[int, dict]] | None = None) -> Stream:
+        """Admits, allocates and prefills (or restores) a stream; on failure nothing stays reserved.
+
+        ``restore`` holds, per layer, ``(tokens_seen, state)`` as ``LayerCache.export_state``
+        returns it (a snapshot).
+        """
         prefill = prefill or {}
+        if restore is not None and len(restore) != config.num_layers:
+            self.observer.open_refused("invalid")
+            raise InvalidArgument(f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}")
         try:
             backend = registry.get_backend(config.backend)
             spec = config.spec(backend.default_device)
@@ -280,6 +288,11 @@ class Engine:
                     raise InvalidArgument(f"prefill.layer {layer}: {exc}") from None
                 except (TypeError, ValueError) as exc:
                     raise InvalidArgument(f"prefill.layer {layer}: {exc}") from None
+            for layer, (tokens_seen, state) in enumerate(restore or []):
+                try:
+                    caches[layer].load_state(tokens_seen, state)
+                except (TypeError, ValueError, KeyError) as exc:
+                    raise InvalidArgument(f"restore: layer {layer}: {exc}") from None
         except BaseException as exc:
             with self._lock:
                 self._reserved -= need

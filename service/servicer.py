@@ -19,7 +19,7 @@ import torch
 from backends import registry
 from backends.reference import gqa_decode_step
 
-from . import __version__
+from . import __version__, snapshot
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, Stream
@@ -125,11 +125,15 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         first = await context.read()
         if first is grpc.aio.EOF:
             return
-        if first.WhichOneof("kind") != "open":
+        kind = first.WhichOneof("kind")
+        if kind not in ("open", "restore"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of a Decode stream must be `open`")
+                                "the first message of a Decode stream must be `open` or `restore`")
         try:
-            stream = await self._open(first.open)
+            if kind == "open":
+                stream = await self._open(first.open)
+            else:
+                stream = await self._restore(first, context)
         except ServiceError as exc:
             await context.abort(_status(exc.code), exc.message)
 
@@ -178,16 +182,14 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         finally:
             self.engine.close(stream, "client" if not forced else "forced")
 
-    async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
-        if request.restore:
-            raise InvalidArgument("open.restore: snapshot restore is not supported by this server version")
+    def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise InvalidArgument(f"open.dtype: {request.dtype} is not a known DType")
         if request.policy not in POLICY_NAMES:
             raise InvalidArgument(
                 f"open.policy: {request.policy} is not one of EVICTION_POLICY_NONE, _STRICT, _GREEDY, _SINK"
             )
-        config = self.engine.stream_config(
+        return self.engine.stream_config(
             backend=request.backend,
             dtype=DTYPE_NAMES.get(request.dtype, ""),
             batch_size=request.batch_size,
@@ -200,6 +202,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             capacity=request.capacity,
             sink_tokens=request.sink_tokens,
         )
+
+    async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
+        config = self._stream_config(request)
         prefill = {}
         cost = 0
         for i, entry in enumerate(request.prefill):
@@ -211,6 +216,36 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             )
             cost += len(entry.key.data) + len(entry.value.data)
         return await self._compute(cost, self.engine.open, config, prefill)
+
+    async def _restore(self, first, context) -> Stream:
+        """Reads the snapshot's chunks (the first already read) and opens the stream from them."""
+        chunks = [first.restore]
+        received = first.restore.ByteSize()
+        while not chunks[-1].last:
+            if len(chunks) > snapshot.MAX_CHUNKS or received > self.config.max_cache_bytes:
+                raise InvalidArgument("restore: the snapshot is larger than this server could ever admit")
+            request = await context.read()
+            if request is grpc.aio.EOF:
+                raise InvalidArgument("restore: the stream ended before the chunk with `last` set")
+            if request.WhichOneof("kind") != "restore":
+                raise InvalidArgument("restore: every message up to the one with `last` set must be `restore`")
+            chunks.append(request.restore)
+            received += request.restore.ByteSize()
+        if not chunks[0].HasField("config"):
+            raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
+        config = self._stream_config(chunks[0].config)
+        layers = snapshot.decode(chunks, config)
+        cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
+        return await self._compute(cost, self.engine.open, config, None, layers)
+
+    def _opened_config(self, stream: Stream) -> gqa_pb2.OpenStream:
+        c = stream.config
+        return gqa_pb2.OpenStream(
+            backend=c.backend, dtype=NAME_TO_DTYPE[c.dtype], batch_size=c.batch_size,
+            num_query_heads=c.num_query_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
+            num_layers=c.num_layers, policy=POLICY_ENUMS[c.policy.kind.value], window=c.policy.window,
+            capacity=c.policy.capacity, sink_tokens=c.policy.sinks,
+        )
 
     def _opened(self, stream: Stream) -> gqa_pb2.StreamOpened:
         c = stream.config
@@ -235,11 +270,18 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         elif kind == "rollback":
             yield self._rollback(stream, request.rollback, rid)
         elif kind == "snapshot":
-            yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
-                code=CODE_NUMBERS["UNIMPLEMENTED"], message="snapshot is not supported by this server version"))
-        elif kind == "open":
+            try:
+                chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
+                                             self._opened_config(stream), self.config.max_message_bytes)
+            except ServiceError as exc:
+                yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
+                    code=exc.code_number, message=exc.message))
+                return
+            for chunk in chunks:
+                yield gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk)
+        elif kind in ("open", "restore"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "`open` may only be the first message of a Decode stream")
+                                f"`{kind}` may only begin a Decode stream")
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a Decode request must set one of step, rollback or snapshot")

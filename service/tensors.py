@@ -24,6 +24,7 @@ DTYPE_TO_TORCH = {
     gqa_pb2.DTYPE_BFLOAT16: torch.bfloat16,
 }
 TORCH_TO_DTYPE = {v: k for k, v in DTYPE_TO_TORCH.items()}
+TORCH_TO_DTYPE[torch.int8] = gqa_pb2.DTYPE_INT8  # snapshot codes only
 DTYPE_NAMES = {
     gqa_pb2.DTYPE_FLOAT32: "float32",
     gqa_pb2.DTYPE_FLOAT16: "float16",
@@ -32,9 +33,17 @@ DTYPE_NAMES = {
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 
 
-def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None) -> torch.Tensor:
-    """A writable torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed."""
-    if message.dtype not in DTYPE_TO_TORCH:
+def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
+               allow_int8: bool = False) -> torch.Tensor:
+    """A writable torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed.
+
+    ``DTYPE_INT8`` is accepted only where ``allow_int8`` says so (snapshot codes).
+    """
+    if allow_int8 and message.dtype == gqa_pb2.DTYPE_INT8:
+        dtype = torch.int8
+    elif message.dtype in DTYPE_TO_TORCH:
+        dtype = DTYPE_TO_TORCH[message.dtype]
+    else:
         raise InvalidArgument(
             f"{name}.dtype: {message.dtype} is not a supported dtype (DTYPE_FLOAT32, DTYPE_FLOAT16, DTYPE_BFLOAT16)"
         )
@@ -43,12 +52,11 @@ def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None) -
         raise InvalidArgument(f"{name}.shape: expected {rank} dimensions, got {list(shape)}")
     if any(d < 0 for d in shape):
         raise InvalidArgument(f"{name}.shape: dimensions must be >= 0, got {list(shape)}")
-    dtype = DTYPE_TO_TORCH[message.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = math.prod(shape)
     if count * itemsize != len(message.data):
         raise InvalidArgument(
-            f"{name}.data: {len(message.data)} bytes, but shape {list(shape)} of {DTYPE_NAMES[message.dtype]} "
+            f"{name}.data: {len(message.data)} bytes, but shape {list(shape)} of {str(dtype)[6:]} "
             f"needs {count * itemsize}"
         )
     if count == 0:

@@ -13,6 +13,7 @@ class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     DTYPE_FLOAT32: _ClassVar[DType]
     DTYPE_FLOAT16: _ClassVar[DType]
     DTYPE_BFLOAT16: _ClassVar[DType]
+    DTYPE_INT8: _ClassVar[DType]
 
 class EvictionPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
@@ -25,6 +26,7 @@ DTYPE_UNSPECIFIED: DType
 DTYPE_FLOAT32: DType
 DTYPE_FLOAT16: DType
 DTYPE_BFLOAT16: DType
+DTYPE_INT8: DType
 EVICTION_POLICY_UNSPECIFIED: EvictionPolicy
 EVICTION_POLICY_NONE: EvictionPolicy
 EVICTION_POLICY_STRICT: EvictionPolicy
@@ -78,21 +80,23 @@ class DecodeStepResponse(_message.Message):
     def __init__(self, output: _Optional[_Union[Tensor, _Mapping]] = ..., new_key_cache: _Optional[_Union[Tensor, _Mapping]] = ..., new_value_cache: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "open", "step", "rollback", "snapshot")
+    __slots__ = ("request_id", "open", "step", "rollback", "snapshot", "restore")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     ROLLBACK_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
     request_id: int
     open: OpenStream
     step: Step
     rollback: Rollback
     snapshot: SnapshotRequest
-    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., snapshot: _Optional[_Union[SnapshotRequest, _Mapping]] = ...) -> None: ...
+    restore: SnapshotChunk
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[OpenStream, _Mapping]] = ..., step: _Optional[_Union[Step, _Mapping]] = ..., rollback: _Optional[_Union[Rollback, _Mapping]] = ..., snapshot: _Optional[_Union[SnapshotRequest, _Mapping]] = ..., restore: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...
 
 class OpenStream(_message.Message):
-    __slots__ = ("backend", "dtype", "batch_size", "num_query_heads", "num_kv_heads", "head_dim", "num_layers", "policy", "window", "capacity", "sink_tokens", "prefill", "restore")
+    __slots__ = ("backend", "dtype", "batch_size", "num_query_heads", "num_kv_heads", "head_dim", "num_layers", "policy", "window", "capacity", "sink_tokens", "prefill")
     BACKEND_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -105,7 +109,6 @@ class OpenStream(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
-    RESTORE_FIELD_NUMBER: _ClassVar[int]
     backend: str
     dtype: DType
     batch_size: int
@@ -118,8 +121,7 @@ class OpenStream(_message.Message):
     capacity: int
     sink_tokens: int
     prefill: _containers.RepeatedCompositeFieldContainer[LayerCache]
-    restore: _containers.RepeatedCompositeFieldContainer[SnapshotChunk]
-    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., batch_size: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[LayerCache, _Mapping]]] = ..., restore: _Optional[_Iterable[_Union[SnapshotChunk, _Mapping]]] = ...) -> None: ...
+    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., batch_size: _Optional[int] = ..., num_query_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[LayerCache, _Mapping]]] = ...) -> None: ...
 
 class LayerCache(_message.Message):
     __slots__ = ("layer", "key", "value")
