@@ -19,9 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 RUN python -m venv /opt/venv
 WORKDIR /src
-COPY pyproject.toml ./
-# pyproject names README.md as the long description; the glob keeps the build working either way.
-COPY README.m[d] ./
+COPY pyproject.toml README.md ./
 COPY service ./service
 COPY backends ./backends
 COPY quant ./quant
