@@ -136,12 +136,12 @@ def test_unary_rpcs_count_messages_and_codes(server):
     with grpc.insecure_channel(server.address) as channel:
         stub = gqa_pb2_grpc.AttentionServiceStub(channel)
         for _ in range(3):
-            stub.GetServerInfo(gqa_pb2.GetServerInfoRequest(), timeout=10)
+            stub.GetServerInfo(gqa_pb2.GetServerInfoRequest(), timeout=60)  # the first probes every backend
         import torch
 
         bad = gqa_pb2.DecodeStepRequest(query=to_proto(torch.zeros(1, 4, 8)), num_query_heads=4, num_kv_heads=2)
         with pytest.raises(grpc.RpcError) as info:
-            stub.DecodeStep(bad, timeout=10)
+            stub.DecodeStep(bad, timeout=60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     info_rpc, step_rpc = _rpc("GetServerInfo", "unary"), _rpc("DecodeStep", "unary")
     assert _wait_for(lambda: m.value("grpc_server_handled_total", {**step_rpc, "grpc_code": "InvalidArgument"}) == 1)
