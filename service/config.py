@@ -65,11 +65,43 @@ class ServerConfig:
     costs more than the step. Longer steps run on the compute pool so streams stay responsive."""
 
     workers: int = field(default=0, metadata={"help": "compute threads (0: one per core)"})
+    """Threads that run steps; streams run in parallel on them."""
+
+    torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads per step"})
+    """torch's intra-op threads (``torch.set_num_threads``, process-wide). One by default:
+    parallelism comes from running different streams' steps on the ``workers`` threads; several
+    OpenMP teams on few cores contend (measured on 2 busy cores: a 130 us step took 40 ms with 2
+    intra-op threads)."""
 
     metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on the host of --address (0: off)"})
     """Port of the Prometheus exposition, on the same host as ``address``; 0 turns it off."""
 
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
+
+    # -- transport security and authentication (service/security.py) --------------------------
+    # Optional in deployments: the Helm chart renders them only when set (``optional_env``).
+    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS instead of plaintext",
+                                                     "optional_env": True})
+    """Server certificate chain (PEM). With ``tls_key_file`` set too, the port speaks TLS only;
+    both empty (the default) keeps plaintext, meant for loopback and trusted networks."""
+
+    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file",
+                                                    "optional_env": True})
+
+    tls_client_ca_file: str = field(default="", metadata={
+        "help": "PEM CA bundle: require client certificates signed by it (mutual TLS)", "optional_env": True})
+    """Mutual TLS: a client must present a certificate that chains to one of these CAs, or the
+    handshake fails before any RPC. Needs ``tls_cert_file``/``tls_key_file``."""
+
+    auth_token_file: str = field(default="", metadata={
+        "help": "file holding the bearer token every RPC but health must carry", "optional_env": True})
+    """A file whose content (surrounding whitespace stripped) is the bearer token; RPCs other
+    than health must send ``authorization: Bearer <token>`` or get UNAUTHENTICATED."""
+
+    auth_token: str = field(default="", repr=False, metadata={
+        "help": "the bearer token itself", "env_only": True, "optional_env": True})
+    """The token from ``GQA_AUTH_TOKEN`` (e.g. a Kubernetes Secret through ``secretKeyRef``).
+    There is deliberately no flag: a command line is visible to every user of the machine."""
 
     def validate(self) -> "ServerConfig":
         host, sep, port = self.address.rpartition(":")
@@ -87,9 +119,25 @@ class ServerConfig:
             raise ConfigError(f"--grace-period-s: must be >= 0, got {self.grace_period_s}")
         if self.workers < 0:
             raise ConfigError(f"--workers: must be >= 0, got {self.workers}")
+        if self.torch_threads < 1:
+            raise ConfigError(f"--torch-threads: must be >= 1, got {self.torch_threads}")
         if not 0 <= self.metrics_port < 65536:
             raise ConfigError(f"--metrics-port: expected 0..65535, got {self.metrics_port}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ConfigError("--tls-cert-file and --tls-key-file: set both (TLS) or neither (plaintext)")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ConfigError("--tls-client-ca-file: mutual TLS needs --tls-cert-file and --tls-key-file too")
+        if self.auth_token and self.auth_token_file:
+            raise ConfigError("GQA_AUTH_TOKEN and --auth-token-file: set one of them, not both")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+            path = getattr(self, name)
+            if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+                raise ConfigError(f"--{_flag(name)}: {path!r} is not a readable file")
         return self
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
     @property
     def host(self) -> str:
@@ -111,6 +159,8 @@ def _env(name: str) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults stay unset so that the environment can fill them."""
     for f in fields(ServerConfig):
+        if f.metadata.get("env_only"):
+            continue
         kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
         parser.add_argument(
             f"--{_flag(f.name)}",

@@ -19,6 +19,7 @@ import threading
 from collections.abc import Callable
 
 import grpc
+import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -27,6 +28,7 @@ from .config import ServerConfig
 from .engine import Engine, EngineObserver
 from .errors import Unavailable
 from .metrics import ObserverFanOut, ServiceMetrics
+from .security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
 from .servicer import AttentionServicer
 
 __all__ = ["Server", "ServerThread", "run"]
@@ -42,7 +44,12 @@ class Server:
     def __init__(self, config: ServerConfig, *, clock: Callable[[], float] | None = None,
                  observer: EngineObserver | None = None, interceptors: list | None = None):
         self.config = config
-        interceptors = list(interceptors or [])
+        # Authentication first, then the guard that keeps statuses safe to show; a metrics
+        # interceptor goes outside both, so refused and failed RPCs are counted with their code.
+        token = load_token(config)
+        self.authenticates = token is not None
+        interceptors = [*([BearerTokenInterceptor(token)] if token else []), SafeStatusInterceptor(),
+                        *(interceptors or [])]
         self.metrics: ServiceMetrics | None = None
         if config.metrics_port:
             self.metrics = ServiceMetrics()
@@ -54,6 +61,7 @@ class Server:
         self.engine = Engine(config, observer=observer, **kwargs)
         if self.metrics is not None:
             self.metrics.bind(self.engine)
+        torch.set_num_threads(config.torch_threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
         self.health = health.aio.HealthServicer()
         options = [
@@ -65,7 +73,11 @@ class Server:
         gqa_pb2_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(self.engine, config, self.pool), self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
-        self.port = self.grpc.add_insecure_port(config.address)
+        credentials = server_credentials(config)
+        if credentials is None:
+            self.port = self.grpc.add_insecure_port(config.address)
+        else:
+            self.port = self.grpc.add_secure_port(config.address, credentials)
         if not self.port:
             raise OSError(f"cannot bind {config.address}")
         self._reaper: asyncio.Task | None = None
@@ -92,7 +104,9 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever())
-        log.info("gqa-serve listening on %s (backend %s, dtype %s)", self.address, self.config.backend, self.config.dtype)
+        log.info("gqa-serve listening on %s (backend %s, dtype %s, %s%s)", self.address, self.config.backend,
+                 self.config.dtype, "mutual TLS" if self.config.tls_client_ca_file else "TLS" if self.config.tls
+                 else "plaintext", ", bearer token required" if self.authenticates else "")
 
     async def _reap_forever(self) -> None:
         period = min(5.0, max(0.05, self.config.idle_timeout_s / 4))

@@ -1,0 +1,209 @@
+"""The service over loopback against an echo floor, in one run.
+
+- echo: a minimal grpc.aio bidi server (its own process) that answers each request with a
+  pre-built reply of the size of a real ``StepResult``; the floor for transport and framing.
+- service: ``gqa-serve serve`` (its own process), CPU backend, float32, Hq=32, Hkv=8, D=128,
+  a stream whose layer holds S cached tokens (S=1: empty start; S=2048: a strict window of
+  2049 prefilled with 2048 tokens, so every step attends S+1 keys).
+
+Clients are grpc.aio streams in this process, each closed-loop (send, wait, send). Reported:
+p50/p99 round trip and steps/s at 1, 8 and 64 concurrent streams, and the in-process step time
+of the CPU backend at the same shape with the server's torch threads (``--torch-threads``).
+Targets: 1 stream round trip <= 1.25 x (echo round trip + in-process step); 64 streams at S=1
+>= 0.6 x the echo server's steps/s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import grpc
+import torch
+
+from backends.base import CacheSpec
+from backends.cpu import CPUBackend
+from backends.policy import EvictionPolicy
+from service.api import gqa_pb2
+from service.config import ServerConfig
+from service.tensors import to_proto
+
+from .common import median_seconds, percentile, table
+
+HQ, HKV, D = 32, 8, 128
+METHOD = "/gqa.v1.AttentionService/Decode"
+CONCURRENCY = [1, 8, 64]
+SEQ = [1, 2048]
+STEPS = {1: 400, 8: 60, 64: 12}  # per stream, bounded
+TIME_BUDGET_S = 20.0  # per (server, S, concurrency) cell
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def reply_bytes() -> bytes:
+    out = to_proto(torch.zeros(1, HQ, D))
+    return gqa_pb2.DecodeResponse(request_id=1, step=gqa_pb2.StepResult(
+        status=gqa_pb2.Status(), output=out, tokens_seen=2049, resident=2049, first_position=0,
+        last_position=2048, compute_ns=123456, rollback_reach=2049)).SerializeToString()
+
+
+def open_bytes(s: int) -> bytes:
+    g = torch.Generator().manual_seed(0)
+    msg = gqa_pb2.OpenStream(dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=HQ, num_kv_heads=HKV,
+                             head_dim=D, num_layers=1, policy=gqa_pb2.EVICTION_POLICY_STRICT, window=s + 1)
+    if s > 1:
+        msg.prefill.add(layer=0, key=to_proto(torch.randn(1, HKV, s, D, generator=g)),
+                        value=to_proto(torch.randn(1, HKV, s, D, generator=g)))
+    return gqa_pb2.DecodeRequest(request_id=0, open=msg).SerializeToString()
+
+
+def step_bytes(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    return gqa_pb2.DecodeRequest(request_id=1, step=gqa_pb2.Step(
+        layer=0, query=to_proto(torch.randn(1, HQ, D, generator=g)),
+        new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
+        new_value=to_proto(torch.randn(1, HKV, D, generator=g)))).SerializeToString()
+
+
+ECHO_SERVER = r'''
+import asyncio, sys, grpc
+REPLY = open(sys.argv[2], "rb").read()
+async def decode(request_iterator, context):
+    async for _ in request_iterator:
+        yield REPLY
+async def main():
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                      ("grpc.max_send_message_length", 64 << 20)])
+    handler = grpc.method_handlers_generic_handler("gqa.v1.AttentionService", {
+        "Decode": grpc.stream_stream_rpc_method_handler(decode)})
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(sys.argv[1])
+    await server.start()
+    print("ready", flush=True)
+    await server.wait_for_termination()
+asyncio.run(main())
+'''
+
+
+def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
+    address = f"127.0.0.1:{free_port()}"
+    if kind == "echo":
+        reply = os.path.join(tmpdir, "reply.bin")
+        with open(reply, "wb") as f:
+            f.write(reply_bytes())
+        proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, address, reply], stdout=subprocess.DEVNULL)
+    else:
+        env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
+        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL)
+    channel = grpc.insecure_channel(address)
+    grpc.channel_ready_future(channel).result(timeout=60)
+    channel.close()
+    return proc, address
+
+
+async def open_stream(channel, opening: bytes):
+    call = channel.stream_stream(METHOD)()  # raw bytes both ways: no client-side protobuf work
+    await call.write(opening)
+    if await call.read() is grpc.aio.EOF:
+        raise RuntimeError("the server refused the stream")
+    return call
+
+
+async def run_steps(call, steps: list[bytes], latencies: list[float], deadline: float) -> int:
+    done = 0
+    for request in steps:
+        if time.perf_counter() > deadline:
+            break
+        t0 = time.perf_counter()
+        await call.write(request)
+        reply = await call.read()
+        latencies.append(time.perf_counter() - t0)
+        if reply is grpc.aio.EOF:
+            raise RuntimeError("the server ended the stream")
+        done += 1
+    await call.done_writing()
+    return done
+
+
+async def drive(address: str, s: int, concurrency: int) -> dict:
+    opening = open_bytes(s)
+    requests = [step_bytes(i) for i in range(8)]
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+    async with grpc.aio.insecure_channel(address, options=options) as channel:
+        warm = await open_stream(channel, opening)
+        await run_steps(warm, requests * 3, [], time.perf_counter() + 10)
+        # Open every stream first (prefill included), then time the steps alone.
+        calls = [await open_stream(channel, opening) for _ in range(concurrency)]
+        latencies: list[float] = []
+        deadline = time.perf_counter() + TIME_BUDGET_S
+        t0 = time.perf_counter()
+        counts = await asyncio.gather(*(
+            run_steps(call, [requests[i % 8] for i in range(STEPS[concurrency])], latencies, deadline)
+            for call in calls))
+        wall = time.perf_counter() - t0
+    return {"steps": sum(counts), "wall_s": wall, "steps_per_s": sum(counts) / wall,
+            "p50_us": percentile(latencies, 50) * 1e6, "p99_us": percentile(latencies, 99) * 1e6}
+
+
+def in_process_step_seconds(s: int, threads: int) -> float:
+    """The CPU backend's step alone, with ``threads`` torch threads (the server runs with
+    ``--torch-threads``, default 1)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _step_seconds(s)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def _step_seconds(s: int) -> float:
+    spec = CacheSpec(1, HQ, HKV, D, torch.float32, EvictionPolicy.strict(s + 1))
+    cache = CPUBackend().create_cache(spec)
+    g = torch.Generator().manual_seed(1)
+    if s > 1:
+        cache.prefill(torch.randn(1, HKV, s, D, generator=g), torch.randn(1, HKV, s, D, generator=g))
+    q, k, v = torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
+    return median_seconds(lambda: cache.step(q, k, v), repeat=200, budget_s=3.0)
+
+
+def run(report) -> None:
+    import tempfile
+
+    rows = []
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = {}
+        try:
+            for kind in ("echo", "service"):
+                procs[kind] = start(kind, tmp)
+            for s in SEQ:
+                local = in_process_step_seconds(s, ServerConfig().torch_threads)
+                report.add(S=s, in_process_step_us_all_cores=in_process_step_seconds(s, os.cpu_count() or 1) * 1e6)
+                for c in CONCURRENCY:
+                    for kind in ("echo", "service"):
+                        r = asyncio.run(drive(procs[kind][1], s, c))
+                        results[(kind, s, c)] = r
+                        report.add(server=kind, S=s, streams=c, in_process_step_us=local * 1e6, **r)
+                    e, v = results[("echo", s, c)], results[("service", s, c)]
+                    rows.append([s, c, e["p50_us"], v["p50_us"], local * 1e6, v["p50_us"] / (e["p50_us"] + local * 1e6),
+                                 e["p99_us"], v["p99_us"], e["steps_per_s"], v["steps_per_s"],
+                                 v["steps_per_s"] / e["steps_per_s"]])
+        finally:
+            for proc, _ in procs.values():
+                proc.terminate()
+                proc.wait(20)
+    print(table(["S", "streams", "echo p50 us", "svc p50 us", "step us", "svc/(echo+step)", "echo p99 us",
+                 "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo"], rows))
+    one = [r for r in rows if r[1] == 1]
+    many = [r for r in rows if r[0] == 1 and r[1] == 64][0]
+    print("targets: 1-stream round trip <= 1.25 x (echo + step): " +
+          ", ".join(f"S={r[0]}: {r[5]:.2f}x" for r in one) +
+          f"; 64 streams at S=1 >= 0.6 x echo steps/s: {many[10]:.2f}x")
