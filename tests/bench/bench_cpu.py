@@ -21,6 +21,7 @@ machine is shared, so absolute numbers move; ratios within one run are what to c
 from __future__ import annotations
 
 import math
+import statistics
 import time
 
 import numpy as np
@@ -46,8 +47,22 @@ def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _time(fn, budget_s: float = 0.8) -> float:
-    return median_seconds(fn, repeat=15, warmup=2, budget_s=budget_s)
+def _interleaved(fns: dict, rounds: int = 15, budget_s: float = 4.0) -> dict[str, float]:
+    """Median seconds of each function, called round-robin so that all of them see the same
+    machine load and the same cache state (each evicts the others' bytes from L3, as the other
+    layers of a real model would), within ``budget_s`` (at least 3 rounds)."""
+    for fn in fns.values():
+        median_seconds(fn, repeat=1, warmup=1, budget_s=budget_s)
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + budget_s
+    for i in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+        if i >= 2 and time.perf_counter() > deadline:
+            break
+    return {name: statistics.median(t) for name, t in samples.items()}
 
 
 # -- the implementations --------------------------------------------------------------------
@@ -206,27 +221,20 @@ def check_ort_matches_ours() -> None:
 def measure(s, dtype, gen, report) -> dict[str, float]:
     keys, values, q, nk, nv = _inputs(s, dtype, gen)
     capacity = s + HEADROOM
-    times: dict[str, float] = {}
-
     cache = _ours(dtype, keys, values, capacity)
-    times["ours"] = _time(lambda: cache.step(q, nk, nv))
-    del cache
-
-    times["naive"] = _time(lambda: naive_step(q, keys, values, nk, nv))
-
     sdpa = SDPAStep(keys, values, capacity)
-    times["sdpa"] = _time(lambda: sdpa(q, nk, nv))
-    del sdpa
-
+    fns = {
+        "ours": lambda: cache.step(q, nk, nv),
+        "naive": lambda: naive_step(q, keys, values, nk, nv),
+        "sdpa": lambda: sdpa(q, nk, nv),
+    }
     if dtype in (torch.float32, torch.float16):
         ort_step = ORTStep(keys, values, capacity)
         ort_step.bind_step(q, nk, nv)
-        times["ort"] = _time(ort_step)
-        del ort_step
-    else:
-        times["ort"] = float("nan")
-
-    times["floor"] = _time(_floor_fn(keys, values, nk, nv))
+        fns["ort"] = ort_step
+    fns["floor"] = _floor_fn(keys, values, nk, nv)
+    times = _interleaved(fns, budget_s=2.0 if s < 8192 else 5.0)
+    times.setdefault("ort", float("nan"))
     kv_bytes = 2 * B * HKV * (s + 1) * D * keys.element_size()
     report.add(kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes,
                **{f"{k}_s": (None if v != v else v) for k, v in times.items()})
@@ -296,7 +304,7 @@ def run(report: Report) -> None:
     print(f"\nper call at S=1, us")
     print(table(["dtype", "S", "ours", "naive", "sdpa", "ort"], [per_call(report)]))
     rows = []
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32,):
         ours, naive = consecutive(dtype, report)
         rows.append([_name(dtype), CONSECUTIVE, ours, naive, naive / ours])
     print(f"\n{CONSECUTIVE} consecutive steps from an empty cache, total seconds")
