@@ -123,18 +123,27 @@ def check_stream(lines: list[dict], *, steps: int, window: int, capacity: int, l
         assert s["output"]["dtype"] == s["query"]["dtype"]
         np.testing.assert_allclose(array(s["output"]), expected, atol=atol, rtol=rtol,
                                    err_msg=f"step {s['step']} (layer {layer}, T={t})")
-        assert s["latency_us"] > 0
+        if "restored_output" in s:  # the same step sent to a stream restored from a snapshot
+            assert s["restored_output"] == s["output"], f"step {s['step']}: the restored stream differs"
+        else:
+            assert s["latency_us"] > 0
     return evictions
 
 
 def test_stream_of_100_greedy_steps_matches_the_oracle(server):
+    """Prefill, 100 steps over two layers, a snapshot restored as a second stream, an in-band
+    refusal, and a protocol error that ends the RPC."""
     window, capacity, layers = 8, 12, 2
     lines = run_client("--address", server.address, "--mode", "stream", "--steps", "100", "--policy", "greedy",
                        "--window", str(window), "--capacity", str(capacity), "--layers", str(layers),
                        "--prefill", "5", "--batch", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                       "--seed", "7", "--probe-errors")
-    evictions = check_stream(lines, steps=100, window=window, capacity=capacity, layers=layers, dtype="float32")
+                       "--seed", "7", "--restore-check", "--probe-errors")
+    # 100 timed steps, then 4 more sent both to the stream and to a copy restored from its snapshot.
+    evictions = check_stream(lines, steps=104, window=window, capacity=capacity, layers=layers, dtype="float32")
     assert evictions > 5  # the window filled and greedy evicted in blocks, on both layers
+    (restored,) = [line for line in lines if line["kind"] == "restored"]
+    assert restored["opened"]["tokens_seen"] == [5 + 50, 50]
+    assert sum("restored_output" in line for line in lines) == 4
 
     # In-band: a step to a missing layer is refused and the stream stays open ...
     refused = [line for line in lines if line["kind"] == "refused"]

@@ -39,6 +39,7 @@ function loadPackage(protoRoot = DEFAULT_PROTO_ROOT) {
 // ---------------------------------------------------------------------------------------------
 // Tensors
 
+// DTYPE_INT8 appears only in snapshots of int8 streams (codes), which restoreStream passes on as they are.
 const ITEMSIZE = { DTYPE_FLOAT32: 4, DTYPE_FLOAT16: 2, DTYPE_BFLOAT16: 2 };
 
 const scratch = new DataView(new ArrayBuffer(4));
@@ -195,6 +196,15 @@ class GqaClient {
     return stream._open(open);
   }
 
+  /**
+   * Opens a stream from the chunks of `DecodeStream.snapshot()` (here or on another replica);
+   * it continues exactly where the snapshot was taken.
+   */
+  restoreStream(chunks) {
+    const stream = new DecodeStream(this.stub.Decode());
+    return stream._restore(chunks);
+  }
+
   close() {
     this.stub.close();
   }
@@ -236,11 +246,24 @@ class DecodeStream {
     return this;
   }
 
+  async _restore(chunks) {
+    if (this.ended) throw this.ended;
+    const requestId = this.nextId++;
+    const opened = new Promise((resolve, reject) => this.pending.set(requestId, { resolve, reject }));
+    for (const chunk of chunks) this.call.write({ request_id: requestId, restore: chunk });
+    this.opened = (await opened).opened;
+    return this;
+  }
+
   _onResponse(response) {
     const waiter = this.pending.get(response.request_id);
     if (!waiter) return;
-    // A snapshot answers with several chunks; only the last settles the request.
-    if (response.kind === 'snapshot' && !response.snapshot.last) return;
+    // A snapshot answers with several chunks; the last one settles the request with them all.
+    if (response.kind === 'snapshot') {
+      (waiter.chunks = waiter.chunks || []).push(response.snapshot);
+      if (!response.snapshot.last) return;
+      response.chunks = waiter.chunks;
+    }
     this.pending.delete(response.request_id);
     const body = response[response.kind];
     if (response.kind === 'error') waiter.reject(new Refusal(body, response.request_id));
@@ -269,6 +292,12 @@ class DecodeStream {
     const rollback = layer === null ? { count, all_layers: true } : { count, layer };
     const response = await this._send({ rollback });
     return response.rollback;
+  }
+
+  /** The stream's complete state, as the list of SnapshotChunk messages restoreStream takes. */
+  async snapshot() {
+    const response = await this._send({ snapshot: {} });
+    return response.chunks;
   }
 
   /** Half-closes the stream (frees its caches) and waits for the server to finish it. */

@@ -37,6 +37,7 @@ const { values: args } = parseArgs({
     backend: { type: 'string', default: '' },
     seed: { type: 'string', default: '1' },
     'probe-errors': { type: 'boolean', default: false },
+    'restore-check': { type: 'boolean', default: false },
     help: { type: 'boolean', short: 'h', default: false },
   },
 });
@@ -212,6 +213,28 @@ async function runStream(client) {
     });
   }
 
+  if (args['restore-check']) {
+    // Snapshot the stream, restore the snapshot as a second stream, and send both the same
+    // next steps: the outputs must agree.
+    const chunks = await stream.snapshot();
+    const copy = await client.restoreStream(chunks);
+    emit({ kind: 'restored', chunks: chunks.length, opened: copy.opened });
+    for (let i = steps; i < steps + 4; i++) {
+      const layer = i % layers;
+      const query = randomTensor(next, [B, Hq, D], dtype);
+      const newKey = randomTensor(next, [B, Hkv, D], dtype);
+      const newValue = randomTensor(next, [B, Hkv, D], dtype);
+      const [a, b] = await Promise.all([stream.step(layer, query, newKey, newValue), copy.step(layer, query, newKey, newValue)]);
+      emit({
+        kind: 'step', step: i, layer, query: dump(query), new_key: dump(newKey), new_value: dump(newValue),
+        output: dump(a.output), restored_output: dump(b.output), tokens_seen: a.tokens_seen, resident: a.resident,
+        first_position: a.first_position, last_position: a.last_position, evicted_tokens: a.evicted_tokens,
+        compute_ns: a.compute_ns, latency_us: null,
+      });
+    }
+    await copy.close();
+  }
+
   if (args['probe-errors']) {
     // In-band: a step to a layer that does not exist is refused and the stream goes on.
     const query = randomTensor(next, [B, Hq, D], dtype);
@@ -249,7 +272,7 @@ async function runStream(client) {
 async function main() {
   if (args.help) {
     process.stdout.write('usage: run.js --address HOST:PORT --mode info|examples|stream [--steps N --policy greedy ' +
-      '--window W --capacity C --layers L --prefill N --dtype float32 --seed S --probe-errors]\n');
+      '--window W --capacity C --layers L --prefill N --dtype float32 --seed S --probe-errors --restore-check]\n');
     return;
   }
   const client = new GqaClient(args.address);
