@@ -70,7 +70,8 @@ class Server:
             ("grpc.so_reuseport", 0),
         ]
         self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
-        gqa_pb2_grpc.add_AttentionServiceServicer_to_server(AttentionServicer(self.engine, config, self.pool), self.grpc)
+        self.servicer = AttentionServicer(self.engine, config, self.pool)
+        gqa_pb2_grpc.add_AttentionServiceServicer_to_server(self.servicer, self.grpc)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.grpc)
         credentials = server_credentials(config)
@@ -100,6 +101,8 @@ class Server:
             except OSError as exc:
                 raise OSError(f"cannot serve metrics on {self.config.host}:{self.config.metrics_port}: {exc} "
                               "(--metrics-port / GQA_METRICS_PORT; 0 turns metrics off)") from None
+        # Probe the backends before reporting SERVING: the first probe imports optional modules.
+        await self.servicer.backend_infos()
         await self.grpc.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)

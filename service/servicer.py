@@ -56,6 +56,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         self.engine = engine
         self.config = config
         self.pool = pool
+        self._backend_infos = None
 
     async def _compute(self, cost_bytes: int, fn, *args):
         """Small work inline (a thread hop costs more); the rest on the compute pool."""
@@ -86,10 +87,17 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
     # -- GetServerInfo ----------------------------------------------------------------------
+    async def backend_infos(self) -> list:
+        """Every backend's capabilities or reasons, probed once per process and off the event
+        loop: probing imports optional modules (bitsandbytes, triton), which takes seconds."""
+        if self._backend_infos is None:
+            self._backend_infos = await asyncio.get_running_loop().run_in_executor(self.pool, registry.describe)
+        return self._backend_infos
+
     async def GetServerInfo(self, request, context):
         c = self.config
         backends = []
-        for info in registry.describe():
+        for info in await self.backend_infos():
             caps = info.capabilities
             backends.append(gqa_pb2.BackendInfo(
                 name=info.name,
@@ -152,6 +160,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             loop.call_soon_threadsafe(wake)
 
         stream.on_forced_close = on_forced_close
+        # Read-ahead: a reader task takes up to max_queued_steps requests off the wire while
+        # earlier ones compute; past that it stops reading and HTTP/2 flow control holds the
+        # client back. This loop is the only consumer, so responses keep request order.
+        slots = asyncio.Semaphore(self.config.max_queued_steps)
+        queue: asyncio.Queue = asyncio.Queue()
+        reader = asyncio.ensure_future(self._read_ahead(context, stream, slots, queue))
         try:
             yield gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))
             while True:
@@ -159,16 +173,18 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                     raise _StreamClosed(forced[0])
                 state["waiting"] = True
                 try:
-                    request = await context.read()
+                    request = await queue.get()
                 except asyncio.CancelledError:
                     if forced:
                         raise _StreamClosed(forced[0]) from None
                     raise
                 finally:
                     state["waiting"] = False
+                slots.release()
+                if isinstance(request, BaseException):
+                    raise request
                 if request is grpc.aio.EOF:
                     break
-                stream.touch(self.engine.clock())
                 async for response in self._handle(stream, request, context):
                     yield response
         except _StreamClosed as closed:
@@ -180,7 +196,24 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             log.exception("stream %s: unexpected failure", stream.id)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; the stream was closed")
         finally:
+            reader.cancel()
             self.engine.close(stream, "client" if not forced else "forced")
+
+    async def _read_ahead(self, context, stream: Stream, slots: asyncio.Semaphore, queue: asyncio.Queue) -> None:
+        """Moves requests from the wire to ``queue``, at most ``max_queued_steps`` not yet
+        taken; ends with EOF or the exception the read raised (an abort included)."""
+        try:
+            while True:
+                await slots.acquire()
+                request = await context.read()
+                stream.touch(self.engine.clock())
+                queue.put_nowait(request)
+                if request is grpc.aio.EOF:
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            queue.put_nowait(exc)
 
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
