@@ -1,0 +1,36 @@
+"""The committed stubs match the proto, and the proto follows the project's conventions."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import pytest
+
+from service.api import gqa_pb2
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("grpc_tools") is None, reason="grpcio-tools (dev extra) not installed")
+def test_generated_stubs_have_not_drifted(tmp_path):
+    spec = importlib.util.spec_from_file_location("generate", ROOT / "proto" / "generate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for fresh in module.generate(tmp_path):
+        committed = ROOT / "service" / "api" / fresh.name
+        assert committed.read_text() == fresh.read_text(), f"{committed} differs from the proto: run `make proto`"
+
+
+def test_enums_start_with_unspecified():
+    for enum in gqa_pb2.DESCRIPTOR.enum_types_by_name.values():
+        zero = enum.values_by_number[0].name
+        assert zero.endswith("_UNSPECIFIED"), zero
+
+
+def test_package_and_services():
+    assert gqa_pb2.DESCRIPTOR.package == "gqa.v1"
+    service = gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"]
+    assert set(service.methods_by_name) == {"DecodeStep", "Decode", "GetServerInfo"}
+    decode = service.methods_by_name["Decode"]
+    assert decode.client_streaming and decode.server_streaming
