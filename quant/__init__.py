@@ -5,6 +5,7 @@ from .int8 import (
     SCALE_DTYPES,
     dequantize_int8,
     dequantize_int8_residual,
+    hadamard_rotation,
     quantize_int8,
     quantize_int8_residual,
 )
@@ -14,6 +15,7 @@ __all__ = [
     "SCALE_DTYPES",
     "dequantize_int8",
     "dequantize_int8_residual",
+    "hadamard_rotation",
     "quantize_int8",
     "quantize_int8_residual",
 ]

@@ -37,6 +37,7 @@ __all__ = [
     "SCALE_DTYPES",
     "dequantize_int8",
     "dequantize_int8_residual",
+    "hadamard_rotation",
     "quantize_int8",
     "quantize_int8_residual",
 ]
@@ -165,3 +166,25 @@ def dequantize_int8_residual(codes: torch.Tensor, scales: torch.Tensor, dtype: t
     """The sum of the pieces of ``quantize_int8_residual``."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return (codes.to(work) * scales.to(work).unsqueeze(-1)).sum(0).to(dtype)
+
+
+def hadamard_rotation(d: int, dtype: torch.dtype = torch.float32, device="cpu") -> torch.Tensor:
+    """An orthonormal, symmetric (D, D) matrix that spreads outlier channels over the row.
+
+    Per-row absmax quantization spends its whole range on a row's largest value, so a few
+    outlier channels (common in keys) coarsen every other channel of every token. Rotating rows
+    by a normalized Hadamard matrix first (QuaRot, SpinQuant) mixes each channel into all the
+    others, so the absmax falls to a few times the row's RMS; attention is unchanged because
+    ``(q H) . (k H) = q . k`` and ``sum p (v H) = (sum p v) H``. ``H @ H = I``.
+
+    Sylvester's construction needs a power of two; for other D the matrix is block diagonal
+    with the largest power-of-two block that divides D (D odd: the identity, no mixing).
+    """
+    if d < 1:
+        raise ValueError(f"d must be >= 1, got {d}")
+    block = d & -d  # the largest power of two dividing d
+    h = torch.ones((1, 1), dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
+    h = h / block**0.5
+    return torch.block_diag(*([h] * (d // block))).to(dtype=dtype, device=device)

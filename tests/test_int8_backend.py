@@ -1,0 +1,436 @@
+"""The int8 backend at two levels (STYLE.md, "Quantized caches at two levels"):
+
+- kernel correctness: its output against the float64 oracle run on the *dequantized* cache
+  (what it stores), to float rounding of the exchanged dtype;
+- quantization budget: against the float64 oracle on the *original* data, a relative L2 error
+  of at most ``BUDGET``, on N(0, 1) data and on data with a few large outlier channels.
+
+Plus memory accounting, the contract of ``LayerCache`` (atomic steps, prefill, export,
+rollback), non-finite refusal and the raw codes' export/load round trip.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from backends.base import CacheSpec
+from backends.cpu import CPUBackend
+from backends.errors import CacheFullError
+from backends.int8 import KERNELS, Int8Backend, Int8Cache
+from backends.policy import EvictionPolicy
+from backends.registry import get_backend
+from quant import dequantize_int8, quantize_int8
+from tests.oracle import attended_positions, attention_ref
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+SCALE_DTYPES = [torch.float32, torch.float16]
+HEADS = [(8, 1), (32, 8), (16, 16)]
+HEAD_DIMS = [1, 64, 128]
+LENGTHS = [0, 1, 17, 97, 2048]
+BUDGET_LENGTHS = [1, 97, 2048]
+DATA_KINDS = ["normal", "outliers"]
+POLICIES = {
+    "none": EvictionPolicy.none(400),
+    "strict": EvictionPolicy.strict(64),
+    "greedy": EvictionPolicy.greedy(64, 80),
+    "sink": EvictionPolicy.sink(60, 4),
+}
+KERNEL_POLICIES = {
+    "none": EvictionPolicy.none(100),
+    "strict": EvictionPolicy.strict(24),
+    "greedy": EvictionPolicy.greedy(24, 32),
+    "sink": EvictionPolicy.sink(20, 4),
+}
+STREAM_STEPS = 300
+KERNEL_STEPS = 45  # enough to wrap every ring of KERNEL_POLICIES
+
+# Tolerances are data. Kernel: relative L2 error against the oracle on the dequantized cache;
+# float32 is float32 rounding, the halves are dominated by rounding the output to their dtype.
+KERNEL_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
+# The two kernels compute the same sums in different orders.
+KERNELS_AGREE_RTOL = 1e-5
+# Quantization budget against full precision on the original data. The issue's target is 1e-2;
+# per-token absmax int8 gives ~0.9% on N(0, 1) data (a half-step error of absmax / 254 with
+# absmax ~3 sigma), so that target holds there. With outlier channels every token's absmax grows:
+# measured with the Hadamard rotation 0.8-1.8% (S = 1..2048), without it 2.5-10%; the 1e-2
+# target is NOT met for outlier data and this documents the budget that is.
+BUDGET = {"normal": 1e-2, "outliers": 2.5e-2}
+# Outlier channels: this many channels of K and V, this many times larger than the rest.
+OUTLIER_CHANNELS = 4
+OUTLIER_GAIN = 20.0
+# The rotation must at least halve the outlier error at long S (measured ~5x).
+ROTATION_GAIN_MIN = 2.0
+# bytes per token at D = 128 relative to a float16 cache
+BYTES_RATIO_TARGET = 0.52
+
+
+def _ids(values):
+    return [str(v).removeprefix("torch.") for v in values]
+
+
+def _data(kind: str, shape, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(shape, generator=gen)
+    if kind == "outliers":
+        d = shape[-1]
+        channels = torch.randperm(d, generator=gen)[: min(OUTLIER_CHANNELS, d)]
+        x[..., channels] *= OUTLIER_GAIN
+    return x
+
+
+def _rel(out: torch.Tensor, ref: np.ndarray) -> float:
+    diff = out.double().numpy() - ref
+    return float(np.linalg.norm(diff) / np.linalg.norm(ref))
+
+
+def _spec(hq, hkv, d, dtype=torch.float32, policy=None, b=1):
+    return CacheSpec(b, hq, hkv, d, dtype, policy or EvictionPolicy.none(4096))
+
+
+def _dequantized(cache: Int8Cache):
+    """The stored rows in float64, in the original basis (the codes are of rotated rows)."""
+    kc, vc, ks, vs = cache.export_quantized()
+    k, v = dequantize_int8(kc, ks, torch.float64), dequantize_int8(vc, vs, torch.float64)
+    if cache.rotation is not None:
+        rot = cache.rotation.double()
+        k, v = k @ rot, v @ rot
+    return k.numpy(), v.numpy()
+
+
+def _attended_rows(cache: Int8Cache, policy_name: str):
+    """The dequantized rows the newest token attends to, from the position-order export."""
+    k, v = _dequantized(cache)
+    if policy_name == "greedy":  # resident slack beyond the window is kept but not attended
+        w = cache.policy.window
+        k, v = k[:, :, -w:], v[:, :, -w:]
+    return k, v
+
+
+# -- kernel correctness -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids(DTYPES))
+@pytest.mark.parametrize("length", LENGTHS, ids=[f"S{s}" for s in LENGTHS])
+def test_kernel_matches_oracle_on_dequantized_cache(length, dtype, kernel):
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator().manual_seed(length)
+    cache = Int8Backend(kernel=kernel).create_cache(_spec(hq, hkv, d, dtype, b=2))
+    cache.prefill(torch.randn(2, hkv, length, d, generator=gen).to(dtype), torch.randn(2, hkv, length, d, generator=gen).to(dtype))
+    q = torch.randn(2, hq, d, generator=gen).to(dtype)
+    out = cache.step(q, torch.randn(2, hkv, d, generator=gen).to(dtype), torch.randn(2, hkv, d, generator=gen).to(dtype)).output
+    assert out.dtype == dtype and out.shape == (2, hq, d)
+    k, v = _dequantized(cache)
+    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[dtype]
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"D{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("heads", HEADS, ids=[f"Hq{a}-Hkv{b}" for a, b in HEADS])
+def test_kernel_heads_widths_and_scale_dtypes(heads, d, scale_dtype):
+    hq, hkv = heads
+    gen = torch.Generator().manual_seed(d)
+    cache = Int8Backend(scale_dtype=scale_dtype).create_cache(_spec(hq, hkv, d, b=3))
+    cache.prefill(torch.randn(3, hkv, 33, d, generator=gen), torch.randn(3, hkv, 33, d, generator=gen))
+    q = torch.randn(3, hq, d, generator=gen)
+    out = cache.step(q, torch.randn(3, hkv, d, generator=gen), torch.randn(3, hkv, d, generator=gen)).output
+    k, v = _dequantized(cache)
+    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[torch.float32]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_kernel_matches_oracle_through_wrapped_rings(policy_name, kernel):
+    hq, hkv, d = 8, 2, 64
+    gen = torch.Generator().manual_seed(7)
+    cache = Int8Backend(kernel=kernel).create_cache(_spec(hq, hkv, d, policy=KERNEL_POLICIES[policy_name]))
+    worst = 0.0
+    for _ in range(KERNEL_STEPS):
+        q = torch.randn(1, hq, d, generator=gen)
+        out = cache.step(q, torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)).output
+        k, v = _attended_rows(cache, policy_name)
+        worst = max(worst, _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)))
+    assert worst <= KERNEL_RTOL[torch.float32]
+
+
+def test_kernels_agree():
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator().manual_seed(3)
+    keys, values = torch.randn(1, hkv, 500, d, generator=gen), torch.randn(1, hkv, 500, d, generator=gen)
+    q, k, v = torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    outs = []
+    for kernel in KERNELS:
+        cache = Int8Backend(kernel=kernel).create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.greedy(300, 400)))
+        cache.prefill(keys, values)
+        outs.append(cache.step(q, k, v).output)
+    assert torch.linalg.norm(outs[0] - outs[1]) <= KERNELS_AGREE_RTOL * torch.linalg.norm(outs[1])
+
+
+# -- quantization budget --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+@pytest.mark.parametrize("length", BUDGET_LENGTHS, ids=[f"S{s}" for s in BUDGET_LENGTHS])
+def test_budget_against_full_precision(length, kind):
+    hq, hkv, d = 32, 8, 128
+    gen = torch.Generator().manual_seed(11 + length)
+    keys, values = _data(kind, (1, hkv, length + 1, d), gen), _data(kind, (1, hkv, length + 1, d), gen)
+    q = torch.randn(1, hq, d, generator=gen)
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d))
+    cache.prefill(keys[:, :, :length], values[:, :, :length])
+    out = cache.step(q, keys[:, :, length], values[:, :, length]).output
+    ref = attention_ref(q.double().numpy(), keys.double().numpy(), values.double().numpy(), hq, hkv)
+    assert _rel(out, ref) <= BUDGET[kind]
+
+
+def test_rotation_is_what_keeps_outliers_in_budget():
+    hq, hkv, d, length = 32, 8, 128, 2048
+    gen = torch.Generator().manual_seed(17)
+    keys, values = _data("outliers", (1, hkv, length + 1, d), gen), _data("outliers", (1, hkv, length + 1, d), gen)
+    q = torch.randn(1, hq, d, generator=gen)
+    ref = attention_ref(q.double().numpy(), keys.double().numpy(), values.double().numpy(), hq, hkv)
+    errors = {}
+    for rotate in (True, False):
+        cache = Int8Backend(rotate=rotate).create_cache(_spec(hq, hkv, d))
+        cache.prefill(keys[:, :, :length], values[:, :, :length])
+        errors[rotate] = _rel(cache.step(q, keys[:, :, length], values[:, :, length]).output, ref)
+    assert errors[False] >= ROTATION_GAIN_MIN * errors[True]
+
+
+@pytest.mark.parametrize("kind", DATA_KINDS)
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_budget_over_a_stream(policy_name, kind):
+    hq, hkv, d = 8, 2, 64
+    policy = POLICIES[policy_name]
+    gen = torch.Generator().manual_seed(5)
+    keys, values = _data(kind, (1, hkv, STREAM_STEPS, d), gen), _data(kind, (1, hkv, STREAM_STEPS, d), gen)
+    queries = torch.randn(STREAM_STEPS, 1, hq, d, generator=gen)
+    k64, v64 = keys.double().numpy(), values.double().numpy()
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=policy))
+    outs, refs = [], []
+    for t in range(STREAM_STEPS):
+        outs.append(cache.step(queries[t], keys[:, :, t], values[:, :, t]).output)
+        pos = attended_positions(policy_name, t + 1, policy.window, policy.sinks)
+        refs.append(attention_ref(queries[t].double().numpy(), k64[:, :, pos], v64[:, :, pos], hq, hkv))
+    # the stream's output as a whole: one step's error alone varies with its few random tokens
+    assert _rel(torch.stack(outs), np.stack(refs)) <= BUDGET[kind]
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_reserved_bytes_are_codes_plus_scales(policy_name, scale_dtype):
+    b, hq, hkv, d = 2, 32, 8, 128
+    backend = Int8Backend(scale_dtype=scale_dtype)
+    spec = _spec(hq, hkv, d, torch.bfloat16, POLICIES[policy_name], b=b)
+    cache = backend.create_cache(spec)
+    scale_bytes = torch.empty((), dtype=scale_dtype).element_size()
+    expected = 2 * b * hkv * spec.capacity * (d + scale_bytes)
+    assert backend.cache_nbytes(spec) == cache.nbytes == expected
+    float16_row = 2 * b * hkv * d * 2
+    assert cache.row_bytes / float16_row <= BYTES_RATIO_TARGET
+    out = cache.step(torch.randn(b, hq, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16))
+    assert out.bytes_written == cache.row_bytes
+
+
+# -- the cache contract ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_bookkeeping_and_outputs_follow_the_cpu_backend(policy_name):
+    hq, hkv, d = 8, 2, 32
+    spec = _spec(hq, hkv, d, policy=KERNEL_POLICIES[policy_name])
+    int8, dense = Int8Backend().create_cache(spec), CPUBackend().create_cache(spec)
+    gen = torch.Generator().manual_seed(9)
+    outs, dense_outs = [], []
+    for _ in range(KERNEL_STEPS):
+        args = (torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen))
+        a, b = int8.step(*args), dense.step(*args)
+        assert (a.tokens_seen, a.resident, a.first_position, a.last_position, a.evicted_tokens, a.attended) == (
+            b.tokens_seen, b.resident, b.first_position, b.last_position, b.evicted_tokens, b.attended
+        )
+        outs.append(a.output)
+        dense_outs.append(b.output)
+    diff = torch.linalg.norm(torch.stack(outs) - torch.stack(dense_outs))
+    assert diff <= BUDGET["normal"] * torch.linalg.norm(torch.stack(dense_outs))
+    ek, ev = int8.export()
+    dk, dv = dense.export()
+    assert ek.shape == dk.shape and ev.shape == dv.shape
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_ids(DTYPES))
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_prefill_quantizes_on_arrival_and_export_is_in_position_order(policy_name, dtype):
+    hkv, d, n = 2, 16, 150
+    policy = POLICIES[policy_name]
+    gen = torch.Generator().manual_seed(13)
+    keys, values = torch.randn(1, hkv, n, d, generator=gen).to(dtype), torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+    kept = [p for r in policy.resident(n) for p in r]
+    # without the rotation the stored codes are exactly quant's codes of the kept positions
+    plain = Int8Backend(rotate=False).create_cache(_spec(4, hkv, d, dtype, policy))
+    plain.prefill(keys, values)
+    kc, vc, ks, vs = plain.export_quantized()
+    want_kc, want_ks = quantize_int8(keys[:, :, kept])
+    want_vc, want_vs = quantize_int8(values[:, :, kept])
+    assert torch.equal(kc, want_kc) and torch.equal(ks, want_ks)
+    assert torch.equal(vc, want_vc) and torch.equal(vs, want_vs)
+    ek, ev = plain.export()
+    assert ek.dtype == dtype and ek.shape == (1, hkv, len(kept), d)
+    assert torch.equal(ek, dequantize_int8(want_kc, want_ks, dtype))
+    assert torch.equal(ev, dequantize_int8(want_vc, want_vs, dtype))
+    # rotated (the default): each exported row is its own position's, to half a step (+ rounding)
+    rotated = Int8Backend().create_cache(_spec(4, hkv, d, dtype, policy))
+    rotated.prefill(keys, values)
+    _, _, ks, vs = rotated.export_quantized()
+    ek, ev = rotated.export()
+    slack = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+    for got, want, scales in ((ek, keys, ks), (ev, values, vs)):
+        want = want[:, :, kept].double()
+        # a rotated error of at most scale/2 per channel is at most scale/2 * sqrt(D) per row
+        err = torch.linalg.norm(got.double() - want, dim=-1)
+        bound = scales.double() / 2 * d**0.5 + slack * torch.linalg.norm(want, dim=-1)
+        assert bool((err <= bound).all())
+
+
+def test_failed_step_restores_codes_and_scales_bit_exactly(monkeypatch):
+    hq, hkv, d = 4, 2, 8
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(5)))
+    for _ in range(7):  # the ring has wrapped: the next write overwrites a live row
+        cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
+    before = cache.export_quantized()
+    raw_before = [t.clone() for t in (cache._k, cache._v, cache._ks, cache._vs)]
+
+    def boom(*_):
+        raise RuntimeError("attention failed")
+
+    monkeypatch.setattr(cache, "_attend", boom)
+    with pytest.raises(RuntimeError, match="attention failed"):
+        cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d) * 100, torch.randn(1, hkv, d) * 100)
+    assert cache.tokens_seen == 7
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.export_quantized()))
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, (cache._k, cache._v, cache._ks, cache._vs)))
+
+
+def test_full_cache_under_none_is_refused_unchanged():
+    cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.none(3)))
+    for _ in range(3):
+        cache.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    before = cache.export_quantized()
+    with pytest.raises(CacheFullError):
+        cache.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.export_quantized()))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("target", ["query", "new_key", "new_value"])
+def test_non_finite_step_input_is_refused_before_writing(target, bad):
+    hq, hkv, d = 4, 2, 8
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(3)))
+    for _ in range(4):
+        cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
+    raw_before = [t.clone() for t in (cache._k, cache._v, cache._ks, cache._vs)]
+    args = {"query": torch.randn(1, hq, d), "new_key": torch.randn(1, hkv, d), "new_value": torch.randn(1, hkv, d)}
+    args[target][0, 0, 1] = bad
+    with pytest.raises(ValueError, match=rf"^{target}: 1 non-finite"):
+        cache.step(args["query"], args["new_key"], args["new_value"])
+    assert cache.tokens_seen == 4
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, (cache._k, cache._v, cache._ks, cache._vs)))
+    cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))  # still usable
+
+
+def test_non_finite_prefill_is_refused_and_the_cache_stays_empty():
+    cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.sink(4, 2)))
+    keys, values = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+    values[0, 1, 8, 3] = float("inf")  # in the last run written: the first runs must not land
+    with pytest.raises(ValueError, match="prefill value"):
+        cache.prefill(keys, values)
+    assert cache.tokens_seen == 0
+    assert not bool(cache._k.any()) and not bool(cache._ks.any())
+
+
+def test_rollback_is_the_base_contract():
+    cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.greedy(4, 8)))
+    for _ in range(6):
+        cache.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    k_before, _, _, _ = cache.export_quantized()
+    cache.rollback(2)
+    k_after, _, _, _ = cache.export_quantized()
+    assert cache.tokens_seen == 4 and torch.equal(k_after, k_before[:, :, :4])
+
+
+# -- raw codes: export / load ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_export_load_quantized_round_trip_is_bit_exact(policy_name, scale_dtype):
+    hq, hkv, d = 8, 2, 16
+    backend = Int8Backend(scale_dtype=scale_dtype)
+    spec = _spec(hq, hkv, d, torch.bfloat16, KERNEL_POLICIES[policy_name])
+    gen = torch.Generator().manual_seed(21)
+
+    def args():
+        return tuple(torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d)))
+
+    source = backend.create_cache(spec)
+    for _ in range(KERNEL_STEPS):
+        source.step(*args())
+    saved = source.export_quantized()
+    copy = backend.create_cache(spec)
+    copy.load_quantized(*saved, tokens_seen=source.tokens_seen)
+    assert copy.tokens_seen == source.tokens_seen
+    assert all(torch.equal(a, b) for a, b in zip(saved, copy.export_quantized()))
+    via_state = backend.create_cache(spec)
+    via_state.load_state(source.tokens_seen, source.export_state())
+    assert all(torch.equal(a, b) for a, b in zip(saved, via_state.export_quantized()))
+    for _ in range(5):
+        step = args()
+        a, b = source.step(*step), copy.step(*step)
+        assert torch.equal(a.output, b.output) and (a.resident, a.first_position) == (b.resident, b.first_position)
+
+
+def test_load_quantized_refuses_bad_input_and_stores_nothing():
+    backend = Int8Backend()
+    spec = _spec(4, 2, 8, policy=EvictionPolicy.strict(4))
+    source = backend.create_cache(spec)
+    for _ in range(6):
+        source.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    kc, vc, ks, vs = source.export_quantized()
+    target = backend.create_cache(spec)
+    with pytest.raises(ValueError, match="key codes expected shape"):
+        target.load_quantized(kc, vc, ks, vs, tokens_seen=3)  # L(3) = 3, not 4
+    with pytest.raises(TypeError, match="value codes"):
+        target.load_quantized(kc, vc.int(), ks, vs, tokens_seen=6)
+    with pytest.raises(TypeError, match="key scales"):
+        target.load_quantized(kc, vc, ks.half(), vs, tokens_seen=6)
+    bad = kc.clone()
+    bad[0, 0, 0, 0] = -128
+    with pytest.raises(ValueError, match="-128"):
+        target.load_quantized(bad, vc, ks, vs, tokens_seen=6)
+    with pytest.raises(ValueError, match="value scales"):
+        target.load_quantized(kc, vc, ks, vs.neg(), tokens_seen=6)
+    assert target.tokens_seen == 0 and not bool(target._k.any())
+    target.load_quantized(kc, vc, ks, vs, tokens_seen=6)
+    with pytest.raises(ValueError, match="already holds"):
+        target.load_quantized(kc, vc, ks, vs, tokens_seen=6)
+
+
+def test_empty_export_quantized_has_the_right_shapes():
+    cache = Int8Backend(scale_dtype=torch.float16).create_cache(_spec(4, 2, 8, b=3))
+    kc, vc, ks, vs = cache.export_quantized()
+    assert kc.shape == vc.shape == (3, 2, 0, 8) and kc.dtype == torch.int8
+    assert ks.shape == vs.shape == (3, 2, 0) and ks.dtype == torch.float16
+
+
+# -- selection -------------------------------------------------------------------------------------
+
+
+def test_registry_and_capabilities():
+    backend = get_backend("int8")
+    assert isinstance(backend, Int8Backend)
+    assert backend.reasons_against(_spec(4, 2, 8, torch.bfloat16)) == []
+    reasons = backend.reasons_against(_spec(4, 2, 8, torch.float64))
+    assert len(reasons) == 1 and reasons[0].startswith("int8: dtype float64")
