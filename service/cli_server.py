@@ -27,9 +27,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     try:
         config = from_args(args)
-    except ConfigError as exc:
+        return run(config)
+    except ConfigError as exc:  # also a token file that holds no usable token
         return fail(str(exc))
-    return run(config)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
