@@ -31,6 +31,8 @@ DTYPE_NAMES = {
     gqa_pb2.DTYPE_BFLOAT16: "bfloat16",
 }
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
+# Larger dimensions could only describe empty tensors, which torch cannot even size.
+MAX_DIM = (1 << 31) - 1
 
 
 def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
@@ -50,8 +52,8 @@ def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
     shape = tuple(message.shape)
     if rank is not None and len(shape) != rank:
         raise InvalidArgument(f"{name}.shape: expected {rank} dimensions, got {list(shape)}")
-    if any(d < 0 for d in shape):
-        raise InvalidArgument(f"{name}.shape: dimensions must be >= 0, got {list(shape)}")
+    if any(d < 0 or d > MAX_DIM for d in shape):
+        raise InvalidArgument(f"{name}.shape: dimensions must be in 0..{MAX_DIM}, got {list(shape)}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     count = math.prod(shape)
     if count * itemsize != len(message.data):
