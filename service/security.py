@@ -25,7 +25,7 @@ from collections.abc import Callable
 import grpc
 
 from .config import ConfigError, ServerConfig
-from .errors import ServiceError
+from .errors import InvalidArgument, ServiceError
 
 __all__ = [
     "server_credentials",
@@ -170,21 +170,27 @@ class _GuardedContext:
         return getattr(self._context, name)
 
     async def read(self):
+        # Raised, not aborted: the read may happen on a task other than the handler's (the
+        # servicer's read-ahead), and only the handler may end the call.
         message = await self._context.read()
         if message is _MALFORMED:
-            await _refuse_malformed(self._context, self._method)
+            raise _malformed(self._method)
         return message
 
 
+def _malformed(method: str) -> InvalidArgument:
+    return InvalidArgument(f"a request message of {method.rpartition('/')[2]} is not valid protobuf for its type")
+
+
 async def _refuse_malformed(context, method: str):
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                        f"a request message of {method} is not valid protobuf for its type")
+    error = _malformed(method)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
 
 
-async def _guarded_iterator(requests, context, method: str):
+async def _guarded_iterator(requests, method: str):
     async for message in requests:
         if message is _MALFORMED:
-            await _refuse_malformed(context, method)
+            raise _malformed(method)
         yield message
 
 
@@ -216,7 +222,7 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
     @staticmethod
     async def _prepare(request, context, method: str, request_streaming: bool):
         if request_streaming:
-            return _guarded_iterator(request, context, method), _GuardedContext(context, method)
+            return _guarded_iterator(request, method), _GuardedContext(context, method)
         if request is _MALFORMED:
             await _refuse_malformed(context, method)
         return request, _GuardedContext(context, method)

@@ -192,6 +192,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             await context.abort(_status(closed.error.code), closed.error.message)
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
             raise
+        except ServiceError as exc:  # a request that does not parse, found by the read-ahead
+            await context.abort(_status(exc.code), exc.message)
         except Exception:
             log.exception("stream %s: unexpected failure", stream.id)
             await context.abort(grpc.StatusCode.INTERNAL, "internal error; the stream was closed")
