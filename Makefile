@@ -1,6 +1,7 @@
 # gqa-serve: every entry point sets up what it needs on a fresh machine.
 #   make run    - install, then start the service on the CPU backend at 127.0.0.1:50051
 #   make test   - install, then run the test suite (GPU tests skipped where no GPU)
+#   make soak   - install, then the load test for longer (GQA_SOAK_STEPS, GQA_SOAK_STREAMS)
 #   make bench  - install, then run the benchmarks (writes bench-results/*.json)
 #   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
 
@@ -11,7 +12,7 @@ STAMP  := $(VENV)/.installed
 EXTRAS ?= dev,bench,triton
 ADDRESS ?= 127.0.0.1:50051
 
-.PHONY: install tools run test bench proto gpu-check clean
+.PHONY: install tools run test soak bench proto gpu-check clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +35,11 @@ run: install
 
 test: install tools
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/python -m pytest -m "not gpu"
+
+# The load test, longer: 256 streams x 3000 steps (GQA_SOAK_STREAMS / GQA_SOAK_STEPS to change).
+soak: install
+	GQA_SOAK_STREAMS=$${GQA_SOAK_STREAMS:-256} GQA_SOAK_STEPS=$${GQA_SOAK_STEPS:-3000} \
+		$(BIN)/python -m pytest tests/test_load.py -s -q
 
 bench: install
 	$(BIN)/python -m tests.bench
