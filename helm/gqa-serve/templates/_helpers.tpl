@@ -95,7 +95,7 @@ through int64 so that YAML's float64 never prints as 2.147483648e+09.
   value: {{ $s.backend | quote }}
 - name: GQA_DTYPE
   value: {{ $s.dtype | quote }}
-{{- range $key, $env := dict "maxStreams" "GQA_MAX_STREAMS" "maxCacheBytes" "GQA_MAX_CACHE_BYTES" "maxCapacity" "GQA_MAX_CAPACITY" "maxLayers" "GQA_MAX_LAYERS" "maxHeads" "GQA_MAX_HEADS" "maxHeadDim" "GQA_MAX_HEAD_DIM" "maxBatchSize" "GQA_MAX_BATCH_SIZE" "maxMessageBytes" "GQA_MAX_MESSAGE_BYTES" "maxQueuedSteps" "GQA_MAX_QUEUED_STEPS" "inlineStepBytes" "GQA_INLINE_STEP_BYTES" "workers" "GQA_WORKERS" }}
+{{- range $key, $env := dict "maxStreams" "GQA_MAX_STREAMS" "maxCacheBytes" "GQA_MAX_CACHE_BYTES" "maxCapacity" "GQA_MAX_CAPACITY" "maxLayers" "GQA_MAX_LAYERS" "maxHeads" "GQA_MAX_HEADS" "maxHeadDim" "GQA_MAX_HEAD_DIM" "maxBatchSize" "GQA_MAX_BATCH_SIZE" "maxMessageBytes" "GQA_MAX_MESSAGE_BYTES" "maxQueuedSteps" "GQA_MAX_QUEUED_STEPS" "inlineStepBytes" "GQA_INLINE_STEP_BYTES" "workers" "GQA_WORKERS" "torchThreads" "GQA_TORCH_THREADS" }}
 - name: {{ $env }}
   value: {{ index $s $key | int64 | quote }}
 {{- end }}
