@@ -7,7 +7,11 @@ Nothing here imports ``triton`` in this process.
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import math
+import os
+import re
 import subprocess
 import sys
 
@@ -295,3 +299,18 @@ def test_gpu_rejected_step_leaves_the_cache_unchanged():
     assert cache.tokens_seen == 7
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
 
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (the 'triton' extra)")
+def test_gpu_bench_script_runs_on_cpu_under_the_interpreter(tmp_path):
+    """The GPU run is rare and short: its benchmark script must not fail on a typo. Tiny shapes on
+    CPU tensors under TRITON_INTERPRET=1 go through every line of it (timings meaningless)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", GQA_BENCH_DIR=str(tmp_path))
+    proc = subprocess.run([sys.executable, "-m", "tests.bench.gpu_bench", "--cpu-smoke"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode in (0, 1), proc.stdout + proc.stderr
+    assert re.search(r"^targets: \d+ passed, \d+ failed$", proc.stdout, re.M), proc.stdout
+    records = json.loads((tmp_path / "gpu.json").read_text())["records"]
+    shapes = [r for r in records if r["kind"] == "shape"]
+    assert len(shapes) == 2 and all(r["max_abs_diff_vs_sdpa"] < 1e-2 for r in shapes), shapes
+    assert any(r["kind"] == "sweep" for r in records) and any(r["kind"] == "target" for r in records)
