@@ -84,17 +84,10 @@ def _mm(a, b, UPCAST: tl.constexpr):
     # Triton's CPU interpreter multiplies bfloat16 operands wrongly (as of 3.9); there, and only
     # there, the operands (already rounded to their GPU dtype) are widened first.
     if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32))
-    return tl.dot(a, b)
-
-
-@triton.jit
-def _widen_codes(codes, dtype: tl.constexpr, UPCAST: tl.constexpr):
-    # int8 codes are exact in float16/bfloat16. The interpreter (3.9) converts int8 to bfloat16
-    # wrongly, so there they go straight to float32 (the product widens to it anyway).
-    if UPCAST:
-        return codes.to(tl.float32)
-    return codes.to(dtype)
+        out = tl.dot(a.to(tl.float32), b.to(tl.float32))
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit(do_not_specialize=["s0", "l0", "s1", "l1", "s2", "n_total"])
@@ -147,7 +140,15 @@ def _split_kernel(
         if QUANT:
             ks = tl.load(KS + pid_n * stride_ksn + row, mask=n_mask, other=0.0).to(tl.float32)
             vs = tl.load(VS + pid_n * stride_vsn + row, mask=n_mask, other=0.0).to(tl.float32)
-            qk = _mm(q, tl.trans(_widen_codes(k, q.dtype, UPCAST)), UPCAST) * (ks * qk_scale)[None, :]
+            # int8 codes are exact in float16/bfloat16. The interpreter (3.9) converts int8 to
+            # bfloat16 wrongly, so there they go straight to float32 (as _mm would widen them).
+            if UPCAST:
+                kq = k.to(tl.float32)
+                vq = v.to(tl.float32)
+            else:
+                kq = k.to(q.dtype)
+                vq = v.to(q.dtype)
+            qk = _mm(q, tl.trans(kq), UPCAST) * (ks * qk_scale)[None, :]
         else:
             qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
         # Every block holds at least one valid row (lo < hi), so m_new is finite.
@@ -157,7 +158,7 @@ def _split_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if QUANT:
-            pv = _mm((p * vs[None, :]).to(q.dtype), _widen_codes(v, q.dtype, UPCAST), UPCAST)
+            pv = _mm((p * vs[None, :]).to(q.dtype), vq, UPCAST)
         else:
             pv = _mm(p.to(v.dtype), v, UPCAST)
         acc = acc * alpha[:, None] + pv

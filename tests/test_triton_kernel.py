@@ -198,8 +198,61 @@ def _worker(path: str) -> None:
     torch.save(results, path)
 
 
+def _aot_worker(path: str) -> None:
+    """Compiles the split kernel ahead of time for sm_90 (no GPU needed: Triton bundles ptxas)
+    with the alignment the JIT infers for 16-byte aligned tensors, and counts load/MMA forms."""
+    import json
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from backends import triton_decode as td
+
+    fn = td._split_kernel
+    names = fn.arg_names
+    report = {}
+    for dtype, quant in AOT_VARIANTS:
+        ptr = "*" + dtype
+        sig, const = {}, dict(G=4, D=128, G_PAD=16, D_PAD=128, BLOCK_N=td.DEFAULT_CONFIG.block_n,
+                              QUANT=quant, DIRECT=False, UPCAST=False)
+        for n in names:
+            if n in const:
+                sig[n] = "constexpr"
+            elif n == "Q":
+                sig[n] = ptr
+            elif n in ("K", "V"):
+                sig[n] = "*i8" if quant else ptr
+            elif n in ("KS", "VS"):
+                sig[n] = "*fp32" if quant else ptr
+            elif n in ("O", "LSE"):
+                sig[n] = "*fp32"
+            else:
+                sig[n] = "fp32" if n == "qk_scale" else "i32"
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+                 if sig[n].startswith("*") or n.startswith("stride") or n == "chunk"}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages))
+        ptx = kernel.asm["ptx"]
+        report[f"{dtype}-{'int8' if quant else 'dense'}"] = dict(
+            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
+            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
+            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
+        )
+    with open(path, "w") as f:
+        json.dump(report, f)
+
+
+AOT_VARIANTS = [("fp16", False), ("bf16", False), ("fp16", True), ("bf16", True)]
+
+
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    if sys.argv[1] == "--aot":
+        _aot_worker(sys.argv[2])
+    else:
+        _worker(sys.argv[1])
     sys.exit(0)
 
 
@@ -334,3 +387,22 @@ BAD_INPUTS = {
 def test_bad_inputs_are_refused_with_a_clear_error(interpreted, name):
     got = interpreted["errors"][name]
     assert got is not None and got.startswith(BAD_INPUTS[name]), got
+
+
+def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
+    """No GPU needed: the compiled (not interpreted) kernel for sm_90 must stream K/V with
+    16-byte asynchronous or vector loads and use tensor-core MMAs; scalar 2-byte loads of the
+    cache would cap the bandwidth far below the target."""
+    import json
+
+    path = tmp_path / "aot.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_kernel", "--aot", str(path)],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"ahead-of-time compile failed:\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(path.read_text())
+    assert len(report) == len(AOT_VARIANTS)
+    for name, counts in report.items():
+        assert counts["mma"] > 0, (name, counts)
+        assert counts["vector_or_async"] > 0 and counts["scalar_b16"] == 0, (name, counts)
