@@ -38,7 +38,8 @@ STREAMS = 60
 SPREAD = (15, 25)
 STEPS_BEFORE = 3
 STEPS_AFTER = 3
-CAPACITY = 64
+CAPACITY = 1024  # > the paced drain loop's rounds: (GRACE_S + 15) / DRAIN_PACE_S + steps before and after
+DRAIN_PACE_S = 0.05
 GRACE_S = 1.0
 STARTUP_S = 40.0
 HQ, HKV, D = 4, 2, 8
@@ -232,6 +233,7 @@ async def scenario(replicas: list[Replica]) -> dict:
             assert time.monotonic() < deadline, f"replica {victim} did not exit:\n{replicas[victim].log()}"
             await asyncio.gather(*(s.step() for s in survivors))
             drain_steps += 1
+            await asyncio.sleep(DRAIN_PACE_S)  # bounded: the streams' capacity is finite
         assert replicas[victim].proc.returncode == 0, replicas[victim].log()
 
         ended = {}
