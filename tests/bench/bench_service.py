@@ -179,6 +179,8 @@ def run(report) -> None:
 
     rows = []
     results = {}
+    # One event loop for every cell: grpc.aio's poller outlives a loop closed under it.
+    loop = asyncio.new_event_loop()
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         try:
@@ -189,7 +191,7 @@ def run(report) -> None:
                 report.add(S=s, in_process_step_us_all_cores=in_process_step_seconds(s, os.cpu_count() or 1) * 1e6)
                 for c in CONCURRENCY:
                     for kind in ("echo", "service"):
-                        r = asyncio.run(drive(procs[kind][1], s, c))
+                        r = loop.run_until_complete(drive(procs[kind][1], s, c))
                         results[(kind, s, c)] = r
                         report.add(server=kind, S=s, streams=c, in_process_step_us=local * 1e6, **r)
                     e, v = results[("echo", s, c)], results[("service", s, c)]
@@ -200,6 +202,7 @@ def run(report) -> None:
             for proc, _ in procs.values():
                 proc.terminate()
                 proc.wait(20)
+            loop.close()
     print(table(["S", "streams", "echo p50 us", "svc p50 us", "step us", "svc/(echo+step)", "echo p99 us",
                  "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo"], rows))
     one = [r for r in rows if r[1] == 1]
