@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import time
 
@@ -239,18 +240,29 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
     async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
-        config = self._stream_config(request)
-        prefill = {}
-        cost = 0
-        for i, entry in enumerate(request.prefill):
-            if entry.layer in prefill:
-                raise InvalidArgument(f"open.prefill[{i}].layer: layer {entry.layer} appears twice")
-            prefill[entry.layer] = (
-                from_proto(entry.key, f"open.prefill[{i}].key", rank=4),
-                from_proto(entry.value, f"open.prefill[{i}].value", rank=4),
-            )
-            cost += len(entry.key.data) + len(entry.value.data)
+        with self._refusals_counted():
+            config = self._stream_config(request)
+            prefill = {}
+            cost = 0
+            for i, entry in enumerate(request.prefill):
+                if entry.layer in prefill:
+                    raise InvalidArgument(f"open.prefill[{i}].layer: layer {entry.layer} appears twice")
+                prefill[entry.layer] = (
+                    from_proto(entry.key, f"open.prefill[{i}].key", rank=4),
+                    from_proto(entry.value, f"open.prefill[{i}].value", rank=4),
+                )
+                cost += len(entry.key.data) + len(entry.value.data)
+        # From here the engine reports its own refusals (budget, streams, backend...).
         return await self._compute(cost, self.engine.open, config, prefill)
+
+    @contextlib.contextmanager
+    def _refusals_counted(self):
+        """Opens refused before they reach the engine count as refusals too (reason invalid)."""
+        try:
+            yield
+        except ServiceError:
+            self.engine.observer.open_refused("invalid")
+            raise
 
     async def _restore(self, first, context) -> Stream:
         """Reads the snapshot's chunks (the first already read) and opens the stream from them."""
@@ -266,10 +278,11 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 raise InvalidArgument("restore: every message up to the one with `last` set must be `restore`")
             chunks.append(request.restore)
             received += request.restore.ByteSize()
-        if not chunks[0].HasField("config"):
-            raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
-        config = self._stream_config(chunks[0].config)
-        layers = snapshot.decode(chunks, config)
+        with self._refusals_counted():
+            if not chunks[0].HasField("config"):
+                raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
+            config = self._stream_config(chunks[0].config)
+            layers = snapshot.decode(chunks, config)
         cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
         return await self._compute(cost, self.engine.open, config, None, layers)
 

@@ -129,6 +129,10 @@ def test_refused_open_counts_by_reason_and_grpc_code():
         assert _wait_for(lambda: m.value("grpc_server_handled_total", {**decode, "grpc_code": "ResourceExhausted"}) == 1)
         assert m.value("grpc_server_msg_sent_total", decode) == 0
         assert m.value("grpc_server_msg_received_total", decode) == 1
+        # An open the servicer refuses before the engine (a window of 0) counts as invalid.
+        seen = run_stream(server.address, open_request("strict", 0, SHAPE), [])
+        assert seen.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert m.value("gqa_stream_open_refusals_total", {"reason": "invalid"}) == 1
 
 
 def test_unary_rpcs_count_messages_and_codes(server):
