@@ -39,11 +39,19 @@ def step_request(rid: int, layer: int, q, k, v) -> gqa_pb2.DecodeRequest:
 
 
 class Session:
-    """One Decode stream driven request by request: ``send`` then ``recv``."""
+    """One Decode stream driven request by request: ``send`` then ``recv``.
 
-    def __init__(self, channel: grpc.Channel, open_msg: gqa_pb2.OpenStream, metadata=None):
+    Opened with ``open_msg``, or from a snapshot's chunks with ``restore``.
+    """
+
+    def __init__(self, channel: grpc.Channel, open_msg: gqa_pb2.OpenStream | None = None, metadata=None, *,
+                 restore: list[gqa_pb2.SnapshotChunk] | None = None):
         self._requests: queue.Queue = queue.Queue()
-        self._requests.put(gqa_pb2.DecodeRequest(request_id=0, open=open_msg))
+        if restore is not None:
+            for chunk in restore:
+                self._requests.put(gqa_pb2.DecodeRequest(request_id=0, restore=chunk))
+        else:
+            self._requests.put(gqa_pb2.DecodeRequest(request_id=0, open=open_msg))
         stub = gqa_pb2_grpc.AttentionServiceStub(channel)
         self.call = stub.Decode(iter(self._requests.get, _END), metadata=metadata)
         self._rid = 0
@@ -61,6 +69,18 @@ class Session:
         response = self.recv()
         assert response.request_id == self._rid
         return response
+
+    def snapshot(self, rid: int = 900) -> list[gqa_pb2.SnapshotChunk]:
+        """The stream's snapshot: every chunk of the reply, up to the one with ``last``."""
+        self.send(gqa_pb2.DecodeRequest(request_id=rid, snapshot=gqa_pb2.SnapshotRequest()))
+        chunks = []
+        while True:
+            resp = self.recv()
+            assert resp.request_id == rid
+            assert resp.WhichOneof("kind") == "snapshot", resp
+            chunks.append(resp.snapshot)
+            if resp.snapshot.last:
+                return chunks
 
     def output(self, response) -> torch.Tensor:
         assert response.step.status.code == 0, response.step.status.message

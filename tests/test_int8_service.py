@@ -14,7 +14,6 @@ from service.config import ServerConfig
 from service.server import ServerThread
 from tests.client import Session, open_message
 from tests.oracle import attended_positions, attention_ref
-from tests.test_lifecycle import RestoredSession, take_snapshot
 
 B, HQ, HKV, D = 1, 8, 2, 32
 POLICIES = {
@@ -70,9 +69,9 @@ def test_int8_stream_over_the_wire(channel, policy):
     resp = session.step(0, torch.zeros(B, HQ, D), bad, torch.zeros(B, HKV, D))
     assert resp.step.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
     # A snapshot carries codes and scales: the restored stream continues bit-identically.
-    chunks = take_snapshot(session)
+    chunks = session.snapshot()
     assert any(c.key.dtype == gqa_pb2.DTYPE_INT8 for c in chunks[1:])
-    restored = RestoredSession(channel, chunks)
+    restored = Session(channel, restore=chunks)
     for _ in range(5):
         q, k, v = (torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g),
                    torch.randn(B, HKV, D, generator=g))

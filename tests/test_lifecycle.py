@@ -148,34 +148,6 @@ def test_rollback_over_the_wire(channel):
     fresh.close()
 
 
-def take_snapshot(session, rid=900):
-    session.send(gqa_pb2.DecodeRequest(request_id=rid, snapshot=gqa_pb2.SnapshotRequest()))
-    chunks = []
-    while True:
-        resp = session.recv()
-        assert resp.request_id == rid
-        assert resp.WhichOneof("kind") == "snapshot", resp
-        chunks.append(resp.snapshot)
-        if resp.snapshot.last:
-            return chunks
-
-
-class RestoredSession(Session):
-    def __init__(self, channel, chunks, metadata=None):
-        import queue
-
-        from service.api import gqa_pb2_grpc
-        from tests.client import _END
-
-        self._requests = queue.Queue()
-        for chunk in chunks:
-            self._requests.put(gqa_pb2.DecodeRequest(request_id=0, restore=chunk))
-        stub = gqa_pb2_grpc.AttentionServiceStub(channel)
-        self.call = stub.Decode(iter(self._requests.get, _END), metadata=metadata)
-        self._rid = 1000
-        self.opened = next(self.call).opened
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -206,11 +178,11 @@ def test_snapshot_restore_on_another_process_is_bit_identical(channel, policy_na
     session = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=3, prefill=prefill, **cfg))
     for i, x in enumerate(tokens(g, 25)):
         session.step(i % 2, *x)
-    chunks = take_snapshot(session)
+    chunks = session.snapshot()
     assert len(chunks) >= 2
     proc, other = start_server_process()
     try:
-        restored = RestoredSession(other, chunks)
+        restored = Session(other, restore=chunks)
         assert list(restored.opened.tokens_seen) == [13, 42, 0]
         for i, x in enumerate(tokens(g, 30)):
             a = session.output(session.step(i % 3, *x))
@@ -232,10 +204,10 @@ def test_large_snapshot_is_chunked_under_the_message_limit(channel):
         prefill = (torch.randn(1, HKV, 400, D, generator=g), torch.randn(1, HKV, 400, D, generator=g))
         for i in range(400):
             session.step(layer, torch.zeros(1, HQ, D), prefill[0][:, :, i], prefill[1][:, :, i])
-    chunks = take_snapshot(session)
+    chunks = session.snapshot()
     assert len(chunks) >= 5
     assert all(c.ByteSize() < 64 << 10 for c in chunks)
-    restored = RestoredSession(channel, chunks)
+    restored = Session(channel, restore=chunks)
     (q, k, v), = tokens(g)
     assert torch.equal(session.output(session.step(0, q, k, v)), restored.output(restored.step(0, q, k, v)))
     session.close()
@@ -274,12 +246,12 @@ def test_bad_snapshot_is_refused(channel, server, mangle, word):
     session = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, **POLICIES["strict"]))
     for x in tokens(g, 4):
         session.step(0, *x)
-    chunks = take_snapshot(session)
+    chunks = session.snapshot()
     reserved = server.engine.bytes_reserved
     bad = mangle(chunks)
     with pytest.raises(grpc.RpcError) as info:
         if bad[-1].last:
-            RestoredSession(channel, bad)
+            Session(channel, restore=bad)
         else:  # the client closes before the last chunk
             from service.api import gqa_pb2_grpc
 
@@ -314,7 +286,7 @@ def test_migration_while_draining_loses_no_step():
         while health.Check(health_pb2.HealthCheckRequest()).status != health_pb2.HealthCheckResponse.NOT_SERVING:
             assert time.monotonic() < deadline
             time.sleep(0.02)
-        moved = RestoredSession(new, take_snapshot(session))
+        moved = Session(new, restore=session.snapshot())
         session.close()
         outputs += [moved.output(moved.step((30 + i) % 2, *x)) for i, x in enumerate(script[30:])]
         moved.close()
