@@ -139,3 +139,40 @@ def test_unknown_exceptions_become_a_fixed_internal_status(monkeypatch):
             gqa_pb2_grpc.AttentionServiceStub(ch).GetServerInfo(gqa_pb2.GetServerInfoRequest(), timeout=10)
         assert info.value.code() == grpc.StatusCode.INTERNAL
         assert info.value.details() == "internal error"
+
+
+def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
+    """While a step computes, the server reads at most ``max_queued_steps`` more requests of
+    that stream; the rest wait in the transport (HTTP/2 flow control)."""
+    import threading
+
+    from service.engine import Stream
+
+    release = threading.Event()
+    touched: list[int] = []
+    original_step, original_touch = Stream.step, Stream.touch
+
+    def slow_step(self, *args):
+        release.wait(30)
+        return original_step(self, *args)
+
+    def counting_touch(self, now):
+        touched.append(1)
+        original_touch(self, now)
+
+    monkeypatch.setattr(Stream, "step", slow_step)
+    monkeypatch.setattr(Stream, "touch", counting_touch)
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_queued_steps=2,
+                          inline_step_bytes=0)  # steps on the pool, so the loop stays free to read
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as channel:
+        session = Session(channel, open_message())
+        for rid in range(1, 11):
+            session.send(step_request(rid, 0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)))
+        # One request computing, two queued behind it: three read, however long we wait.
+        assert wait_until(lambda: len(touched) >= 3, timeout=10)
+        assert not wait_until(lambda: len(touched) > 3, timeout=1.0)
+        release.set()
+        replies = [session.recv() for _ in range(10)]
+        assert [r.request_id for r in replies] == list(range(1, 11))
+        assert all(r.step.status.code == 0 for r in replies)
+        session.close()
