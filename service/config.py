@@ -76,6 +76,12 @@ class ServerConfig:
     metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on the host of --address (0: off)"})
     """Port of the Prometheus exposition, on the same host as ``address``; 0 turns it off."""
 
+    max_connection_age_s: float = field(default=0.0, metadata={
+        "help": "seconds after which a client connection is asked to reconnect (0: never)"})
+    """After this long the server sends a connection GOAWAY: streams already open on it go on
+    untouched (no grace limit), new RPCs make the client reconnect, and so re-resolve DNS and
+    reach pods added since (gRPC balances per connection). 0 keeps connections forever."""
+
     log_level: str = field(default="INFO", metadata={"help": "logging level"})
 
     # -- transport security and authentication (service/security.py) --------------------------
@@ -115,6 +121,8 @@ class ServerConfig:
                 raise ConfigError(f"--{_flag(name)}: must be positive, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"--idle-timeout-s: must be positive, got {self.idle_timeout_s}")
+        if self.max_connection_age_s < 0:
+            raise ConfigError(f"--max-connection-age-s: must be >= 0, got {self.max_connection_age_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"--grace-period-s: must be >= 0, got {self.grace_period_s}")
         if self.workers < 0:

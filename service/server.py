@@ -69,6 +69,9 @@ class Server:
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
+        if config.max_connection_age_s > 0:
+            # No max_connection_age_grace: a GOAWAY never cuts a stream that is already open.
+            options.append(("grpc.max_connection_age_ms", int(config.max_connection_age_s * 1000)))
         self.grpc = grpc.aio.server(options=options, interceptors=interceptors)
         self.servicer = AttentionServicer(self.engine, config, self.pool)
         gqa_pb2_grpc.add_AttentionServiceServicer_to_server(self.servicer, self.grpc)

@@ -386,3 +386,24 @@ def test_health_and_reflection(channel):
     responses = list(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
     names = {s.name for s in responses[0].list_services_response.service}
     assert {"gqa.v1.AttentionService", "grpc.health.v1.Health"} <= names
+
+
+def test_connection_age_never_cuts_an_open_stream():
+    """--max-connection-age-s sends GOAWAY so clients reconnect (and re-resolve); a stream that
+    is open on the old connection goes on stepping, and new streams open on a fresh one."""
+    import time
+
+    config = dataclasses.replace(BASE, max_connection_age_s=0.3)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as ch:
+        old = Session(ch, open_message())
+        deadline = time.monotonic() + 1.5  # several connection ages
+        steps = 0
+        while time.monotonic() < deadline:
+            assert old.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
+            steps += 1
+            time.sleep(0.05)
+        new = Session(ch, open_message())
+        assert new.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
+        assert old.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.tokens_seen == steps + 1
+        old.close()
+        new.close()

@@ -103,6 +103,8 @@ through int64 so that YAML's float64 never prints as 2.147483648e+09.
   value: {{ $s.idleTimeoutSeconds | toString | quote }}
 - name: GQA_GRACE_PERIOD_S
   value: {{ $s.gracePeriodSeconds | toString | quote }}
+- name: GQA_MAX_CONNECTION_AGE_S
+  value: {{ $s.maxConnectionAgeSeconds | toString | quote }}
 - name: GQA_LOG_LEVEL
   value: {{ $s.logLevel | quote }}
 {{- if include "gqa-serve.gpu" . }}
