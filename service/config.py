@@ -76,6 +76,12 @@ class ServerConfig:
     metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on the host of --address (0: off)"})
     """Port of the Prometheus exposition, on the same host as ``address``; 0 turns it off."""
 
+    health_port: int = field(default=0, metadata={
+        "help": "plaintext port serving only grpc.health.v1, for probes when the main port uses TLS (0: off)",
+        "optional_env": True})
+    """A second, plaintext port on the host of ``address`` with the health service alone:
+    kubelet's ``grpc:`` probes cannot speak TLS. It reveals nothing but SERVING/NOT_SERVING."""
+
     max_connection_age_s: float = field(default=0.0, metadata={
         "help": "seconds after which a client connection is asked to reconnect (0: never)"})
     """After this long the server sends a connection GOAWAY: streams already open on it go on
@@ -121,6 +127,8 @@ class ServerConfig:
                 raise ConfigError(f"--{_flag(name)}: must be positive, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
             raise ConfigError(f"--idle-timeout-s: must be positive, got {self.idle_timeout_s}")
+        if not 0 <= self.health_port < 65536:
+            raise ConfigError(f"--health-port: expected 0..65535, got {self.health_port}")
         if self.max_connection_age_s < 0:
             raise ConfigError(f"--max-connection-age-s: must be >= 0, got {self.max_connection_age_s}")
         if self.grace_period_s < 0:

@@ -84,6 +84,17 @@ class Server:
             self.port = self.grpc.add_secure_port(config.address, credentials)
         if not self.port:
             raise OSError(f"cannot bind {config.address}")
+        # A plaintext port with health alone, for probes that cannot speak TLS (kubelet's grpc
+        # probe): the same HealthServicer, so a drain shows NOT_SERVING on both ports.
+        self.health_grpc: grpc.aio.Server | None = None
+        self.health_port = 0
+        if config.health_port:
+            self.health_grpc = grpc.aio.server()
+            health_pb2_grpc.add_HealthServicer_to_server(self.health, self.health_grpc)
+            health_address = f"{config.host}:{config.health_port}"
+            self.health_port = self.health_grpc.add_insecure_port(health_address)
+            if not self.health_port:
+                raise OSError(f"cannot bind {health_address} (--health-port / GQA_HEALTH_PORT)")
         self._reaper: asyncio.Task | None = None
         self._stopped = asyncio.Event()
 
@@ -107,6 +118,8 @@ class Server:
         # Probe the backends before reporting SERVING: the first probe imports optional modules.
         await self.servicer.backend_infos()
         await self.grpc.start()
+        if self.health_grpc is not None:
+            await self.health_grpc.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever())
@@ -138,6 +151,8 @@ class Server:
         if self._reaper is not None:
             self._reaper.cancel()
         await self.grpc.stop(grace)
+        if self.health_grpc is not None:
+            await self.health_grpc.stop(None)
         self.pool.shutdown(wait=False, cancel_futures=True)
         if self.metrics is not None:
             self.metrics.stop_http()

@@ -275,3 +275,42 @@ def test_termination_grace_shorter_than_drain_is_refused(helm_env):
                    check=False)
     assert run.returncode != 0
     assert "terminationGracePeriodSeconds" in run.stderr
+
+
+TLS_SET = ["--set", "tls.enabled=true", "--set", "tls.secretName=gqa-tls", "--set", "tls.clientAuth=true"]
+
+
+@needs_helm
+@needs_validate
+def test_tls_variant_mounts_the_secret_and_probes_the_plaintext_health_port(helm_env, tmp_path):
+    text = template(helm_env, *TLS_SET).stdout
+    path = tmp_path / "tls.yaml"
+    path.write_text(text)
+    run = subprocess.run([KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    pod = _deployment(text)["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    env = _env(container)
+    assert env["GQA_TLS_CERT_FILE"] == "/etc/gqa-serve/tls/tls.crt"
+    assert env["GQA_TLS_KEY_FILE"] == "/etc/gqa-serve/tls/tls.key"
+    assert env["GQA_TLS_CLIENT_CA_FILE"] == "/etc/gqa-serve/tls/ca.crt"
+    health = next(p["containerPort"] for p in container["ports"] if p["name"] == "health")
+    assert env["GQA_HEALTH_PORT"] == str(health)
+    # kubelet's grpc probes speak plaintext only: with TLS on they go to the health port.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["grpc"]["port"] == health
+    mounts = {m["name"]: m for m in container["volumeMounts"]}
+    assert mounts["tls"]["mountPath"] == "/etc/gqa-serve/tls" and mounts["tls"]["readOnly"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == "gqa-tls"
+    # Without TLS the probes use the gRPC port and nothing of the above is rendered.
+    plain = _container(template(helm_env).stdout)
+    assert plain["readinessProbe"]["grpc"]["port"] == 50051
+    assert not any(k.startswith("GQA_TLS") or k == "GQA_HEALTH_PORT" for k in _env(plain))
+
+
+@needs_helm
+def test_tls_without_a_secret_fails_at_install(helm_env):
+    run = template(helm_env, "--set", "tls.enabled=true", check=False)
+    assert run.returncode != 0 and "tls.secretName" in run.stderr

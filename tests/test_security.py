@@ -166,6 +166,21 @@ def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, files):
             assert _refused(lambda: _info(ch)).code() == grpc.StatusCode.UNAVAILABLE
 
 
+def test_plaintext_health_port_for_probes_beside_mutual_tls(pki, files):
+    """kubelet's grpc probe cannot speak TLS: --health-port serves grpc.health.v1 alone in
+    plaintext, and follows the drain; the attention service is not reachable there."""
+    from tests.test_cli import free_port
+
+    config = dataclasses.replace(BASE, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"],
+                                 tls_client_ca_file=files["ca"], health_port=free_port())
+    with ServerThread(config) as srv:
+        with grpc.insecure_channel(f"127.0.0.1:{srv.server.health_port}") as ch:
+            assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
+            assert _refused(lambda: _info(ch)).code() == grpc.StatusCode.UNIMPLEMENTED
+            srv.call(srv.server.health.enter_graceful_shutdown())
+            assert _health(ch) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
 # -- bearer token -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def token_server(files):

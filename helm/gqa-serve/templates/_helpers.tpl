@@ -111,7 +111,27 @@ through int64 so that YAML's float64 never prints as 2.147483648e+09.
 - name: TRITON_CACHE_DIR
   value: /tmp/triton
 {{- end }}
+{{- if .Values.tls.enabled }}
+- name: GQA_TLS_CERT_FILE
+  value: /etc/gqa-serve/tls/tls.crt
+- name: GQA_TLS_KEY_FILE
+  value: /etc/gqa-serve/tls/tls.key
+{{- if .Values.tls.clientAuth }}
+- name: GQA_TLS_CLIENT_CA_FILE
+  value: /etc/gqa-serve/tls/ca.crt
+{{- end }}
+- name: GQA_HEALTH_PORT
+  value: {{ .Values.ports.health | int | quote }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
+{{- end }}
+
+{{/*
+The port kubelet probes: the gRPC port, or with TLS the plaintext health-only port (kubelet's
+grpc probe cannot speak TLS).
+*/}}
+{{- define "gqa-serve.probePort" -}}
+{{- if .Values.tls.enabled }}{{ .Values.ports.health }}{{ else }}{{ .Values.ports.grpc }}{{ end }}
 {{- end }}
