@@ -143,6 +143,9 @@ def merge_runs(runs: list[tuple[int, int]]) -> list[tuple[int, int]]:
 class LayerCache(abc.ABC):
     """One layer of one stream: ring-layout bookkeeping over storage the subclass owns."""
 
+    # The ``encoding`` of this cache's ``export_state``, which ``load_state`` accepts.
+    state_encoding: ClassVar[str] = "dense"
+
     def __init__(self, spec: CacheSpec):
         self.spec = spec
         self.policy = spec.policy
@@ -308,12 +311,20 @@ class LayerCache(abc.ABC):
         return {"encoding": "dense", "key": keys, "value": values}
 
     def load_state(self, tokens_seen: int, state: dict) -> None:
-        """Restores ``export_state`` output into an empty cache; ``ValueError`` if inconsistent."""
-        if state.get("encoding") == "empty":
+        """Restores ``export_state`` output into an empty cache; ``ValueError`` if inconsistent.
+
+        A layer with nothing resident travels as encoding "empty"; any other encoding must be
+        this cache's own (``state_encoding``) and is loaded by ``_load_state``.
+        """
+        encoding = state.get("encoding")
+        if encoding == "empty":
             self._check_empty(tokens_seen)
             return
-        if state.get("encoding") != "dense":
-            raise ValueError(f"snapshot encoding {state.get('encoding')!r} does not fit a dense cache")
+        if encoding != self.state_encoding:
+            raise ValueError(f"snapshot encoding {encoding!r} does not fit a {self.state_encoding!r} cache")
+        self._load_state(tokens_seen, state)
+
+    def _load_state(self, tokens_seen: int, state: dict) -> None:
         keys, values = state["key"], state["value"]
         self._check_state(tokens_seen, keys, values, self.spec.dtype)
         self._store_resident(tokens_seen, keys, values)

@@ -75,6 +75,8 @@ def _chunks(a: int, b: int, size: int):
 class Int8Cache(LayerCache):
     """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring."""
 
+    state_encoding = "int8"
+
     def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto",
                  rotate: bool = True):
         super().__init__(spec)
@@ -207,15 +209,9 @@ class Int8Cache(LayerCache):
     def export_state(self) -> dict:
         """The stored codes and scales, bit-exact (``encoding`` "int8"), for snapshots."""
         kc, vc, ks, vs = self.export_quantized()
-        return {"encoding": "int8", "key": kc, "value": vc, "key_scale": ks, "value_scale": vs}
+        return {"encoding": self.state_encoding, "key": kc, "value": vc, "key_scale": ks, "value_scale": vs}
 
-    def load_state(self, tokens_seen: int, state: dict) -> None:
-        """Restores ``export_state`` output into an empty cache; ``ValueError`` if inconsistent."""
-        if state.get("encoding") == "empty":
-            self._check_empty(tokens_seen)
-            return
-        if state.get("encoding") != "int8":
-            raise ValueError(f"snapshot encoding {state.get('encoding')!r} does not fit an int8 cache")
+    def _load_state(self, tokens_seen: int, state: dict) -> None:
         try:
             self.load_quantized(state["key"], state["value"], state["key_scale"], state["value_scale"], tokens_seen)
         except (KeyError, TypeError) as exc:
