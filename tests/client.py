@@ -22,6 +22,9 @@ DTYPE = {torch.float32: gqa_pb2.DTYPE_FLOAT32, torch.float16: gqa_pb2.DTYPE_FLOA
 
 _END = object()
 
+# Test channels take messages as large as the server's default limit (64 MiB), not gRPC's 4 MiB.
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
+
 
 def open_message(*, batch=1, hq=4, hkv=2, d=8, layers=1, policy="strict", window=8, capacity=0, sinks=0,
                  dtype=torch.float32, backend="", prefill=None) -> gqa_pb2.OpenStream:

@@ -23,7 +23,7 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.server import ServerThread
 from service.tensors import from_proto
-from tests.client import Session, open_message, step_request
+from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref
 
@@ -34,7 +34,6 @@ POLICIES = {
     "greedy": dict(policy="greedy", window=6, capacity=11),
     "sink": dict(policy="sink", window=6, sinks=2),
 }
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
 def make_policy(cfg) -> EvictionPolicy:

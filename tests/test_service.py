@@ -14,11 +14,10 @@ from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
 from service.server import ServerThread
 from service.tensors import from_proto, to_proto
-from tests.client import Session, open_message, step_request, wait_until
+from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request, wait_until
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref, decode_step_ref
 
-CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 BASE = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0)
 
 
