@@ -26,10 +26,19 @@ COPY quant ./quant
 
 FROM build-base AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# The int8 backend's C kernel is compiled here, into the venv, so the runtime image needs no
+# compiler (GQA_KERNEL_CACHE below). It takes no -march flag: it runs on any x86-64 node and
+# picks its AVX-512 path at run time. Debian packages are not version-pinned: the base image
+# fixes the release, and a pin would break rebuilds when Debian replaces a version.
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && rm -rf /var/lib/apt/lists/*
 # torch first, from the CPU index, so that the project's exact pin is already satisfied by the
 # CPU build and pip never reaches for the multi-GB default (CUDA) wheel.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src
+ && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src \
+ && python -m backends.native build /opt/venv/lib/gqa-kernels
 
 FROM build-base AS build-cuda
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
@@ -68,5 +77,6 @@ ENTRYPOINT ["/opt/venv/bin/gqa-serve", "serve"]
 
 FROM runtime-base AS cpu
 COPY --from=build-cpu /opt/venv /opt/venv
+ENV GQA_KERNEL_CACHE=/opt/venv/lib/gqa-kernels
 USER 10001:10001
 ENTRYPOINT ["/opt/venv/bin/gqa-serve", "serve"]

@@ -18,6 +18,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	$(BIN)/python -m backends.native build
 	touch $@
 
 install: $(STAMP)

@@ -12,24 +12,34 @@ rotated by the same H, the output rotated back), so only the stored codes see it
 rotates back. On N(0, 1) data with 4 channels 20x larger it cuts the output error ~4x.
 
 Layout, as in the CPU backend: key codes transposed (B, Hkv, D, C), value codes (B, Hkv, C, D),
-scales (B, Hkv, C) each, all in the ring of ``base.LayerCache``.
+scales (B, Hkv, C) each, all in the ring of ``base.LayerCache``. From C = 4032 on, each key row
+is padded to a whole number of 64-byte lines (under 1/64 more), so that the kernel's blocks of
+64 positions are whole lines; the reservation counts the padding.
 
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
 scales into the attention weights::
 
     score[s] = (q . kcode[s]) * kscale[s]            out = sum_s (p[s] * vscale[s]) * vcode[s]
 
-and the two products run on the int8 codes themselves. Two kernels compute them:
+and the two products run on the int8 codes themselves. Three kernels compute them (measured
+side by side by ``python -m tests.bench int8``):
 
-- ``"int_mm"`` (default on the CPU): the float operand (the scaled query; the weights
-  ``p * vscale``) is split into three int8 pieces, each quantizing what the previous left
-  (``quant.quantize_int8_residual``), so it is reproduced to float32 resolution, and each
-  product is ``torch._int_mm`` (int8 x int8 -> int32, exact; oneDNN's VNNI/AMX kernels), read
-  straight from the cache. On the reference machine this runs about 4x faster than the float32
-  backend at S = 32768 (see ``tests/bench/bench_int8.py``).
-- ``"blocks"``: blocks of ``BLOCK`` codes are widened to float32 in a small reused workspace
-  that stays in cache, then a float matrix product; the fallback where ``torch._int_mm`` is
-  missing or unsuitable (other devices), and the comparison point in the benchmark.
+- ``"native"`` (the default on the CPU): ``backends/csrc/int8_decode.c`` through
+  ``backends.native``, built on first use. It reads each code once, widens it to float32 in
+  registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
+  but the output is written. On the reference machine at S = 32768: 2.8x faster than the float32
+  backend, 1.3x its memory floor. ``"native-portable"`` and ``"native-avx512"`` pick one of its
+  implementations (the default takes the fastest this CPU runs).
+- ``"int_mm"`` (the CPU fallback where no C compiler is at hand): the float operand (the scaled
+  query; the weights ``p * vscale``) is split into three int8 pieces, each quantizing what the
+  previous left (``quant.quantize_int8_residual``), so it is reproduced to float32 resolution,
+  and each product is ``torch._int_mm`` (int8 x int8 -> int32, exact), read straight from the
+  cache. The splitting passes make it about as fast as the float32 backend.
+- ``"blocks"``: blocks of ``BLOCK`` codes are widened to float32 by torch in a small reused
+  workspace that stays in cache, then a float matrix product; the path on other devices.
+
+An integer variant of the native kernel (int16 query and weights, AVX-512 VNNI products) was
+measured at 0-15% faster for 30x the kernel error (5e-5 against float32's 2e-6) and not kept.
 
 int32 sums of int8 products are exact while a product runs over at most ``_INT32_SAFE_ROWS``
 rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated in float32.
@@ -37,18 +47,26 @@ rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
 
 from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
+from . import native
 from .base import Backend, Capabilities, CacheSpec, LayerCache, scaled_query
 from .validation import dtype_name
 
-__all__ = ["Int8Backend", "Int8Cache", "int8_nbytes"]
+__all__ = ["Int8Backend", "Int8Cache", "default_kernel", "int8_nbytes"]
 
-KERNELS = ("int_mm", "blocks")
+log = logging.getLogger(__name__)
+
+# "native" runs the compiled kernel (``backends.native``) with the fastest implementation this
+# CPU has; "native-<isa>" picks one (the tests run each).
+NATIVE_ISAS = ("portable", "avx512")
+KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
 # Pieces the float operand of an int8 product is split into: 3 reach float32's resolution of
 # the row's absmax (each piece shrinks the error ~254x), 2 would leave ~1e-5 relative.
 PIECES = 3
@@ -60,11 +78,33 @@ def _has_int_mm() -> bool:
     return hasattr(torch, "_int_mm")
 
 
+def default_kernel(device) -> str:
+    """"native" on the CPU where it builds and loads, else "int_mm" there, else "blocks"."""
+    if torch.device(device).type != "cpu":
+        return "blocks"
+    ok, reason = native.available()
+    if ok:
+        return "native"
+    fallback = "int_mm" if _has_int_mm() else "blocks"
+    _warn_fallback(reason, fallback)
+    return fallback
+
+
+@functools.cache
+def _warn_fallback(reason: str, fallback: str) -> None:
+    log.warning("int8: the native kernel is unavailable (%s); using the %s kernel, 2-3x slower", reason, fallback)
+
+
+def _key_row_stride(capacity: int) -> int:
+    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
+
+
 def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype) -> int:
-    """Codes plus scales for keys and values: what ``Int8Cache`` allocates."""
+    """Codes plus scales for keys and values (key rows padded to 64 bytes once C >= 4032, under
+    1/64 more): what ``Int8Cache`` allocates."""
     b, h, c, d = spec.rows_shape
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    return 2 * b * h * c * (d + scale)
+    return b * h * (d * _key_row_stride(c) + d * c + 2 * c * scale)
 
 
 def _chunks(a: int, b: int, size: int):
@@ -81,17 +121,36 @@ class Int8Cache(LayerCache):
                  rotate: bool = True):
         super().__init__(spec)
         if kernel == "auto":
-            kernel = "int_mm" if _has_int_mm() and torch.device(spec.device).type == "cpu" else "blocks"
+            kernel = default_kernel(spec.device)
         if kernel not in KERNELS:
             raise ValueError(f"int8: unknown kernel {kernel!r} (known: {', '.join(KERNELS)})")
+        self._native = None
+        if kernel.startswith("native"):
+            if torch.device(spec.device).type != "cpu":
+                raise ValueError(f"int8: kernel {kernel!r} runs on the CPU only")
+            self._native = native.load()  # NativeUnavailable says why not
+            self._isa = kernel.partition("-")[2] or "auto"
+            if self._isa != "auto" and self._isa not in self._native.isas(spec.head_dim):
+                raise native.NativeUnavailable(
+                    f"int8: kernel {kernel!r} does not run here at head_dim {spec.head_dim} "
+                    f"(this CPU: {', '.join(self._native.isas(spec.head_dim))})"
+                )
         self.kernel = kernel
         self.scale_dtype = scale_dtype
         # Rows are stored rotated (``quant.hadamard_rotation``): outlier channels then cost a
         # few times less precision. H is symmetric and orthonormal, so it also rotates back.
         self.rotation = hadamard_rotation(spec.head_dim, device=spec.device) if rotate else None
+        # On the CPU the native library computes the same product as a fast Walsh-Hadamard
+        # transform without torch's thread pool (whose idle spinning would then slow the kernel);
+        # for every kernel alike, so that the stored codes never depend on the kernel chosen.
+        self._hadamard = None
+        if torch.device(spec.device).type == "cpu" and native.available()[0]:
+            self._hadamard = native.load().hadamard
         b, h, c, d = spec.rows_shape
         dev = spec.device
-        self._k = torch.zeros((b, h, d, c), dtype=torch.int8, device=dev)
+        # Key rows (one channel, every position) are padded to whole 64-byte lines once that
+        # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
+        self._k = torch.zeros((b, h, d, _key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
@@ -99,12 +158,16 @@ class Int8Cache(LayerCache):
     # -- storage ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes + self._ks.nbytes + self._vs.nbytes
+        return self._k.untyped_storage().nbytes() + self._v.nbytes + self._ks.nbytes + self._vs.nbytes
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
         x = x.to(torch.float32)
-        return x if self.rotation is None else x @ self.rotation
+        if self.rotation is None:
+            return x
+        if self._hadamard is not None and x.numel():
+            return self._hadamard(x)
+        return x @ self.rotation
 
     def _write_rows(self, start, keys, values):
         keys, values = self._rotate(keys), self._rotate(values)
@@ -221,13 +284,17 @@ class Int8Cache(LayerCache):
     def _attend(self, query, runs):
         s = self.spec
         n = s.batch_size * s.num_kv_heads
-        q = self._rotate(scaled_query(query, s.num_kv_heads))  # (N, G, D) float32
-        k = self._k.view(n, s.head_dim, s.capacity)
+        q = self._rotate(scaled_query(query, s.num_kv_heads)).contiguous()  # (N, G, D) float32
+        k = self._k.view(n, s.head_dim, s.capacity)  # rows stay evenly spaced (padded)
         v = self._v.view(n, s.capacity, s.head_dim)
         ks = _gather(self._ks.view(n, s.capacity), runs)
         vs = _gather(self._vs.view(n, s.capacity), runs)
-        kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
-        out = self._rotate(kernel(q, k, v, ks, vs, runs))
+        if self.kernel.startswith("native"):
+            out = self._native.attend(q, k, v, ks, vs, runs, isa=self._isa)
+        else:
+            kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
+            out = kernel(q, k, v, ks, vs, runs)
+        out = self._rotate(out)
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
 
 
@@ -342,6 +409,13 @@ class Int8Backend(Backend):
         self.scale_dtype = scale_dtype
         self.kernel = kernel
         self.rotate = rotate
+
+    @classmethod
+    def probe(cls) -> list[str]:
+        # Builds (about a second, once per machine) or loads the native kernel now, while the
+        # server starts, rather than in a stream's first step. Without it the torch kernels serve.
+        native.available()
+        return []
 
     def cache_nbytes(self, spec: CacheSpec) -> int:
         return int8_nbytes(spec, self.scale_dtype)

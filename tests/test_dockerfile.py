@@ -86,6 +86,17 @@ def test_cpu_target_takes_torch_from_the_cpu_index():
     assert "GQA_ADDRESS=0.0.0.0:50051" in " ".join(stages["runtime-base"])
 
 
+def test_cpu_image_carries_the_prebuilt_int8_kernel():
+    """The runtime stage has no compiler: the kernel is built in build-cpu into the directory
+    that GQA_KERNEL_CACHE names in the runtime stage (which copies the whole venv)."""
+    stages = _stages(DOCKERFILE.read_text())
+    built = re.search(r"python -m backends\.native build (\S+)", " ".join(stages["build-cpu"]))
+    assert built and built.group(1).startswith("/opt/venv/")
+    assert f"GQA_KERNEL_CACHE={built.group(1)}" in " ".join(stages["cpu"])
+    assert any("gcc" in line for line in stages["build-cpu"])
+    assert not any("gcc" in line for line in stages["cpu"] + stages["runtime-base"])
+
+
 def test_dockerignore_keeps_the_context_small():
     lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
              if line.strip() and not line.startswith("#")]

@@ -18,6 +18,7 @@ import torch
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import CacheFullError
+from backends import native
 from backends.int8 import KERNELS, Int8Backend, Int8Cache
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -66,6 +67,15 @@ ROTATION_GAIN_MIN = 2.0
 BYTES_RATIO_TARGET = 0.52
 
 
+def _kernel_params():
+    """Every kernel; a native implementation this CPU lacks is skipped, saying so."""
+    usable = native.load().isas(128)
+    for kernel in KERNELS:
+        isa = kernel.partition("-")[2] if kernel.startswith("native-") else None
+        skip = isa is not None and isa not in usable
+        yield pytest.param(kernel, marks=pytest.mark.skipif(skip, reason=f"this CPU cannot run the {isa} path"))
+
+
 def _ids(values):
     return [str(v).removeprefix("torch.") for v in values]
 
@@ -110,7 +120,7 @@ def _attended_rows(cache: Int8Cache, policy_name: str):
 # -- kernel correctness -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", list(_kernel_params()))
 @pytest.mark.parametrize("dtype", DTYPES, ids=_ids(DTYPES))
 @pytest.mark.parametrize("length", LENGTHS, ids=[f"S{s}" for s in LENGTHS])
 def test_kernel_matches_oracle_on_dequantized_cache(length, dtype, kernel):
@@ -139,7 +149,7 @@ def test_kernel_heads_widths_and_scale_dtypes(heads, d, scale_dtype):
     assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[torch.float32]
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", list(_kernel_params()))
 @pytest.mark.parametrize("policy_name", list(POLICIES))
 def test_kernel_matches_oracle_through_wrapped_rings(policy_name, kernel):
     hq, hkv, d = 8, 2, 64
@@ -159,12 +169,18 @@ def test_kernels_agree():
     gen = torch.Generator().manual_seed(3)
     keys, values = torch.randn(1, hkv, 500, d, generator=gen), torch.randn(1, hkv, 500, d, generator=gen)
     q, k, v = torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
-    outs = []
+    outs = {}
+    usable = native.load().isas(d)
     for kernel in KERNELS:
+        if kernel.startswith("native-") and kernel.partition("-")[2] not in usable:
+            continue
         cache = Int8Backend(kernel=kernel).create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.greedy(300, 400)))
         cache.prefill(keys, values)
-        outs.append(cache.step(q, k, v).output)
-    assert torch.linalg.norm(outs[0] - outs[1]) <= KERNELS_AGREE_RTOL * torch.linalg.norm(outs[1])
+        outs[kernel] = cache.step(q, k, v).output
+    assert len(outs) >= 4  # native (and its portable path), int_mm, blocks
+    ref = outs["blocks"]
+    for kernel, out in outs.items():
+        assert torch.linalg.norm(out - ref) <= KERNELS_AGREE_RTOL * torch.linalg.norm(ref), kernel
 
 
 # -- quantization budget --------------------------------------------------------------------------
@@ -234,6 +250,23 @@ def test_reserved_bytes_are_codes_plus_scales(policy_name, scale_dtype):
     assert cache.row_bytes / float16_row <= BYTES_RATIO_TARGET
     out = cache.step(torch.randn(b, hq, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16))
     assert out.bytes_written == cache.row_bytes
+
+
+def test_long_key_rows_are_padded_to_lines_and_counted():
+    """From C = 4032 each key row (one channel, every position) is padded to 64-byte lines, under
+    1/64 more; the reservation counts what is allocated, and the ratio target still holds."""
+    b, hq, hkv, d, c = 1, 8, 2, 128, 5000
+    backend = Int8Backend()
+    spec = _spec(hq, hkv, d, policy=EvictionPolicy.strict(c))
+    cache = backend.create_cache(spec)
+    padded = 5056
+    expected = b * hkv * (d * padded + d * c + 2 * c * 4)
+    assert backend.cache_nbytes(spec) == cache.nbytes == expected
+    assert cache._k.stride(-2) == padded and cache._k.shape[-1] == c
+    assert cache.row_bytes / (2 * b * hkv * d * 2) <= BYTES_RATIO_TARGET
+    # below the threshold nothing is padded
+    small = backend.create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(4000)))
+    assert small._k.stride(-2) == 4000
 
 
 # -- the cache contract ----------------------------------------------------------------------------

@@ -21,6 +21,7 @@ import torch
 
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
+from backends import native
 from backends.int8 import Int8Backend
 from backends.policy import EvictionPolicy
 from quant import dequantize_int8
@@ -61,6 +62,8 @@ def run(report) -> None:
         configs = [
             ("cpu float32", CPUBackend(), torch.float32),
             ("cpu bfloat16", CPUBackend(), torch.bfloat16),
+            ("int8 native", Int8Backend(kernel="native"), torch.float32),
+            ("int8 native-avx512", Int8Backend(kernel="native-avx512"), torch.float32),
             ("int8 int_mm", Int8Backend(kernel="int_mm"), torch.float32),
             ("int8 blocks", Int8Backend(kernel="blocks"), torch.float32),
         ]
@@ -84,25 +87,21 @@ def run(report) -> None:
             report.add(length=s, backend=name, bytes_per_token=cache.row_bytes,
                        ratio_vs_float16=cache.row_bytes / f16_bytes, step_seconds=secs, rel_l2=err,
                        kl_nats=_kl(w_ref, w))
-            if name == "int8 int_mm":
-                n = B * HKV
-                k_codes, v_codes = cache._k.view(n, D, -1), cache._v.view(n, -1, D)
-                one = torch.ones((1, D), dtype=torch.int8)
-                one_row = torch.ones((1, k_codes.shape[-1]), dtype=torch.int8)
+            if name == "int8 native":
+                kernel = native.load()
+                codes = (cache._k.view(-1, cache._k.shape[-1]), cache._v, cache._ks, cache._vs)
 
                 def floor():
-                    for h in range(n):
-                        torch._int_mm(one, k_codes[h])
-                        torch._int_mm(one_row, v_codes[h])
-                    return cache._ks.sum() + cache._vs.sum()
+                    return [kernel.read_bytes(t) for t in codes[1:]] + [kernel.read_bytes(codes[0].as_strided(
+                        (codes[0].untyped_storage().nbytes(),), (1,)))]
 
                 results["floor"] = median_seconds(floor, repeat=9, warmup=1, budget_s=BUDGET_S)
                 rows.append([s, "int8 floor", cache.row_bytes, cache.row_bytes / f16_bytes,
                              results["floor"] * 1e3, float("nan"), float("nan")])
                 report.add(length=s, backend="int8 floor", step_seconds=results["floor"])
             del cache
-        speedup = results["cpu float32"] / results["int8 int_mm"]
-        over_floor = results["int8 int_mm"] / results["floor"]
+        speedup = results["cpu float32"] / results["int8 native"]
+        over_floor = results["int8 native"] / results["floor"]
         report.add(length=s, int8_speedup_vs_float32=speedup, int8_over_floor=over_floor,
                    blocks_speedup_vs_float32=results["cpu float32"] / results["int8 blocks"])
         print(f"S={s}: int8 is {speedup:.2f}x faster than float32 (target >= 2 at 32768), "

@@ -1,0 +1,227 @@
+"""The compiled int8 decode kernel (``backends/csrc/int8_decode.c`` via ``backends.native``).
+
+The kernel is called directly on synthetic codes and scales and checked against the float64
+oracle on the same codes (it adds no quantization of its own), over each implementation this
+CPU runs, head widths that do and don't fill its 64-channel tiles, group sizes around its tile
+of 4 query heads, lengths around its 64-position blocks, ring runs that start off the block
+grid, and thread counts that split the positions. Then the build: cached by content, and every
+way it can fail says why.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from backends import native
+from backends.int8 import Int8Backend, default_kernel
+from quant import hadamard_rotation
+from tests.oracle import attention_ref
+
+KERNEL = native.load()  # this project's machines have a C compiler: failing to build is a failure
+ISAS = ["portable", "avx512"]
+HEAD_DIMS = [16, 48, 80, 128, 256]  # 48, 80: a 64-channel tile plus a 16-channel remainder
+GROUPS = [1, 3, 4, 5, 8]  # query heads per KV head, around the tile of 4
+LENGTHS = [1, 63, 64, 65, 1000]
+# float32 sums in a different order than float64: relative L2 of the output
+RTOL = 1e-5
+
+
+def _isa_param(isa: str, d: int = 128):
+    usable = isa in KERNEL.isas(d)
+    return pytest.param(isa, marks=pytest.mark.skipif(not usable, reason=f"this CPU cannot run the {isa} path at D={d}"))
+
+
+def _problem(n, g, d, capacity, gen):
+    q = torch.randn(n, g, d, generator=gen) / d**0.5
+    k = torch.randint(-127, 128, (n, d, capacity), generator=gen, dtype=torch.int8)
+    v = torch.randint(-127, 128, (n, capacity, d), generator=gen, dtype=torch.int8)
+    ks = torch.rand(n, capacity, generator=gen) * 0.02
+    vs = torch.rand(n, capacity, generator=gen) * 0.02
+    return q, k, v, ks, vs
+
+
+def _reference(q, k, v, ks, vs, runs):
+    """float64 attention over the dequantized codes of the runs, in run order."""
+    pos = np.concatenate([np.arange(a, b) for a, b in runs])
+    keys = (k.double().numpy().transpose(0, 2, 1)[:, pos] * ks.double().numpy()[:, pos, None])[None]
+    values = (v.double().numpy()[:, pos] * vs.double().numpy()[:, pos, None])[None]
+    n, g, _ = q.shape
+    # attention_ref scales by 1/sqrt(D); the kernel takes q already scaled
+    qd = q.double().numpy().reshape(1, n * g, -1) * q.shape[-1] ** 0.5
+    return attention_ref(qd, keys, values, n * g, n)[0].reshape(n, g, -1), pos
+
+
+def _rel(out, ref):
+    return float(np.linalg.norm(out.double().numpy() - ref) / np.linalg.norm(ref))
+
+
+@pytest.mark.parametrize("isa", [_isa_param(i) for i in ISAS])
+@pytest.mark.parametrize("d", HEAD_DIMS, ids=[f"D{d}" for d in HEAD_DIMS])
+@pytest.mark.parametrize("g", GROUPS, ids=[f"G{g}" for g in GROUPS])
+def test_matches_oracle_across_widths_and_groups(g, d, isa):
+    gen = torch.Generator().manual_seed(d * 10 + g)
+    q, k, v, ks, vs = _problem(2, g, d, 300, gen)
+    runs = [(0, 300)]
+    ref, pos = _reference(q, k, v, ks, vs, runs)
+    out = KERNEL.attend(q, k, v, ks[:, pos], vs[:, pos], runs, isa=isa)
+    assert out.shape == (2, g, d) and out.dtype == torch.float32
+    assert _rel(out, ref) <= RTOL
+
+
+@pytest.mark.parametrize("isa", [_isa_param(i) for i in ISAS])
+@pytest.mark.parametrize("length", LENGTHS, ids=[f"S{s}" for s in LENGTHS])
+def test_matches_oracle_across_lengths_runs_and_threads(length, isa):
+    gen = torch.Generator().manual_seed(length)
+    n, g, d, capacity = 1, 4, 128, 1200
+    q, k, v, ks, vs = _problem(n, g, d, capacity, gen)
+    # one run starting off the 64-position grid; the same positions as a wrapped ring's two runs
+    start = 37
+    run_sets = [[(start, start + length)]]
+    if length > 1:
+        cut = start + length // 2
+        run_sets.append([(cut, start + length), (start, cut)])
+    for runs in run_sets:
+        ref, pos = _reference(q, k, v, ks, vs, runs)
+        for threads in (1, 2, 3):  # one KV head: more threads means splits of the positions
+            out = KERNEL.attend(q, k, v, ks[:, pos].contiguous(), vs[:, pos].contiguous(), runs, isa=isa, threads=threads)
+            assert _rel(out, ref) <= RTOL, (runs, threads)
+
+
+def test_padded_key_rows_and_strided_scales():
+    """Key rows a line apart beyond C and scales as a column slice of the ring, as the cache has them."""
+    gen = torch.Generator().manual_seed(2)
+    n, g, d, c = 3, 2, 64, 200
+    q, _, v, ks_ring, vs_ring = _problem(n, g, d, c, gen)
+    k = torch.randint(-127, 128, (n, d, 256), generator=gen, dtype=torch.int8)[..., :c]
+    runs = [(10, 150)]
+    ref, pos = _reference(q, k.contiguous(), v, ks_ring, vs_ring, runs)
+    out = KERNEL.attend(q, k, v, ks_ring[:, 10:150], vs_ring[:, 10:150], runs)
+    assert _rel(out, ref) <= RTOL
+
+
+def test_zero_rows_and_peaked_scores_stay_finite():
+    n, g, d, c = 1, 4, 64, 130
+    gen = torch.Generator().manual_seed(4)
+    q, k, v, ks, vs = _problem(n, g, d, c, gen)
+    ks[:, :40] = 0.0  # all-zero rows (scale 0)
+    vs[:, :40] = 0.0
+    q *= 1000.0  # scores in the thousands: exp() must not overflow
+    runs = [(0, c)]
+    ref, _ = _reference(q, k, v, ks, vs, runs)
+    for isa in KERNEL.isas(d):
+        out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa)
+        assert bool(torch.isfinite(out).all())
+        assert _rel(out, ref) <= RTOL
+
+
+def test_bad_arguments_are_refused():
+    gen = torch.Generator().manual_seed(1)
+    q, k, v, ks, vs = _problem(1, 2, 32, 50, gen)
+    with pytest.raises(ValueError, match="float32"):
+        KERNEL.attend(q.double(), k, v, ks, vs, [(0, 50)])
+    with pytest.raises(ValueError, match="scales"):
+        KERNEL.attend(q, k, v, ks[:, :10], vs[:, :10], [(0, 50)])
+    with pytest.raises(ValueError, match="k must be"):
+        KERNEL.attend(q, k.transpose(1, 2), v, ks, vs, [(0, 50)])
+    with pytest.raises(RuntimeError, match="Invalid argument"):  # a run beyond the capacity
+        KERNEL.attend(q, k, v, torch.zeros(1, 60), torch.zeros(1, 60), [(0, 60)])
+    if "avx512" not in KERNEL.isas(24):  # D = 24 is not a multiple of 16
+        q24, k24, v24, ks24, vs24 = _problem(1, 2, 24, 50, gen)
+        with pytest.raises(RuntimeError, match="not supported"):
+            KERNEL.attend(q24, k24, v24, ks24, vs24, [(0, 50)], isa="avx512")
+
+
+@pytest.mark.parametrize("d", [1, 2, 12, 64, 128])
+def test_hadamard_is_the_rotation_product(d):
+    x = torch.randn(5, 3, d, generator=torch.Generator().manual_seed(d))
+    want = x.double() @ hadamard_rotation(d, torch.float64)
+    got = KERNEL.hadamard(x)
+    assert got.shape == x.shape
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(KERNEL.hadamard(got).double(), x.double(), atol=1e-5, rtol=1e-5)  # H H = I
+
+
+def test_read_bytes_reads_every_byte():
+    t = torch.randint(-128, 128, (1003,), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    words = np.frombuffer(t.numpy().tobytes()[:1000], dtype=np.uint64)
+    want = int(np.bitwise_xor.reduce(words)) ^ int(np.bitwise_xor.reduce(t.numpy()[1000:].view(np.uint8)))
+    for threads in (1, 2, 5):
+        assert KERNEL.read_bytes(t, threads) == want
+
+
+# -- the build -------------------------------------------------------------------------------------
+
+
+def test_build_is_cached_by_content(tmp_path, monkeypatch):
+    first = native.build(tmp_path)
+    mtime = first.stat().st_mtime_ns
+    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    changed = tmp_path / "changed.c"
+    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(native, "SOURCE", changed)
+    second = native.build(tmp_path)
+    assert second != first and second.exists()
+    assert len(list(tmp_path.glob("*.so"))) == 2  # no temporaries left
+
+
+def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("GQA_KERNEL_CACHE", str(tmp_path / "k"))
+    assert native.cache_dir() == tmp_path / "k"
+    monkeypatch.delenv("GQA_KERNEL_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert native.cache_dir() == tmp_path / "xdg" / "gqa-serve"
+
+
+def test_missing_compiler_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with pytest.raises(native.NativeUnavailable, match="cannot run the C compiler"):
+        native.build(tmp_path / "cache")
+
+
+def test_compiler_errors_are_reported(tmp_path, monkeypatch):
+    broken = tmp_path / "broken.c"
+    broken.write_text("int f(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(native, "SOURCE", broken)
+    with pytest.raises(native.NativeUnavailable, match="undeclared_name"):
+        native.build(tmp_path / "cache")
+    assert not [p for p in (tmp_path / "cache").iterdir()]  # the failed output was removed
+
+
+def test_unwritable_cache_says_so(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(native.NativeUnavailable, match="not writable"):
+        native.build(blocker / "sub")
+
+
+def test_backend_falls_back_to_torch_kernels_without_the_native_one(monkeypatch):
+    monkeypatch.setattr(native, "available", lambda: (False, "no C compiler"))
+    assert default_kernel("cpu") == "int_mm"
+    assert default_kernel("meta") == "blocks"
+    monkeypatch.undo()
+    assert default_kernel("cpu") == "native"
+    assert Int8Backend().create_cache(_spec()).kernel == "native"
+
+
+def _spec():
+    from backends.base import CacheSpec
+    from backends.policy import EvictionPolicy
+
+    return CacheSpec(1, 4, 2, 32, torch.float32, EvictionPolicy.none(16))
+
+
+def test_prebuild_command(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-m", "backends.native", "build", str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    built = [p for p in tmp_path.iterdir() if p.suffix == ".so"]
+    assert len(built) == 1 and str(built[0]) in done.stdout and "portable" in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "backends.native"], capture_output=True, text=True, env=env, timeout=60)
+    assert bad.returncode == 2 and "usage" in bad.stderr
