@@ -161,6 +161,12 @@ class LayerCache(abc.ABC):
     def _write_rows(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Stores (B, Hkv, n, D) keys and values at rows ``start .. start+n-1``."""
 
+    def _write_token(self, position: int, row: int, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Stores a step's token (B, Hkv, 1, D) at ``row``; a cache whose storage depends on the
+        position (the int8 cache's calibration) overrides it. ``_save_rows(row, row + 1)``
+        must cover everything it changes."""
+        self._write_rows(row, key, value)
+
     @abc.abstractmethod
     def _read_rows(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows ``[start, stop)`` as (B, Hkv, n, D) tensors in the spec's dtype (a copy)."""
@@ -235,7 +241,7 @@ class LayerCache(abc.ABC):
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
-            self._write_rows(row, new_key.unsqueeze(2), new_value.unsqueeze(2))
+            self._write_token(t, row, new_key.unsqueeze(2), new_value.unsqueeze(2))
             attended = self.policy.attended(t + 1)
             output = self._attend(query, merge_runs(self._runs(attended)))
         except BaseException:

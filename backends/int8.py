@@ -1,25 +1,39 @@
 """The int8 backend: KV caches stored as int8 codes plus one scale per (token, KV head).
 
 Streams exchange float tensors (float32, bfloat16, float16); each new token's key and value are
-quantized on append (``quant.quantize_int8``, absmax / 127 per row of D), so a position costs
-``2 * (D + scale bytes)`` per KV head instead of ``2 * D * 2`` in float16 (0.52x at D = 128 with
-float32 scales, 0.51x with float16 ones).
+quantized on append (``quant.quantize_int8``, absmax / 127 per row, scales in float16 by
+default). A position costs, per KV head, D - O key codes, O float16 key channels, D value codes
+and two scales: 264 bytes at D = 128 against 512 in float16 (0.516x; 0.523x with float32
+scales).
 
-Before quantizing, each row is rotated by a normalized Hadamard matrix H (``quant.
-hadamard_rotation``; QuaRot's trick): a few outlier channels, common in keys, otherwise set every
-token's absmax and coarsen all its other channels. Attention is rotation-invariant (queries are
-rotated by the same H, the output rotated back), so only the stored codes see it; ``export``
-rotates back. On N(0, 1) data with 4 channels 20x larger it cuts the output error ~4x.
+Outliers. A few channels of much larger magnitude are common in keys and values, and one such
+channel sets its token's absmax and coarsens every other channel of the token. Two defences,
+one per side (tests/test_int8_backend.py measures each; together they keep the output within
+1e-2 of float64 with 4 channels 20x larger):
 
-Layout, as in the CPU backend: key codes transposed (B, Hkv, D, C), value codes (B, Hkv, C, D),
-scales (B, Hkv, C) each, all in the ring of ``base.LayerCache``. From C = 4032 on, each key row
-is padded to a whole number of 64-byte lines (under 1/64 more), so that the kernel's blocks of
-64 positions are whole lines; the reservation counts the padding.
+- Keys: the O = ``KEY_OUTLIERS`` channels of largest magnitude per (batch, KV head) are kept in
+  float16 beside the codes of the other D - O, as LLM.int8()'s mixed-precision decomposition
+  does; the codes' absmax is then that of the ordinary channels. Key outlier channels are fixed
+  channels of a model's heads, so the choice is made once per cache from its first keys: every
+  key of a prefill, or, token by token, the first ``CALIBRATION_TOKENS`` keys, which are kept
+  exactly (float32) until then and chosen from again at 1, 2, 4, 8 and 16 keys; each time the
+  first keys are re-encoded from their exact values. Rotating keys instead (below) cannot do as
+  well: the score error ``q . dk`` stays proportional to the whole key's norm, outliers included.
+- Values: each row is rotated by a normalized Hadamard matrix H (``quant.hadamard_rotation``;
+  QuaRot's trick) before quantizing, which spreads an outlier over the row so its absmax falls
+  to a few times its RMS. The output is rotated back by the same H (symmetric, orthonormal);
+  ``export`` rotates back.
+
+Layout, as in the CPU backend: key codes transposed (B, Hkv, D - O, C), float16 key channels
+(B, Hkv, O, C), value codes (B, Hkv, C, D), scales (B, Hkv, C) each, all in the ring of
+``base.LayerCache``; ``key_channels`` gives the stored order of the key channels. From C = 4032
+on, each key row is padded to a whole number of 64-byte lines (under 1/64 more), so that the
+kernel's blocks of 64 positions are whole lines; the reservation counts the padding.
 
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
 scales into the attention weights::
 
-    score[s] = (q . kcode[s]) * kscale[s]            out = sum_s (p[s] * vscale[s]) * vcode[s]
+    score[s] = (q . kcode[s]) * kscale[s] + q_o . kout[s]      out = sum_s (p[s] * vscale[s]) * vcode[s]
 
 and the two products run on the int8 codes themselves. Three kernels compute them (measured
 side by side by ``python -m tests.bench int8``):
@@ -27,8 +41,8 @@ side by side by ``python -m tests.bench int8``):
 - ``"native"`` (the default on the CPU): ``backends/csrc/int8_decode.c`` through
   ``backends.native``, built on first use. It reads each code once, widens it to float32 in
   registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
-  but the output is written. On the reference machine at S = 32768: 2.8x faster than the float32
-  backend, 1.3x its memory floor. ``"native-portable"`` and ``"native-avx512"`` pick one of its
+  but the output is written. On the reference machine at S = 32768: 2.5-2.8x faster than the
+  float32 backend, 1.3-1.6x its memory floor. ``"native-portable"`` and ``"native-avx512"`` pick one of its
   implementations (the default takes the fastest this CPU runs).
 - ``"int_mm"`` (the CPU fallback where no C compiler is at hand): the float operand (the scaled
   query; the weights ``p * vscale``) is split into three int8 pieces, each quantizing what the
@@ -50,6 +64,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -59,7 +74,7 @@ from . import native
 from .base import Backend, Capabilities, CacheSpec, LayerCache, scaled_query
 from .validation import dtype_name
 
-__all__ = ["Int8Backend", "Int8Cache", "default_kernel", "int8_nbytes"]
+__all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +86,10 @@ KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "block
 # the row's absmax (each piece shrinks the error ~254x), 2 would leave ~1e-5 relative.
 PIECES = 3
 BLOCK = 1024
+# Key channels per KV head kept in float16 (fewer when D < 32; see key_outlier_count), and how
+# many first keys choose them.
+KEY_OUTLIERS = 4
+CALIBRATION_TOKENS = 16
 _INT32_SAFE_ROWS = 65536
 
 
@@ -99,12 +118,20 @@ def _key_row_stride(capacity: int) -> int:
     return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
 
 
-def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype) -> int:
-    """Codes plus scales for keys and values (key rows padded to 64 bytes once C >= 4032, under
-    1/64 more): what ``Int8Cache`` allocates."""
+def key_outlier_count(head_dim: int, key_outliers: int = KEY_OUTLIERS) -> int:
+    """Key channels a cache keeps in float16: ``key_outliers``, at most one in 8."""
+    return max(0, min(key_outliers, head_dim // 8))
+
+
+def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
+    """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
+    outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
+    under 1/64 more), plus the calibration rows of the first ``CALIBRATION_TOKENS`` keys."""
     b, h, c, d = spec.rows_shape
+    o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    return b * h * (d * _key_row_stride(c) + d * c + 2 * c * scale)
+    calibration = CALIBRATION_TOKENS * d * 4 if o else 0
+    return b * h * ((d - o) * _key_row_stride(c) + 2 * o * c + d * c + 2 * c * scale + calibration)
 
 
 def _chunks(a: int, b: int, size: int):
@@ -112,13 +139,25 @@ def _chunks(a: int, b: int, size: int):
         yield start, min(start + size, b)
 
 
+class Int8Rows(NamedTuple):
+    """Positions as an int8 cache stores them (B, Hkv, n, ...), keys in the cache's channel
+    order (``Int8Cache.key_channels``): the coded channels, then the float16 outlier ones."""
+
+    key_codes: torch.Tensor  # (B, Hkv, n, D - O) int8
+    value_codes: torch.Tensor  # (B, Hkv, n, D) int8, of the rotated values
+    key_scales: torch.Tensor  # (B, Hkv, n) scale dtype
+    value_scales: torch.Tensor  # (B, Hkv, n) scale dtype
+    key_outliers: torch.Tensor  # (B, Hkv, n, O) float16
+
+
 class Int8Cache(LayerCache):
-    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring."""
+    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring; see the
+    module docstring for the key outlier channels and the value rotation."""
 
     state_encoding = "int8"
 
-    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto",
-                 rotate: bool = True):
+    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float16, kernel: str = "auto",
+                 rotate: bool = True, key_outliers: int = KEY_OUTLIERS):
         super().__init__(spec)
         if kernel == "auto":
             kernel = default_kernel(spec.device)
@@ -137,31 +176,63 @@ class Int8Cache(LayerCache):
                 )
         self.kernel = kernel
         self.scale_dtype = scale_dtype
-        # Rows are stored rotated (``quant.hadamard_rotation``): outlier channels then cost a
-        # few times less precision. H is symmetric and orthonormal, so it also rotates back.
-        self.rotation = hadamard_rotation(spec.head_dim, device=spec.device) if rotate else None
+        b, h, c, d = spec.rows_shape
+        dev = spec.device
+        # Values are stored rotated (``quant.hadamard_rotation``): H is symmetric and orthonormal,
+        # so the output rotates back with the same H.
+        self.rotation = hadamard_rotation(d, device=dev) if rotate else None
         # On the CPU the native library computes the same product as a fast Walsh-Hadamard
         # transform without torch's thread pool (whose idle spinning would then slow the kernel);
         # for every kernel alike, so that the stored codes never depend on the kernel chosen.
         self._hadamard = None
-        if torch.device(spec.device).type == "cpu" and native.available()[0]:
+        if torch.device(dev).type == "cpu" and native.available()[0]:
             self._hadamard = native.load().hadamard
-        b, h, c, d = spec.rows_shape
-        dev = spec.device
+        self.outliers = o = key_outlier_count(d, key_outliers)
         # Key rows (one channel, every position) are padded to whole 64-byte lines once that
         # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
-        self._k = torch.zeros((b, h, d, _key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
+        self._k = torch.zeros((b, h, d - o, _key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
+        self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
+        # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
+        self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
+        # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
+        self._calibration = torch.zeros((b, h, CALIBRATION_TOKENS, d), device=dev) if o else None
 
     # -- storage ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        return self._k.untyped_storage().nbytes() + self._v.nbytes + self._ks.nbytes + self._vs.nbytes
+        calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
+        return (self._k.untyped_storage().nbytes() + self._ko.nbytes + self._v.nbytes + self._ks.nbytes
+                + self._vs.nbytes + (calibration if self.outliers else 0))
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one position occupies (codes, outlier channels, scales; the fixed calibration
+        rows are not a position's)."""
+        s = self.spec
+        d, o = s.head_dim, self.outliers
+        scale = self._ks.element_size()
+        return s.batch_size * s.num_kv_heads * ((d - o) + 2 * o + d + 2 * scale)
+
+    @property
+    def key_channels(self) -> torch.Tensor:
+        """(B, Hkv, D) int64: the key channels in stored order, the D - O coded ones, then the
+        O outlier channels kept in float16 (a copy)."""
+        return self._key_order.clone()
+
+    @property
+    def calibrated(self) -> bool:
+        """Whether the outlier channels are final (after ``CALIBRATION_TOKENS`` keys)."""
+        return self._calibration is None
+
+    def _set_key_channels(self, order: torch.Tensor) -> None:
+        self._key_order = order
+        self._key_index = order.unsqueeze(2)  # (B, Hkv, 1, D), for gathers over positions
 
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
+        """Value rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
         x = x.to(torch.float32)
         if self.rotation is None:
             return x
@@ -169,74 +240,151 @@ class Int8Cache(LayerCache):
             return self._hadamard(x)
         return x @ self.rotation
 
-    def _write_rows(self, start, keys, values):
-        keys, values = self._rotate(keys), self._rotate(values)
-        kc, ks = quantize_int8(keys, scale_dtype=self.scale_dtype, name="key")
-        vc, vs = quantize_int8(values, scale_dtype=self.scale_dtype, name="value")
-        self._write_codes(start, kc, vc, ks, vs)
-
-    def _write_codes(self, start, kc, vc, ks, vs):
-        n = kc.shape[2]
+    def _write_keys(self, start: int, keys: torch.Tensor) -> None:
+        """(B, Hkv, n, D) keys at rows ``start ..``: codes of the coded channels, float16 of the
+        outlier ones."""
+        b, h, n, d = keys.shape
+        o = self.outliers
+        ordered = keys.to(torch.float32).gather(3, self._key_index.expand(b, h, n, d))
+        kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key")
         self._k[:, :, :, start : start + n] = kc.transpose(2, 3)
-        self._v[:, :, start : start + n] = vc
         self._ks[:, :, start : start + n] = ks
+        self._ko[:, :, :, start : start + n] = ordered[..., d - o :].to(torch.float16).transpose(2, 3)
+
+    def _write_rows(self, start, keys, values):
+        vc, vs = quantize_int8(self._rotate(values), scale_dtype=self.scale_dtype, name="value")
+        self._write_keys(start, keys)
+        n = vc.shape[2]
+        self._v[:, :, start : start + n] = vc
         self._vs[:, :, start : start + n] = vs
 
-    def _codes(self, start, stop):
-        return (
+    def _write_codes(self, start: int, rows: Int8Rows) -> None:
+        n = rows.key_codes.shape[2]
+        self._k[:, :, :, start : start + n] = rows.key_codes.transpose(2, 3)
+        self._ko[:, :, :, start : start + n] = rows.key_outliers.transpose(2, 3)
+        self._v[:, :, start : start + n] = rows.value_codes
+        self._ks[:, :, start : start + n] = rows.key_scales
+        self._vs[:, :, start : start + n] = rows.value_scales
+
+    def _codes(self, start: int, stop: int) -> Int8Rows:
+        return Int8Rows(
             self._k[:, :, :, start:stop].transpose(2, 3),
             self._v[:, :, start:stop],
             self._ks[:, :, start:stop],
             self._vs[:, :, start:stop],
+            self._ko[:, :, :, start:stop].transpose(2, 3),
         )
 
+    def _decode(self, rows: Int8Rows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales), rows.key_outliers.to(torch.float32)], dim=3)
+        keys = torch.empty_like(ordered).scatter_(3, self._key_index.expand_as(ordered), ordered)
+        values = self._rotate(dequantize_int8(rows.value_codes, rows.value_scales))
+        return keys.to(dtype), values.to(dtype)
+
     def _read_rows(self, start, stop):
-        kc, vc, ks, vs = self._codes(start, stop)
-        dtype = self.spec.dtype
-        return self._rotate(dequantize_int8(kc, ks)).to(dtype), self._rotate(dequantize_int8(vc, vs)).to(dtype)
+        return self._decode(self._codes(start, stop), self.spec.dtype)
+
+    # -- the outlier channels: chosen from the keys themselves ------------------------------
+    def _choose_key_channels(self, keys: torch.Tensor) -> torch.Tensor:
+        """The channel order for (B, Hkv, n, D) keys: the O channels of largest absmax last."""
+        b, h, _, d = keys.shape
+        o = self.outliers
+        absmax = keys.to(torch.float32).abs().amax(dim=2)  # (B, Hkv, D)
+        outliers = absmax.topk(o, dim=-1).indices.sort(dim=-1).values
+        coded = torch.ones((b, h, d), dtype=torch.bool, device=keys.device).scatter_(2, outliers, False)
+        rest = torch.arange(d, device=keys.device).expand(b, h, d)[coded].view(b, h, d - o)
+        return torch.cat([rest, outliers], dim=2)
+
+    def _calibrate(self, t: int) -> None:
+        """After ``t`` tokens (t <= CALIBRATION_TOKENS, all of them calibration rows): choose
+        the outlier channels from them and re-encode the resident ones exactly."""
+        cal = self._calibration[:, :, :t]
+        self._set_key_channels(self._choose_key_channels(cal))
+        for r in self.policy.resident(t):
+            for p in r:  # values do not depend on the choice: only keys are written again
+                self._write_keys(self.row_of(p), cal[:, :, p : p + 1])
+        if t == CALIBRATION_TOKENS:
+            self._calibration = None
+
+    def _write_token(self, position, row, key, value):
+        if self._calibration is None or position >= CALIBRATION_TOKENS:
+            self._write_rows(row, key, value)
+            return
+        self._calibration[:, :, position] = key[:, :, 0].to(torch.float32)
+        t = position + 1
+        if t & (t - 1):  # between calibrations: the current channels
+            self._write_rows(row, key, value)
+        else:  # t = 1, 2, 4, 8, 16: choose again from every key so far
+            self._write_rows(row, key, value)
+            self._calibrate(t)
+
+    def prefill(self, keys, values):
+        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
+            _check_finite(("prefill key", keys), ("prefill value", values))
+            _check_key_range(("prefill key", keys))
+        super().prefill(keys, values)
+
+    def _store_resident(self, t, keys, values):
+        """A prefill's resident keys (already checked) choose the outlier channels; below
+        CALIBRATION_TOKENS tokens they are kept for the choices still to come."""
+        if self.outliers and keys.shape[2]:
+            self._set_key_channels(self._choose_key_channels(keys))
+            if t >= CALIBRATION_TOKENS:
+                self._calibration = None
+            else:
+                positions = [p for r in self.policy.resident(t) for p in r]
+                self._calibration[:, :, positions] = keys.to(torch.float32)
+        super()._store_resident(t, keys, values)
 
     def _save_rows(self, start, stop):
-        return tuple(t.clone() for t in self._codes(start, stop))
+        saved = tuple(t.clone() for t in self._codes(start, stop))
+        if self._calibration is None:
+            return saved, None
+        # a step below CALIBRATION_TOKENS may re-encode every calibration row: keep them all
+        m = min(self.spec.capacity, CALIBRATION_TOKENS)
+        return saved, (tuple(t.clone() for t in self._codes(0, m)), self._key_order.clone(), self._calibration.clone())
 
     def _restore_rows(self, start, saved):
-        self._write_codes(start, *saved)
+        rows, calibration = saved
+        if calibration is not None:
+            cal_rows, order, cal = calibration
+            self._write_codes(0, Int8Rows(*cal_rows))
+            self._set_key_channels(order)
+            self._calibration = cal
+        self._write_codes(start, Int8Rows(*rows))
 
     # -- checks: non-finite input is refused before anything is written ---------------------
     def check_step(self, query, new_key, new_value):
         super().check_step(query, new_key, new_value)
         _check_finite(("query", query), ("new_key", new_key), ("new_value", new_value))
-
-    def prefill(self, keys, values):
-        if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
-            _check_finite(("prefill key", keys), ("prefill value", values))
-        super().prefill(keys, values)
+        _check_key_range(("new_key", new_key))
 
     # -- raw codes, for bit-exact snapshots ------------------------------------------------------
-    def export_quantized(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The resident codes and scales in position order, oldest first, as stored.
+    def export_quantized(self) -> Int8Rows:
+        """The resident positions in position order, oldest first, exactly as stored (copies).
 
-        Returns key codes and value codes (B, Hkv, L, D) int8, key scales and value scales
-        (B, Hkv, L) in the cache's scale dtype (copies). With ``rotation`` set (the default) the
-        codes are of the rotated rows: ``dequantize_int8(codes, scales) @ rotation`` gives the
-        stored keys and values back.
+        Keys are in ``key_channels`` order; values are of the rotated rows (with ``rotation``
+        set, the default): ``dequantize_int8(value_codes, value_scales) @ rotation`` gives them
+        back.
         """
         parts = [self._codes(a, b) for a, b in self._runs(self.resident_positions())]
         if not parts:
-            s = self.spec
-            shape = (s.batch_size, s.num_kv_heads, 0)
-            codes = torch.empty(shape + (s.head_dim,), dtype=torch.int8, device=s.device)
-            scales = torch.empty(shape, dtype=self.scale_dtype, device=s.device)
-            return codes, codes.clone(), scales, scales.clone()
-        return tuple(torch.cat([p[i] for p in parts], dim=2) for i in range(4))
+            parts = [self._codes(0, 0)]
+        return Int8Rows(*(torch.cat([p[i] for p in parts], dim=2) for i in range(len(Int8Rows._fields))))
 
-    def load_quantized(self, key_codes, value_codes, key_scales, value_scales, tokens_seen: int) -> None:
-        """Loads what ``export_quantized`` returned into an empty cache that then has seen
-        ``tokens_seen`` tokens; the codes and scales are stored bit-exactly.
+    def load_quantized(self, rows: Int8Rows, key_channels: torch.Tensor, tokens_seen: int,
+                       calibration: torch.Tensor | None = None) -> None:
+        """Loads what ``export_quantized`` and ``key_channels`` returned into an empty cache that
+        then has seen ``tokens_seen`` tokens; everything is stored bit-exactly.
 
-        The arrays must hold ``L = policy.resident_length(tokens_seen)`` positions. Raises
-        ``ValueError``/``TypeError`` (nothing stored) for anything else.
+        The rows must hold ``L = policy.resident_length(tokens_seen)`` positions.
+        ``calibration`` (B, Hkv, min(T, CALIBRATION_TOKENS), D) float32 carries the first keys
+        while the outlier channels are not final, so that a restored cache chooses exactly as
+        the original would; without it they are final. Raises ``ValueError``/``TypeError``
+        (nothing stored) for anything else.
         """
         s = self.spec
+        b, h, d, o = s.batch_size, s.num_kv_heads, s.head_dim, self.outliers
         if self.tokens_seen:
             raise ValueError("load_quantized: the cache already holds tokens")
         if isinstance(tokens_seen, bool) or not isinstance(tokens_seen, int) or tokens_seen < 0:
@@ -245,57 +393,94 @@ class Int8Cache(LayerCache):
             n = self.policy.resident_length(tokens_seen)
         except ValueError as exc:  # more tokens than policy none can hold
             raise ValueError(f"load_quantized: {exc}") from None
-        codes_shape = (s.batch_size, s.num_kv_heads, n, s.head_dim)
-        for name, t in (("key codes", key_codes), ("value codes", value_codes)):
-            if not isinstance(t, torch.Tensor) or t.dtype != torch.int8:
-                raise TypeError(f"load_quantized: {name} must be an int8 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-            if tuple(t.shape) != codes_shape:
-                raise ValueError(f"load_quantized: {name} expected shape {codes_shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}")
-            if n and int(t.min()) < -127:
-                raise ValueError(f"load_quantized: {name} hold -128, outside the symmetric range [-127, 127]")
-        for name, t in (("key scales", key_scales), ("value scales", value_scales)):
-            if not isinstance(t, torch.Tensor) or t.dtype != self.scale_dtype:
-                raise TypeError(
-                    f"load_quantized: {name} must be a {dtype_name(self.scale_dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-                )
-            if tuple(t.shape) != codes_shape[:3]:
-                raise ValueError(f"load_quantized: {name} expected shape {codes_shape[:3]}, got {tuple(t.shape)}")
-            if n and not bool((torch.isfinite(t) & (t >= 0)).all()):
-                raise ValueError(f"load_quantized: {name} must be finite and >= 0")
+        if not isinstance(rows, tuple) or len(rows) != len(Int8Rows._fields):
+            raise TypeError("load_quantized: rows must be an Int8Rows")
+        rows = Int8Rows(*rows)
+        shapes = {
+            "key_codes": ((b, h, n, d - o), torch.int8),
+            "value_codes": ((b, h, n, d), torch.int8),
+            "key_scales": ((b, h, n), self.scale_dtype),
+            "value_scales": ((b, h, n), self.scale_dtype),
+            "key_outliers": ((b, h, n, o), torch.float16),
+        }
+        for name, (shape, dtype) in shapes.items():
+            t = getattr(rows, name)
+            label = name.replace("_", " ")
+            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
+                raise TypeError(f"load_quantized: {label} must be a {dtype_name(dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+            if tuple(t.shape) != shape:
+                raise ValueError(f"load_quantized: {label} expected shape {shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}")
+            if not n:
+                continue
+            if dtype == torch.int8 and int(t.min()) < -127:
+                raise ValueError(f"load_quantized: {label} hold -128, outside the symmetric range [-127, 127]")
+            if name.endswith("scales") and not bool((torch.isfinite(t) & (t >= 0)).all()):
+                raise ValueError(f"load_quantized: {label} must be finite and >= 0")
+            if name == "key_outliers" and not bool(torch.isfinite(t).all()):
+                raise ValueError("load_quantized: key outliers must be finite")
+        if not isinstance(key_channels, torch.Tensor) or key_channels.dtype != torch.int64 or tuple(key_channels.shape) != (b, h, d):
+            raise ValueError(f"load_quantized: key_channels must be int64 of shape {(b, h, d)}")
+        if not torch.equal(key_channels.sort(dim=-1).values, torch.arange(d, device=key_channels.device).expand(b, h, d)):
+            raise ValueError("load_quantized: key_channels must order each head's channels 0..D-1 once each")
+        cal_len = min(tokens_seen, CALIBRATION_TOKENS)
+        if calibration is not None:
+            if not o or tokens_seen >= CALIBRATION_TOKENS:
+                raise ValueError("load_quantized: calibration rows only come with T < "
+                                 f"{CALIBRATION_TOKENS} and outlier channels")
+            if (not isinstance(calibration, torch.Tensor) or calibration.dtype != torch.float32
+                    or tuple(calibration.shape) != (b, h, cal_len, d) or not bool(torch.isfinite(calibration).all())):
+                raise ValueError(f"load_quantized: calibration must be finite float32 of shape {(b, h, cal_len, d)}")
+        self._set_key_channels(key_channels.to(self.spec.device).contiguous())
         offset = 0
-        for a, b in self._runs(self.policy.resident(tokens_seen)):
-            sl = slice(offset, offset + b - a)
-            self._write_codes(a, key_codes[:, :, sl], value_codes[:, :, sl], key_scales[:, :, sl], value_scales[:, :, sl])
-            offset += b - a
+        for a, b_ in self._runs(self.policy.resident(tokens_seen)):
+            self._write_codes(a, Int8Rows(*(t[:, :, offset : offset + b_ - a] for t in rows)))
+            offset += b_ - a
+        if calibration is None:
+            self._calibration = None
+        else:
+            self._calibration[:, :, :cal_len] = calibration
         self.tokens_seen = tokens_seen
 
     def export_state(self) -> dict:
-        """The stored codes and scales, bit-exact (``encoding`` "int8"), for snapshots."""
-        kc, vc, ks, vs = self.export_quantized()
-        return {"encoding": self.state_encoding, "key": kc, "value": vc, "key_scale": ks, "value_scale": vs}
+        """The stored codes, scales, outlier channels and their order, bit-exact (``encoding``
+        "int8"), plus the calibration keys while the channels are not final; for snapshots."""
+        rows = self.export_quantized()
+        state = {"encoding": self.state_encoding, "key": rows.key_codes, "value": rows.value_codes,
+                 "key_scale": rows.key_scales, "value_scale": rows.value_scales,
+                 "key_outliers": rows.key_outliers, "key_channels": self.key_channels}
+        if self._calibration is not None:
+            state["key_calibration"] = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
+        return state
 
     def _load_state(self, tokens_seen: int, state: dict) -> None:
         try:
-            self.load_quantized(state["key"], state["value"], state["key_scale"], state["value_scale"], tokens_seen)
+            rows = Int8Rows(state["key"], state["value"], state["key_scale"], state["value_scale"], state["key_outliers"])
+            self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
 
     # -- attention ------------------------------------------------------------------------------
     def _attend(self, query, runs):
         s = self.spec
-        n = s.batch_size * s.num_kv_heads
-        q = self._rotate(scaled_query(query, s.num_kv_heads)).contiguous()  # (N, G, D) float32
-        k = self._k.view(n, s.head_dim, s.capacity)  # rows stay evenly spaced (padded)
-        v = self._v.view(n, s.capacity, s.head_dim)
-        ks = _gather(self._ks.view(n, s.capacity), runs)
-        vs = _gather(self._vs.view(n, s.capacity), runs)
-        if self.kernel.startswith("native"):
-            out = self._native.attend(q, k, v, ks, vs, runs, isa=self._isa)
+        n, d, o = s.batch_size * s.num_kv_heads, s.head_dim, self.outliers
+        q = scaled_query(query, s.num_kv_heads)  # (N, G, D) float32
+        q = q.gather(2, self._key_order.view(n, 1, d).expand_as(q))  # in the stored key order
+        k = self._k.view(n, d - o, s.capacity)  # rows stay evenly spaced (padded)
+        v = self._v.view(n, s.capacity, d)
+        ko = self._ko.view(n, o, s.capacity)
+        ks, vs = self._ks.view(n, s.capacity), self._vs.view(n, s.capacity)
+        if self.kernel.startswith("native"):  # reads float16 scales itself, by row
+            out = self._native.attend(q, k, v, ks, vs, runs, ko if o else None, isa=self._isa)
         else:
+            ks, vs = _gather(ks, runs), _gather(vs, runs)
+            bias = None
+            if o:  # the outlier channels' scores, in float
+                kov = torch.cat([ko[:, :, a:b] for a, b in runs], dim=2).to(torch.float32)
+                bias = torch.bmm(q[:, :, d - o :], kov)
             kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
-            out = kernel(q, k, v, ks, vs, runs)
+            out = kernel(q[:, :, : d - o].contiguous(), k, v, ks, vs, runs, bias)
         out = self._rotate(out)
-        return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
+        return out.view(s.batch_size, s.num_query_heads, d).to(s.dtype)
 
 
 def _gather(scales: torch.Tensor, runs) -> torch.Tensor:
@@ -316,6 +501,19 @@ def _check_finite(*named: tuple[str, torch.Tensor]) -> None:
             )
 
 
+_FLOAT16_MAX = torch.finfo(torch.float16).max
+
+
+def _check_key_range(*named: tuple[str, torch.Tensor]) -> None:
+    """Any key channel may be kept in float16: refuse keys beyond its range, before writing."""
+    for name, t in named:
+        if t.numel() and float(t.detach().abs().max()) > _FLOAT16_MAX:
+            raise ValueError(
+                f"{name}: |values| up to {float(t.detach().abs().max()):.4g}, beyond float16's {_FLOAT16_MAX:.0f} "
+                "that the int8 cache's outlier channels hold; nothing was written"
+            )
+
+
 def _mixer(scales: torch.Tensor) -> torch.Tensor:
     """(P, N, G) piece scales -> (N, G, P*G) matrices that sum the pieces of each row back."""
     p, n, g = scales.shape
@@ -323,19 +521,21 @@ def _mixer(scales: torch.Tensor) -> torch.Tensor:
     return (scales.permute(1, 2, 0).unsqueeze(-1) * eye.view(1, g, 1, g)).reshape(n, g, p * g)
 
 
-def _attend_int_mm(q, k, v, ks, vs, runs):
+def _attend_int_mm(q, k, v, ks, vs, runs, bias=None):
     """Scores and weighted sums as exact int8 products; see the module docstring.
 
-    q (N, G, D) float32, already scaled; k (N, D, C) and v (N, C, D) int8 codes; ks, vs (N, S)
-    float32 scales of the attended rows in run order. Returns (N, G, D) float32.
+    q (N, G, Dk) float32, already scaled; k (N, Dk, C) and v (N, C, D) int8 codes; ks, vs (N, S)
+    float32 scales of the attended rows in run order; bias (N, G, S) float32 scores to add (the
+    key outlier channels') or None. Returns (N, G, D) float32.
 
     One KV head at a time, so that the int32 products, their float32 sums and the weights'
     pieces (about 26 * G * S bytes) stay in the core's cache between the passes.
     """
-    n, g, d = q.shape
+    n, g, dk = q.shape
+    d = v.shape[2]
     total = ks.shape[1]
-    qc, qsc = quantize_int8_residual(q, PIECES, check=False)  # (P, N, G, D), (P, N, G)
-    qc = qc.transpose(0, 1).reshape(n, PIECES * g, d)
+    qc, qsc = quantize_int8_residual(q, PIECES, check=False)  # (P, N, G, Dk), (P, N, G)
+    qc = qc.transpose(0, 1).reshape(n, PIECES * g, dk)
     qmix = _mixer(qsc)
     scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
     for h in range(n):
@@ -346,6 +546,8 @@ def _attend_int_mm(q, k, v, ks, vs, runs):
             iscores = torch.cat([torch._int_mm(qc[h], k[h, :, a:b]) for a, b in runs], dim=1)
         torch.mm(qmix[h], iscores.to(torch.float32), out=scores[h])
     scores.mul_(ks.unsqueeze(1))
+    if bias is not None:
+        scores.add_(bias)
     weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
     out = torch.empty((n, g, d), dtype=torch.float32, device=q.device)
     for h in range(n):
@@ -363,12 +565,13 @@ def _attend_int_mm(q, k, v, ks, vs, runs):
     return out
 
 
-def _attend_blocks(q, k, v, ks, vs, runs):
+def _attend_blocks(q, k, v, ks, vs, runs, bias=None):
     """The same sums with codes widened to float32 a block at a time in a reused workspace."""
-    n, g, d = q.shape
+    n, g, dk = q.shape
+    d = v.shape[2]
     total = ks.shape[1]
     scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
-    work_k = torch.empty((n, d, min(BLOCK, total)), dtype=torch.float32, device=q.device)
+    work_k = torch.empty((n, dk, min(BLOCK, total)), dtype=torch.float32, device=q.device)
     work_v = torch.empty((n, min(BLOCK, total), d), dtype=torch.float32, device=q.device)
     off = 0
     for a, b in runs:
@@ -379,6 +582,8 @@ def _attend_blocks(q, k, v, ks, vs, runs):
             torch.bmm(q, wk, out=scores[:, :, off : off + w])
             off += w
     scores.mul_(ks.unsqueeze(1))
+    if bias is not None:
+        scores.add_(bias)
     weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
     out = torch.zeros((n, g, d), dtype=torch.float32, device=q.device)
     off = 0
@@ -401,14 +606,18 @@ class Int8Backend(Backend):
         devices=("cpu", "cuda"),
     )
 
-    def __init__(self, scale_dtype: torch.dtype = torch.float32, kernel: str = "auto", rotate: bool = True):
+    def __init__(self, scale_dtype: torch.dtype = torch.float16, kernel: str = "auto", rotate: bool = True,
+                 key_outliers: int = KEY_OUTLIERS):
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"int8: scale_dtype must be float32 or float16, got {scale_dtype}")
         if kernel != "auto" and kernel not in KERNELS:
             raise ValueError(f"int8: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
+        if isinstance(key_outliers, bool) or not isinstance(key_outliers, int) or key_outliers < 0:
+            raise ValueError(f"int8: key_outliers must be an int >= 0, got {key_outliers!r}")
         self.scale_dtype = scale_dtype
         self.kernel = kernel
         self.rotate = rotate
+        self.key_outliers = key_outliers
 
     @classmethod
     def probe(cls) -> list[str]:
@@ -418,8 +627,8 @@ class Int8Backend(Backend):
         return []
 
     def cache_nbytes(self, spec: CacheSpec) -> int:
-        return int8_nbytes(spec, self.scale_dtype)
+        return int8_nbytes(spec, self.scale_dtype, self.key_outliers)
 
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         self.check(spec)
-        return Int8Cache(spec, self.scale_dtype, self.kernel, self.rotate)
+        return Int8Cache(spec, self.scale_dtype, self.kernel, self.rotate, self.key_outliers)

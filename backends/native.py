@@ -108,7 +108,7 @@ class Int8Kernel:
         self.path = path
         lib = ctypes.CDLL(str(path))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.gqa_int8_attend.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, i64, p, i64, i64, p, i32, i32]
+        lib.gqa_int8_attend.argtypes = [p, p, p, p, p, i32, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, i64, p, i32, i32]
         lib.gqa_int8_attend.restype = i32
         lib.gqa_int8_usable_isas.argtypes = [i64]
         lib.gqa_int8_usable_isas.restype = i32
@@ -124,35 +124,44 @@ class Int8Kernel:
         return [name for name, bit in ISA.items() if bit and mask & (1 << bit)]
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-               runs, *, isa: str = "auto", threads: int | None = None) -> torch.Tensor:
+               runs, ko: torch.Tensor | None = None, *, isa: str = "auto", threads: int | None = None) -> torch.Tensor:
         """Attention of ``q`` over the int8 codes, see ``backends/csrc/int8_decode.c``.
 
-        q (N, G, D) float32 contiguous, already scaled (and rotated like the codes); k (N, D, C)
-        int8 with unit position stride (rows may be padded, see ``Int8Cache``) and v (N, C, D)
-        int8 contiguous, the ring storage; ks, vs (N, S) float32 scales of the
-        attended positions in run order (rows may be strided, positions contiguous); runs the
-        physical (a, b) runs. Returns (N, G, D) float32. Releases the GIL while it runs.
+        q (N, G, Dk + O) float32 contiguous, already scaled, its channels in the cache's key
+        order (the Dk coded channels, then the O outlier channels); k (N, Dk, C) int8 with unit
+        position stride (rows may be padded, see ``Int8Cache``); ko (N, O, C) float16 contiguous
+        or None (O = 0); v (N, C, D) int8 contiguous; ks, vs (N, C) float32 or float16 scales
+        of every row, contiguous; runs the physical (a, b) runs of the attended rows. Returns
+        (N, G, D) float32. Releases the GIL while it runs.
         """
-        n, g, d = q.shape
-        c = v.shape[1]
+        n, g, dq = q.shape
+        c, d = v.shape[1], v.shape[2]
+        dk = k.shape[1]
+        no = 0 if ko is None else ko.shape[1]
         total = sum(b - a for a, b in runs)
-        for name, t in (("q", q), ("v", v)):
+        for name, t in (("q", q), ("v", v)) + ((("ko", ko),) if ko is not None else ()):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"int8 kernel: {name} must be a contiguous CPU tensor")
-        if k.device.type != "cpu" or k.stride(2) != 1 or k.stride(0) != d * k.stride(1) or k.shape != (n, d, c):
-            raise ValueError(f"int8 kernel: k must be ({n}, {d}, {c}) with unit position stride and rows evenly spaced")
-        if ks.stride() != vs.stride() or ks.stride(1) != 1 or ks.shape != (n, total) or vs.shape != (n, total):
-            raise ValueError(f"int8 kernel: scales must be (N, S) = ({n}, {total}) with unit position stride")
-        if q.dtype != torch.float32 or ks.dtype != torch.float32 or vs.dtype != torch.float32:
-            raise ValueError("int8 kernel: q and the scales must be float32")
+        if dq != dk + no:
+            raise ValueError(f"int8 kernel: q has {dq} channels, the keys {dk} coded + {no} outlier")
+        if k.device.type != "cpu" or k.stride(2) != 1 or (n > 1 and k.stride(0) != dk * k.stride(1)) or k.shape != (n, dk, c):
+            raise ValueError(f"int8 kernel: k must be ({n}, {dk}, {c}) with unit position stride and rows evenly spaced")
+        if ko is not None and (ko.dtype != torch.float16 or ko.shape != (n, no, c)):
+            raise ValueError(f"int8 kernel: ko must be float16 ({n}, {no}, {c})")
+        if (ks.shape != (n, c) or vs.shape != (n, c) or not ks.is_contiguous() or not vs.is_contiguous()
+                or ks.dtype != vs.dtype or ks.dtype not in (torch.float32, torch.float16)):
+            raise ValueError(f"int8 kernel: scales must be contiguous float32 or float16 (N, C) = ({n}, {c})")
+        if q.dtype != torch.float32:
+            raise ValueError("int8 kernel: q must be float32")
         if threads is None:
             threads = torch.get_num_threads() if total * n >= _PARALLEL_MIN_WORK else 1
         nsplit = max(1, min(-(-4 * threads // n), total // _MIN_SPLIT)) if threads > 1 else 1
         flat = (ctypes.c_int64 * (2 * len(runs)))(*(x for run in runs for x in run))
         out = torch.empty((n, g, d), dtype=torch.float32)
         rc = self._lib.gqa_int8_attend(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr(), ks.stride(0),
-            n, g, d, c, k.stride(1), flat, len(runs), nsplit, out.data_ptr(), threads, ISA[isa],
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr(), int(ks.dtype == torch.float16), c,
+            n, g, d, dk, c, k.stride(1), None if ko is None else ko.data_ptr(), no,
+            flat, len(runs), nsplit, out.data_ptr(), threads, ISA[isa],
         )
         if rc:
             raise RuntimeError(f"int8 kernel failed: {os.strerror(-rc)}")

@@ -1,8 +1,9 @@
 """Stream snapshots to ``SnapshotChunk`` messages and back (checked, bit-exact).
 
 A snapshot is the stream's configuration, T per layer and each layer's resident tokens in
-position order: dense tensors for float caches, int8 codes plus scales for int8 caches (as
-``LayerCache.export_state`` gives them). Layer data is split along the position axis so that
+position order: dense tensors for float caches; for int8 caches the codes, scales and float16
+key outlier channels, plus on each layer's first chunk the key channel order and, while the
+outlier channels are still being chosen (T < 16), the first keys (as ``export_state`` gives them). Layer data is split along the position axis so that
 each message stays under half the server's message limit. A CRC-32 over all data guards
 against tampering in transit; consistency (shapes, T against the policy) is checked by the
 caches when they load.
@@ -10,6 +11,7 @@ caches when they load.
 
 from __future__ import annotations
 
+import struct
 import zlib
 
 import torch
@@ -23,14 +25,18 @@ __all__ = ["encode", "decode", "MAX_CHUNKS"]
 
 MAX_CHUNKS = 1 << 16
 _OVERHEAD = 4096  # bytes of a chunk that are not tensor data (fields, shapes)
-_TENSORS = ("key", "value", "key_scale", "value_scale")
+# tensors split along the position axis, and their ranks
+_TENSORS = {"key": 4, "value": 4, "key_scale": 3, "value_scale": 3, "key_outliers": 4}
+# checksummed, in this order (the proto says so)
+_CHECKED = ("key", "value", "key_scale", "value_scale", "key_outliers", "key_calibration")
 
 
 def _checksum(chunks) -> int:
     crc = 0
     for chunk in chunks:
-        for name in _TENSORS:
+        for name in _CHECKED:
             crc = zlib.crc32(getattr(chunk, name).data, crc)
+        crc = zlib.crc32(struct.pack(f"<{len(chunk.key_channels)}I", *chunk.key_channels), crc)
     return crc
 
 
@@ -44,12 +50,27 @@ def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int) -> list[g
         tensors = {name: state[name] for name in _TENSORS if name in state}
         resident = tensors["key"].shape[2]
         per_position = sum(t[:, :, :1].numel() * t.element_size() for t in tensors.values())
-        step = max(1, budget // max(1, per_position))
-        for offset in range(0, resident, step):
+        # what only a layer's first chunk carries, and the room it takes there
+        head = {}
+        if "key_calibration" in state:
+            head["key_calibration"] = state["key_calibration"]
+        head_bytes = sum(t.numel() * t.element_size() for t in head.values())
+        channels = state["key_channels"].reshape(-1).tolist() if "key_channels" in state else []
+        head_bytes += 4 * len(channels)
+        offset, first = 0, True
+        while offset < resident:
+            room = budget - head_bytes if first else budget
+            step = max(1, room // max(1, per_position))
             chunk = gqa_pb2.SnapshotChunk(layer=layer, offset=offset, encoding=state["encoding"])
             for name, tensor in tensors.items():
                 getattr(chunk, name).CopyFrom(to_proto(tensor[:, :, offset : offset + step]))
+            if first:
+                for name, tensor in head.items():
+                    getattr(chunk, name).CopyFrom(to_proto(tensor))
+                chunk.key_channels.extend(channels)
             chunks.append(chunk)
+            offset += step
+            first = False
     chunks[-1].last = True
     chunks[-1].checksum = _checksum(chunks)
     return chunks
@@ -86,13 +107,25 @@ def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig) -> list[tu
             if part.offset != expected_offset:
                 raise InvalidArgument(
                     f"restore: layer {layer} chunk at offset {part.offset}, expected {expected_offset}")
-            for name in _TENSORS:
+            for name, rank in _TENSORS.items():
                 if not part.HasField(name):
                     continue
-                rank = 4 if name in ("key", "value") else 3
                 tensor = from_proto(getattr(part, name), f"restore.layer{layer}.{name}", rank=rank,
-                                    allow_int8=encoding == "int8" and rank == 4)
+                                    allow_int8=encoding == "int8" and name in ("key", "value"))
                 columns.setdefault(name, []).append(tensor)
+            head = part is parts[0]
+            if part.key_channels or part.HasField("key_calibration"):
+                if not head or encoding != "int8":
+                    raise InvalidArgument(
+                        f"restore: layer {layer} carries key_channels or key_calibration outside an int8 layer's first chunk")
+            if head and part.key_channels:
+                b, h, d = config.batch_size, config.num_kv_heads, config.head_dim
+                if len(part.key_channels) != b * h * d:
+                    raise InvalidArgument(
+                        f"restore: layer {layer} key_channels has {len(part.key_channels)} entries, expected B*Hkv*D = {b * h * d}")
+                state["key_channels"] = torch.tensor(list(part.key_channels), dtype=torch.int64).view(b, h, d)
+            if head and part.HasField("key_calibration"):
+                state["key_calibration"] = from_proto(part.key_calibration, f"restore.layer{layer}.key_calibration", rank=4)
             if "key" not in columns or len(columns["key"]) != len(columns.get("value", [])):
                 raise InvalidArgument(f"restore: layer {layer} chunk at offset {part.offset} lacks keys or values")
             expected_offset += columns["key"][-1].shape[2]

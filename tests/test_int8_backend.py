@@ -19,7 +19,7 @@ from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import CacheFullError
 from backends import native
-from backends.int8 import KERNELS, Int8Backend, Int8Cache
+from backends.int8 import CALIBRATION_TOKENS, KERNELS, Int8Backend, Int8Cache, Int8Rows, key_outlier_count
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from quant import dequantize_int8, quantize_int8
@@ -52,17 +52,16 @@ KERNEL_STEPS = 45  # enough to wrap every ring of KERNEL_POLICIES
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
 # The two kernels compute the same sums in different orders.
 KERNELS_AGREE_RTOL = 1e-5
-# Quantization budget against full precision on the original data. The issue's target is 1e-2;
-# per-token absmax int8 gives ~0.9% on N(0, 1) data (a half-step error of absmax / 254 with
-# absmax ~3 sigma), so that target holds there. With outlier channels every token's absmax grows:
-# measured with the Hadamard rotation 0.8-1.8% (S = 1..2048), without it 2.5-10%; the 1e-2
-# target is NOT met for outlier data and this documents the budget that is.
-BUDGET = {"normal": 1e-2, "outliers": 2.5e-2}
+# Quantization budget against full precision on the original data, the issue's 1e-2 for both
+# kinds. Measured: 0.70-0.92% on N(0, 1) data (per-token absmax int8: a half-step error of
+# absmax / 254 with absmax ~3 sigma), 0.50-0.60% with the outlier channels below.
+BUDGET = {"normal": 1e-2, "outliers": 1e-2}
 # Outlier channels: this many channels of K and V, this many times larger than the rest.
 OUTLIER_CHANNELS = 4
 OUTLIER_GAIN = 20.0
-# The rotation must at least halve the outlier error at long S (measured ~5x).
-ROTATION_GAIN_MIN = 2.0
+# Each of the two outlier defences must at least halve the error it addresses (S = 2048,
+# measured: float16 key channels 8.1% -> 2.1%, value rotation 2.1% -> 0.7%).
+DEFENCE_GAIN_MIN = 2.0
 # bytes per token at D = 128 relative to a float16 cache
 BYTES_RATIO_TARGET = 0.52
 
@@ -94,17 +93,26 @@ def _rel(out: torch.Tensor, ref: np.ndarray) -> float:
     return float(np.linalg.norm(diff) / np.linalg.norm(ref))
 
 
+def _raw(cache: Int8Cache):
+    """Every stored tensor, as allocated."""
+    return (cache._k, cache._ko, cache._v, cache._ks, cache._vs)
+
+
 def _spec(hq, hkv, d, dtype=torch.float32, policy=None, b=1):
     return CacheSpec(b, hq, hkv, d, dtype, policy or EvictionPolicy.none(4096))
 
 
 def _dequantized(cache: Int8Cache):
-    """The stored rows in float64, in the original basis (the codes are of rotated rows)."""
-    kc, vc, ks, vs = cache.export_quantized()
-    k, v = dequantize_int8(kc, ks, torch.float64), dequantize_int8(vc, vs, torch.float64)
+    """The stored rows in float64, in the original basis: keys in channel order (the codes'
+    channels, then the float16 outlier channels, put back by ``key_channels``), values rotated
+    back."""
+    rows = cache.export_quantized()
+    ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales, torch.float64), rows.key_outliers.double()], dim=3)
+    index = cache.key_channels.unsqueeze(2).expand_as(ordered)
+    k = torch.empty_like(ordered).scatter_(3, index, ordered)
+    v = dequantize_int8(rows.value_codes, rows.value_scales, torch.float64)
     if cache.rotation is not None:
-        rot = cache.rotation.double()
-        k, v = k @ rot, v @ rot
+        v = v @ cache.rotation.double()
     return k.numpy(), v.numpy()
 
 
@@ -200,18 +208,20 @@ def test_budget_against_full_precision(length, kind):
     assert _rel(out, ref) <= BUDGET[kind]
 
 
-def test_rotation_is_what_keeps_outliers_in_budget():
+def test_key_outlier_channels_and_value_rotation_are_what_keep_outliers_in_budget():
     hq, hkv, d, length = 32, 8, 128, 2048
     gen = torch.Generator().manual_seed(17)
     keys, values = _data("outliers", (1, hkv, length + 1, d), gen), _data("outliers", (1, hkv, length + 1, d), gen)
     q = torch.randn(1, hq, d, generator=gen)
     ref = attention_ref(q.double().numpy(), keys.double().numpy(), values.double().numpy(), hq, hkv)
     errors = {}
-    for rotate in (True, False):
-        cache = Int8Backend(rotate=rotate).create_cache(_spec(hq, hkv, d))
+    for key_outliers, rotate in ((0, True), (4, False), (4, True)):
+        cache = Int8Backend(rotate=rotate, key_outliers=key_outliers).create_cache(_spec(hq, hkv, d))
         cache.prefill(keys[:, :, :length], values[:, :, :length])
-        errors[rotate] = _rel(cache.step(q, keys[:, :, length], values[:, :, length]).output, ref)
-    assert errors[False] >= ROTATION_GAIN_MIN * errors[True]
+        errors[key_outliers, rotate] = _rel(cache.step(q, keys[:, :, length], values[:, :, length]).output, ref)
+    assert errors[0, True] >= DEFENCE_GAIN_MIN * errors[4, True]  # keys
+    assert errors[4, False] >= DEFENCE_GAIN_MIN * errors[4, True]  # values
+    assert errors[4, True] <= BUDGET["outliers"]
 
 
 @pytest.mark.parametrize("kind", DATA_KINDS)
@@ -238,18 +248,29 @@ def test_budget_over_a_stream(policy_name, kind):
 
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
 @pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_reserved_bytes_are_codes_plus_scales(policy_name, scale_dtype):
+def test_reserved_bytes_are_codes_outliers_scales_and_calibration(policy_name, scale_dtype):
     b, hq, hkv, d = 2, 32, 8, 128
     backend = Int8Backend(scale_dtype=scale_dtype)
     spec = _spec(hq, hkv, d, torch.bfloat16, POLICIES[policy_name], b=b)
     cache = backend.create_cache(spec)
     scale_bytes = torch.empty((), dtype=scale_dtype).element_size()
-    expected = 2 * b * hkv * spec.capacity * (d + scale_bytes)
+    o = cache.outliers
+    assert o == 4
+    row = (d - o) + 2 * o + d + 2 * scale_bytes  # key codes, float16 key channels, value codes, scales
+    expected = b * hkv * (spec.capacity * row + CALIBRATION_TOKENS * d * 4)
     assert backend.cache_nbytes(spec) == cache.nbytes == expected
+    assert cache.row_bytes == b * hkv * row
     float16_row = 2 * b * hkv * d * 2
-    assert cache.row_bytes / float16_row <= BYTES_RATIO_TARGET
+    # the default (float16 scales) meets the target: 264 / 512 = 0.516; float32 scales: 0.523
+    assert cache.row_bytes / float16_row <= (BYTES_RATIO_TARGET if scale_dtype == torch.float16 else 0.524)
     out = cache.step(torch.randn(b, hq, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16))
     assert out.bytes_written == cache.row_bytes
+
+
+def test_default_scales_are_float16_and_meet_the_ratio():
+    cache = Int8Backend().create_cache(_spec(32, 8, 128))
+    assert cache.scale_dtype == torch.float16
+    assert cache.row_bytes / (2 * 8 * 128 * 2) <= BYTES_RATIO_TARGET
 
 
 def test_long_key_rows_are_padded_to_lines_and_counted():
@@ -259,14 +280,21 @@ def test_long_key_rows_are_padded_to_lines_and_counted():
     backend = Int8Backend()
     spec = _spec(hq, hkv, d, policy=EvictionPolicy.strict(c))
     cache = backend.create_cache(spec)
-    padded = 5056
-    expected = b * hkv * (d * padded + d * c + 2 * c * 4)
+    padded, o = 5056, cache.outliers
+    expected = b * hkv * ((d - o) * padded + 2 * o * c + d * c + 2 * c * 2 + CALIBRATION_TOKENS * d * 4)
     assert backend.cache_nbytes(spec) == cache.nbytes == expected
     assert cache._k.stride(-2) == padded and cache._k.shape[-1] == c
     assert cache.row_bytes / (2 * b * hkv * d * 2) <= BYTES_RATIO_TARGET
     # below the threshold nothing is padded
     small = backend.create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(4000)))
     assert small._k.stride(-2) == 4000
+
+
+@pytest.mark.parametrize("d,expected", [(128, 4), (64, 4), (16, 2), (8, 1), (7, 0), (1, 0)])
+def test_outlier_channel_count_follows_the_head_width(d, expected):
+    assert key_outlier_count(d) == expected
+    assert Int8Backend().create_cache(_spec(4, 2, d)).outliers == expected
+    assert Int8Backend(key_outliers=0).create_cache(_spec(4, 2, d)).outliers == 0
 
 
 # -- the cache contract ----------------------------------------------------------------------------
@@ -302,30 +330,86 @@ def test_prefill_quantizes_on_arrival_and_export_is_in_position_order(policy_nam
     gen = torch.Generator().manual_seed(13)
     keys, values = torch.randn(1, hkv, n, d, generator=gen).to(dtype), torch.randn(1, hkv, n, d, generator=gen).to(dtype)
     kept = [p for r in policy.resident(n) for p in r]
-    # without the rotation the stored codes are exactly quant's codes of the kept positions
-    plain = Int8Backend(rotate=False).create_cache(_spec(4, hkv, d, dtype, policy))
+    # without outlier channels or rotation the stored codes are exactly quant's codes
+    plain = Int8Backend(rotate=False, key_outliers=0).create_cache(_spec(4, hkv, d, dtype, policy))
     plain.prefill(keys, values)
-    kc, vc, ks, vs = plain.export_quantized()
-    want_kc, want_ks = quantize_int8(keys[:, :, kept])
-    want_vc, want_vs = quantize_int8(values[:, :, kept])
-    assert torch.equal(kc, want_kc) and torch.equal(ks, want_ks)
-    assert torch.equal(vc, want_vc) and torch.equal(vs, want_vs)
+    rows = plain.export_quantized()
+    want_kc, want_ks = quantize_int8(keys[:, :, kept], scale_dtype=torch.float16)
+    want_vc, want_vs = quantize_int8(values[:, :, kept], scale_dtype=torch.float16)
+    assert torch.equal(rows.key_codes, want_kc) and torch.equal(rows.key_scales, want_ks)
+    assert torch.equal(rows.value_codes, want_vc) and torch.equal(rows.value_scales, want_vs)
+    assert torch.equal(plain.key_channels, torch.arange(d).expand(1, hkv, d))
     ek, ev = plain.export()
     assert ek.dtype == dtype and ek.shape == (1, hkv, len(kept), d)
     assert torch.equal(ek, dequantize_int8(want_kc, want_ks, dtype))
     assert torch.equal(ev, dequantize_int8(want_vc, want_vs, dtype))
-    # rotated (the default): each exported row is its own position's, to half a step (+ rounding)
-    rotated = Int8Backend().create_cache(_spec(4, hkv, d, dtype, policy))
-    rotated.prefill(keys, values)
-    _, _, ks, vs = rotated.export_quantized()
-    ek, ev = rotated.export()
+    # the default: the resident keys' largest channels are kept in float16, values rotated
+    cache = Int8Backend().create_cache(_spec(4, hkv, d, dtype, policy))
+    cache.prefill(keys, values)
+    rows = cache.export_quantized()
+    o = cache.outliers
+    order = cache.key_channels
+    largest = keys[:, :, kept].float().abs().amax(dim=2).topk(o, dim=-1).indices.sort(dim=-1).values
+    assert torch.equal(order[..., d - o :], largest)
+    ordered = keys[:, :, kept].float().gather(3, order.unsqueeze(2).expand(1, hkv, len(kept), d))
+    assert torch.equal(rows.key_outliers, ordered[..., d - o :].half())
+    want_kc, want_ks = quantize_int8(ordered[..., : d - o], scale_dtype=torch.float16)
+    assert torch.equal(rows.key_codes, want_kc) and torch.equal(rows.key_scales, want_ks)
+    ek, ev = cache.export()
     slack = {torch.float32: 1e-6, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
-    for got, want, scales in ((ek, keys, ks), (ev, values, vs)):
-        want = want[:, :, kept].double()
-        # a rotated error of at most scale/2 per channel is at most scale/2 * sqrt(D) per row
-        err = torch.linalg.norm(got.double() - want, dim=-1)
-        bound = scales.double() / 2 * d**0.5 + slack * torch.linalg.norm(want, dim=-1)
-        assert bool((err <= bound).all())
+    want_k, want_v = keys[:, :, kept].double(), values[:, :, kept].double()
+    # keys: half a step per coded channel, float16 rounding on the outlier ones
+    err = (ek.double() - want_k).abs()
+    bound = rows.key_scales.double().unsqueeze(-1) / 2 + (slack + 2**-11) * want_k.abs()
+    assert bool((err <= bound).all())
+    # values: a rotated error of at most scale/2 per channel is at most scale/2 * sqrt(D) per row
+    err = torch.linalg.norm(ev.double() - want_v, dim=-1)
+    bound = rows.value_scales.double() / 2 * d**0.5 + slack * torch.linalg.norm(want_v, dim=-1)
+    assert bool((err <= bound).all())
+
+
+def test_outlier_channels_are_found_from_a_prefill_or_the_first_keys():
+    hq, hkv, d = 8, 2, 64
+    gen = torch.Generator().manual_seed(31)
+    keys = torch.randn(1, hkv, 40, d, generator=gen)
+    channels = torch.tensor([3, 17, 40, 62])
+    keys[..., channels] *= OUTLIER_GAIN
+    values = torch.randn(1, hkv, 40, d, generator=gen)
+    prefilled = Int8Backend().create_cache(_spec(hq, hkv, d))
+    prefilled.prefill(keys, values)
+    assert prefilled.calibrated
+    assert all(torch.equal(prefilled.key_channels[0, h, -4:], channels) for h in range(hkv))
+    # token by token: chosen again at 1, 2, 4, 8 and 16 keys, then final; the early keys are
+    # re-encoded from their exact values, so the result is the prefill of the same 16 keys
+    stepped = Int8Backend().create_cache(_spec(hq, hkv, d))
+    for t in range(CALIBRATION_TOKENS):
+        assert not stepped.calibrated
+        stepped.step(torch.randn(1, hq, d, generator=gen), keys[:, :, t], values[:, :, t])
+    assert stepped.calibrated
+    same = Int8Backend().create_cache(_spec(hq, hkv, d))
+    same.prefill(keys[:, :, :CALIBRATION_TOKENS], values[:, :, :CALIBRATION_TOKENS])
+    assert torch.equal(stepped.key_channels, same.key_channels)
+    assert all(torch.equal(a, b) for a, b in zip(stepped.export_quantized(), same.export_quantized()))
+    # later keys change nothing
+    before = stepped.key_channels
+    stepped.step(torch.randn(1, hq, d), torch.randn(1, hkv, d) * 1000, torch.randn(1, hkv, d))
+    assert torch.equal(stepped.key_channels, before)
+
+
+def test_keys_beyond_float16_are_refused_before_writing():
+    cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.strict(4)))
+    cache.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
+    raw = [t.clone() for t in (cache._k, cache._ko, cache._v, cache._ks, cache._vs)]
+    big = torch.randn(1, 2, 8)
+    big[0, 1, 2] = 1e5
+    with pytest.raises(ValueError, match="new_key: .*beyond float16"):
+        cache.step(torch.randn(1, 4, 8), big, torch.randn(1, 2, 8))
+    assert cache.tokens_seen == 1
+    assert all(torch.equal(a, b) for a, b in zip(raw, (cache._k, cache._ko, cache._v, cache._ks, cache._vs)))
+    empty = Int8Backend().create_cache(_spec(4, 2, 8))
+    with pytest.raises(ValueError, match="prefill key"):
+        empty.prefill(big.unsqueeze(2), torch.randn(1, 2, 1, 8))
+    assert empty.tokens_seen == 0
 
 
 def test_failed_step_restores_codes_and_scales_bit_exactly(monkeypatch):
@@ -334,7 +418,7 @@ def test_failed_step_restores_codes_and_scales_bit_exactly(monkeypatch):
     for _ in range(7):  # the ring has wrapped: the next write overwrites a live row
         cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
     before = cache.export_quantized()
-    raw_before = [t.clone() for t in (cache._k, cache._v, cache._ks, cache._vs)]
+    raw_before = [t.clone() for t in _raw(cache)]
 
     def boom(*_):
         raise RuntimeError("attention failed")
@@ -344,7 +428,30 @@ def test_failed_step_restores_codes_and_scales_bit_exactly(monkeypatch):
         cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d) * 100, torch.randn(1, hkv, d) * 100)
     assert cache.tokens_seen == 7
     assert all(torch.equal(a, b) for a, b in zip(before, cache.export_quantized()))
-    assert all(torch.equal(a, b) for a, b in zip(raw_before, (cache._k, cache._v, cache._ks, cache._vs)))
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
+
+
+def test_failed_step_while_choosing_outlier_channels_restores_everything(monkeypatch):
+    """At T = 8 a step chooses the outlier channels again and re-encodes the first keys: a
+    failure afterwards puts the channels, the calibration keys and every code back."""
+    hq, hkv, d = 4, 2, 16
+    gen = torch.Generator().manual_seed(8)
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(6)))
+    for _ in range(7):
+        cache.step(torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen))
+    raw_before = [t.clone() for t in _raw(cache)]
+    order, calibration = cache.key_channels, cache._calibration.clone()
+    monkeypatch.setattr(cache, "_attend", lambda *_: (_ for _ in ()).throw(RuntimeError("attention failed")))
+    key = torch.randn(1, hkv, d, generator=gen)
+    key[..., 5] *= 1000  # the 8th key changes the choice
+    with pytest.raises(RuntimeError, match="attention failed"):
+        cache.step(torch.randn(1, hq, d), key, torch.randn(1, hkv, d))
+    assert cache.tokens_seen == 7 and not cache.calibrated
+    assert torch.equal(cache.key_channels, order) and torch.equal(cache._calibration, calibration)
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
+    monkeypatch.undo()
+    cache.step(torch.randn(1, hq, d), key, torch.randn(1, hkv, d))
+    assert bool((cache.key_channels[..., -cache.outliers :] == 5).any(dim=-1).all())
 
 
 def test_full_cache_under_none_is_refused_unchanged():
@@ -364,13 +471,13 @@ def test_non_finite_step_input_is_refused_before_writing(target, bad):
     cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(3)))
     for _ in range(4):
         cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
-    raw_before = [t.clone() for t in (cache._k, cache._v, cache._ks, cache._vs)]
+    raw_before = [t.clone() for t in _raw(cache)]
     args = {"query": torch.randn(1, hq, d), "new_key": torch.randn(1, hkv, d), "new_value": torch.randn(1, hkv, d)}
     args[target][0, 0, 1] = bad
     with pytest.raises(ValueError, match=rf"^{target}: 1 non-finite"):
         cache.step(args["query"], args["new_key"], args["new_value"])
     assert cache.tokens_seen == 4
-    assert all(torch.equal(a, b) for a, b in zip(raw_before, (cache._k, cache._v, cache._ks, cache._vs)))
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
     cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))  # still usable
 
 
@@ -381,25 +488,27 @@ def test_non_finite_prefill_is_refused_and_the_cache_stays_empty():
     with pytest.raises(ValueError, match="prefill value"):
         cache.prefill(keys, values)
     assert cache.tokens_seen == 0
-    assert not bool(cache._k.any()) and not bool(cache._ks.any())
+    assert not any(bool(t.any()) for t in _raw(cache))
 
 
 def test_rollback_is_the_base_contract():
     cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.greedy(4, 8)))
     for _ in range(6):
         cache.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
-    k_before, _, _, _ = cache.export_quantized()
+    before = cache.export_quantized()
     cache.rollback(2)
-    k_after, _, _, _ = cache.export_quantized()
-    assert cache.tokens_seen == 4 and torch.equal(k_after, k_before[:, :, :4])
+    after = cache.export_quantized()
+    assert cache.tokens_seen == 4
+    assert all(torch.equal(a, b[:, :, :4]) for a, b in zip(after, before))
 
 
 # -- raw codes: export / load ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("steps", [KERNEL_STEPS, 5], ids=["calibrated", "calibrating"])
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
 @pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_export_load_quantized_round_trip_is_bit_exact(policy_name, scale_dtype):
+def test_export_load_quantized_round_trip_is_bit_exact(policy_name, scale_dtype, steps):
     hq, hkv, d = 8, 2, 16
     backend = Int8Backend(scale_dtype=scale_dtype)
     spec = _spec(hq, hkv, d, torch.bfloat16, KERNEL_POLICIES[policy_name])
@@ -409,56 +518,72 @@ def test_export_load_quantized_round_trip_is_bit_exact(policy_name, scale_dtype)
         return tuple(torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d)))
 
     source = backend.create_cache(spec)
-    for _ in range(KERNEL_STEPS):
+    for _ in range(steps):
         source.step(*args())
     saved = source.export_quantized()
+    state = source.export_state()
+    assert ("key_calibration" in state) == (steps < CALIBRATION_TOKENS)
     copy = backend.create_cache(spec)
-    copy.load_quantized(*saved, tokens_seen=source.tokens_seen)
-    assert copy.tokens_seen == source.tokens_seen
+    copy.load_quantized(saved, source.key_channels, source.tokens_seen, state.get("key_calibration"))
+    assert copy.tokens_seen == source.tokens_seen and copy.calibrated == source.calibrated
     assert all(torch.equal(a, b) for a, b in zip(saved, copy.export_quantized()))
     via_state = backend.create_cache(spec)
-    via_state.load_state(source.tokens_seen, source.export_state())
+    via_state.load_state(source.tokens_seen, state)
     assert all(torch.equal(a, b) for a, b in zip(saved, via_state.export_quantized()))
-    for _ in range(5):
+    for _ in range(CALIBRATION_TOKENS):  # through the remaining choices of outlier channels
         step = args()
-        a, b = source.step(*step), copy.step(*step)
-        assert torch.equal(a.output, b.output) and (a.resident, a.first_position) == (b.resident, b.first_position)
+        a, b, c = source.step(*step), copy.step(*step), via_state.step(*step)
+        assert torch.equal(a.output, b.output) and torch.equal(a.output, c.output)
+        assert (a.resident, a.first_position) == (b.resident, b.first_position)
+    assert torch.equal(source.key_channels, copy.key_channels)
 
 
 def test_load_quantized_refuses_bad_input_and_stores_nothing():
     backend = Int8Backend()
     spec = _spec(4, 2, 8, policy=EvictionPolicy.strict(4))
     source = backend.create_cache(spec)
-    for _ in range(6):
+    for _ in range(20):
         source.step(torch.randn(1, 4, 8), torch.randn(1, 2, 8), torch.randn(1, 2, 8))
-    kc, vc, ks, vs = source.export_quantized()
+    rows, order = source.export_quantized(), source.key_channels
     target = backend.create_cache(spec)
     with pytest.raises(ValueError, match="key codes expected shape"):
-        target.load_quantized(kc, vc, ks, vs, tokens_seen=3)  # L(3) = 3, not 4
+        target.load_quantized(rows, order, 3)  # L(3) = 3, not 4
     with pytest.raises(TypeError, match="value codes"):
-        target.load_quantized(kc, vc.int(), ks, vs, tokens_seen=6)
+        target.load_quantized(rows._replace(value_codes=rows.value_codes.int()), order, 20)
     with pytest.raises(TypeError, match="key scales"):
-        target.load_quantized(kc, vc, ks.half(), vs, tokens_seen=6)
-    bad = kc.clone()
+        target.load_quantized(rows._replace(key_scales=rows.key_scales.float()), order, 20)
+    with pytest.raises(TypeError, match="key outliers"):
+        target.load_quantized(rows._replace(key_outliers=rows.key_outliers.float()), order, 20)
+    bad = rows.key_codes.clone()
     bad[0, 0, 0, 0] = -128
     with pytest.raises(ValueError, match="-128"):
-        target.load_quantized(bad, vc, ks, vs, tokens_seen=6)
+        target.load_quantized(rows._replace(key_codes=bad), order, 20)
     with pytest.raises(ValueError, match="value scales"):
-        target.load_quantized(kc, vc, ks, vs.neg(), tokens_seen=6)
-    assert target.tokens_seen == 0 and not bool(target._k.any())
-    target.load_quantized(kc, vc, ks, vs, tokens_seen=6)
+        target.load_quantized(rows._replace(value_scales=rows.value_scales.neg()), order, 20)
+    with pytest.raises(ValueError, match="key outliers must be finite"):
+        target.load_quantized(rows._replace(key_outliers=rows.key_outliers.clone().fill_(float("inf"))), order, 20)
+    repeated = order.clone()
+    repeated[0, 0, 0] = repeated[0, 0, 1]
+    with pytest.raises(ValueError, match="key_channels"):
+        target.load_quantized(rows, repeated, 20)
+    with pytest.raises(ValueError, match="calibration rows only"):
+        target.load_quantized(rows, order, 20, torch.zeros(1, 2, 16, 8))
+    assert target.tokens_seen == 0 and not any(bool(t.any()) for t in _raw(target))
+    target.load_quantized(rows, order, 20)
     with pytest.raises(ValueError, match="already holds"):
-        target.load_quantized(kc, vc, ks, vs, tokens_seen=6)
+        target.load_quantized(rows, order, 20)
+    calibrating = backend.create_cache(spec)
+    with pytest.raises(ValueError, match="calibration must be"):
+        calibrating.load_quantized(rows, order, 4, torch.zeros(1, 2, 3, 8))
 
 
 def test_empty_export_quantized_has_the_right_shapes():
-    cache = Int8Backend(scale_dtype=torch.float16).create_cache(_spec(4, 2, 8, b=3))
-    kc, vc, ks, vs = cache.export_quantized()
-    assert kc.shape == vc.shape == (3, 2, 0, 8) and kc.dtype == torch.int8
-    assert ks.shape == vs.shape == (3, 2, 0) and ks.dtype == torch.float16
-
-
-# -- selection -------------------------------------------------------------------------------------
+    cache = Int8Backend(scale_dtype=torch.float32).create_cache(_spec(4, 2, 8, b=3))
+    rows = cache.export_quantized()
+    assert isinstance(rows, Int8Rows)
+    assert rows.key_codes.shape == (3, 2, 0, 7) and rows.value_codes.shape == (3, 2, 0, 8)
+    assert rows.key_codes.dtype == torch.int8 and rows.key_outliers.shape == (3, 2, 0, 1)
+    assert rows.key_scales.shape == rows.value_scales.shape == (3, 2, 0) and rows.key_scales.dtype == torch.float32
 
 
 def test_registry_and_capabilities():

@@ -69,17 +69,19 @@ def test_matches_oracle_across_widths_and_groups(g, d, isa):
     q, k, v, ks, vs = _problem(2, g, d, 300, gen)
     runs = [(0, 300)]
     ref, pos = _reference(q, k, v, ks, vs, runs)
-    out = KERNEL.attend(q, k, v, ks[:, pos], vs[:, pos], runs, isa=isa)
+    out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa)
     assert out.shape == (2, g, d) and out.dtype == torch.float32
     assert _rel(out, ref) <= RTOL
 
 
+@pytest.mark.parametrize("scales", [torch.float32, torch.float16], ids=["f32-scales", "f16-scales"])
 @pytest.mark.parametrize("isa", [_isa_param(i) for i in ISAS])
 @pytest.mark.parametrize("length", LENGTHS, ids=[f"S{s}" for s in LENGTHS])
-def test_matches_oracle_across_lengths_runs_and_threads(length, isa):
+def test_matches_oracle_across_lengths_runs_and_threads(length, isa, scales):
     gen = torch.Generator().manual_seed(length)
     n, g, d, capacity = 1, 4, 128, 1200
     q, k, v, ks, vs = _problem(n, g, d, capacity, gen)
+    ks, vs = ks.to(scales), vs.to(scales)  # the reference dequantizes with the stored values
     # one run starting off the 64-position grid; the same positions as a wrapped ring's two runs
     start = 37
     run_sets = [[(start, start + length)]]
@@ -89,19 +91,40 @@ def test_matches_oracle_across_lengths_runs_and_threads(length, isa):
     for runs in run_sets:
         ref, pos = _reference(q, k, v, ks, vs, runs)
         for threads in (1, 2, 3):  # one KV head: more threads means splits of the positions
-            out = KERNEL.attend(q, k, v, ks[:, pos].contiguous(), vs[:, pos].contiguous(), runs, isa=isa, threads=threads)
+            out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa, threads=threads)
             assert _rel(out, ref) <= RTOL, (runs, threads)
 
 
-def test_padded_key_rows_and_strided_scales():
-    """Key rows a line apart beyond C and scales as a column slice of the ring, as the cache has them."""
+@pytest.mark.parametrize("isa", [_isa_param(i) for i in ISAS])
+@pytest.mark.parametrize("outliers", [1, 4])
+def test_float16_key_outlier_channels_add_to_the_scores(outliers, isa):
+    """q's last O channels meet the float16 rows ko (unscaled); the first D - O the codes."""
+    gen = torch.Generator().manual_seed(outliers)
+    n, g, d, c = 2, 4, 128, 200
+    q, k, v, ks, vs = _problem(n, g, d, c, gen)
+    k = k[:, : d - outliers].contiguous()
+    ko = (torch.randn(n, outliers, c, generator=gen) * 20).half()
+    runs = [(7, 180)]
+    pos = np.arange(7, 180)
+    keys = np.concatenate([
+        k.double().numpy().transpose(0, 2, 1)[:, pos] * ks.double().numpy()[:, pos, None],
+        ko.double().numpy().transpose(0, 2, 1)[:, pos],
+    ], axis=2)[None]
+    values = (v.double().numpy()[:, pos] * vs.double().numpy()[:, pos, None])[None]
+    ref = attention_ref(q.double().numpy().reshape(1, n * g, d) * d**0.5, keys, values, n * g, n)[0].reshape(n, g, d)
+    out = KERNEL.attend(q, k, v, ks, vs, runs, ko, isa=isa)
+    assert _rel(out, ref) <= RTOL
+
+
+def test_padded_key_rows():
+    """Key rows a line apart beyond C, as the cache has them."""
     gen = torch.Generator().manual_seed(2)
     n, g, d, c = 3, 2, 64, 200
     q, _, v, ks_ring, vs_ring = _problem(n, g, d, c, gen)
     k = torch.randint(-127, 128, (n, d, 256), generator=gen, dtype=torch.int8)[..., :c]
     runs = [(10, 150)]
     ref, pos = _reference(q, k.contiguous(), v, ks_ring, vs_ring, runs)
-    out = KERNEL.attend(q, k, v, ks_ring[:, 10:150], vs_ring[:, 10:150], runs)
+    out = KERNEL.attend(q, k, v, ks_ring, vs_ring, runs)
     assert _rel(out, ref) <= RTOL
 
 
@@ -126,11 +149,19 @@ def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="float32"):
         KERNEL.attend(q.double(), k, v, ks, vs, [(0, 50)])
     with pytest.raises(ValueError, match="scales"):
+        KERNEL.attend(q, k, v, ks.double(), vs.double(), [(0, 50)])
+    with pytest.raises(ValueError, match="scales"):
+        KERNEL.attend(q, k, v, ks.half(), vs, [(0, 50)])
+    with pytest.raises(ValueError, match="scales"):
         KERNEL.attend(q, k, v, ks[:, :10], vs[:, :10], [(0, 50)])
-    with pytest.raises(ValueError, match="k must be"):
-        KERNEL.attend(q, k.transpose(1, 2), v, ks, vs, [(0, 50)])
+    with pytest.raises(ValueError, match="k must be"):  # positions not contiguous
+        KERNEL.attend(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, ks, vs, [(0, 50)])
+    with pytest.raises(ValueError, match="q has 32 channels"):
+        KERNEL.attend(q, k[:, :30], v, ks, vs, [(0, 50)])
+    with pytest.raises(ValueError, match="ko must be float16"):
+        KERNEL.attend(q, k[:, :30].contiguous(), v, ks, vs, [(0, 50)], torch.zeros(1, 2, 50))
     with pytest.raises(RuntimeError, match="Invalid argument"):  # a run beyond the capacity
-        KERNEL.attend(q, k, v, torch.zeros(1, 60), torch.zeros(1, 60), [(0, 60)])
+        KERNEL.attend(q, k, v, ks, vs, [(0, 60)])
     if "avx512" not in KERNEL.isas(24):  # D = 24 is not a multiple of 16
         q24, k24, v24, ks24, vs24 = _problem(1, 2, 24, 50, gen)
         with pytest.raises(RuntimeError, match="not supported"):

@@ -3,9 +3,11 @@
  *
  * One call computes, for every (batch x KV head) n and each of its G query heads g,
  *
- *     score[t] = (q[n,g] . kcode[n,:,t]) * kscale[n,t]         (q already scaled and rotated)
+ *     score[t] = (q[n,g,:dk] . kcode[n,:,t]) * kscale[n,t] + q[n,g,dk:] . kout[n,:,t]
  *     out[n,g] = sum_t softmax(score)[t] * vscale[n,t] * vcode[n,t,:]
  *
+ * (q already scaled, its channels in the cache's key order: the dk channels stored as int8
+ * codes, then the `no` outlier channels stored as float16 in kout, see backends/int8.py)
  * over the attended positions, which lie in the cache's ring as a few physical runs [a, b).
  * The codes are read once, a block of TILE_T positions at a time, widened to float32 in
  * registers and never written anywhere: no full-precision copy of the cache exists at any time.
@@ -14,10 +16,11 @@
  * the attended positions cut into `nsplit` equal chunks, so that few KV heads still fill every
  * thread; their partial results are merged at the end.
  *
- * Layout: q (N, G, D) float32; key codes (N, D, C) int8, transposed so that a block of
- * positions of one channel is contiguous, rows `kstride` >= C apart (the cache pads them to
- * whole lines); value codes (N, C, D) int8; scales float32 indexed by *logical* position (the
- * order of the runs), row n at ks + n * scale_stride; out (N, G, D) float32. Blocks follow the
+ * Layout: q (N, G, dk + no) float32; key codes (N, dk, C) int8, transposed so that a block
+ * of positions of one channel is contiguous, rows `kstride` >= C apart (the cache pads them to
+ * whole lines); outlier channels kout (N, no, C) float16; value codes (N, C, D) int8; scales
+ * (N, C) float32 or float16 (converted a block at a time) by physical position, row n at
+ * ks + n * scale_stride; out (N, G, D) float32. Blocks follow the
  * physical 64-position grid, so with line-aligned rows each block of a key channel is one line.
  *
  * Two implementations of the block: AVX-512 (F, BW, VL, DQ; chosen at run time when the CPU
@@ -56,10 +59,13 @@ enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
 typedef struct {
     const float *q;
     const int8_t *k, *v;
-    const float *ks, *vs;
+    const void *ks, *vs; /* scales (n, c) by physical position, float32 or float16 bits */
     int64_t scale_stride;
+    int half_scales;
     int64_t n, g, d, c, s;
     int64_t kstride; /* key codes: elements from one channel's row to the next (>= c) */
+    int64_t dk, no;  /* key channels stored as codes, and as float16 outlier channels */
+    const uint16_t *ko; /* outlier channels (n, no, c), float16 bits */
     const int64_t *runs; /* 2 * nruns: physical [a, b) pairs in logical order */
     int64_t nruns;
     int64_t nsplit, chunk;
@@ -73,32 +79,79 @@ typedef struct {
 typedef struct {
     float *m, *l, *acc; /* m[G], l[G], acc[G * D] */
     float *p;           /* weights of one block: p[TILE_G * TILE_T] */
+    float *ksb, *vsb;   /* one block's float16 scales as float32: ksb[TILE_T], vsb[TILE_T] */
 } state_t;
+
+/* IEEE binary16 bits to float (every value: subnormals, infinities, NaN). */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (!mant) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113u;
+        while (!(mant & 0x400u)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Portable block: plain loops (the compiler vectorizes what it can at the baseline ISA).
  */
-static void block_portable(const job_t *job, int64_t h, int64_t phys, int64_t logical, int64_t nt,
-                           state_t *st) {
-    const int64_t d = job->d, c = job->c, G = job->g;
-    const int8_t *kb = job->k + h * d * job->kstride + phys;
+/* The block's scales as float32: in place for float32 scales, converted into the state's
+ * buffers for float16 ones. */
+static void block_scales(const job_t *job, int64_t h, int64_t phys, int64_t nt, state_t *st, const float **ks,
+                         const float **vs) {
+    const int64_t at = h * job->scale_stride + phys;
+    if (!job->half_scales) {
+        *ks = (const float *)job->ks + at;
+        *vs = (const float *)job->vs + at;
+        return;
+    }
+    const uint16_t *kh = (const uint16_t *)job->ks + at, *vh = (const uint16_t *)job->vs + at;
+    for (int64_t t = 0; t < nt; t++) {
+        st->ksb[t] = half_to_float(kh[t]);
+        st->vsb[t] = half_to_float(vh[t]);
+    }
+    *ks = st->ksb;
+    *vs = st->vsb;
+}
+
+static void block_portable(const job_t *job, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    const int64_t d = job->d, c = job->c, G = job->g, dk = job->dk, no = job->no, dq = dk + no;
+    const int8_t *kb = job->k + h * dk * job->kstride + phys;
+    const uint16_t *kob = job->ko + h * no * c + phys;
     const int8_t *vb = job->v + (h * c + phys) * d;
-    const float *ks = job->ks + h * job->scale_stride + logical;
-    const float *vs = job->vs + h * job->scale_stride + logical;
+    const float *ks, *vs;
+    block_scales(job, h, phys, nt, st, &ks, &vs);
     float sc[TILE_T];
     for (int64_t g = 0; g < G; g++) {
-        const float *q = job->q + (h * G + g) * d;
+        const float *q = job->q + (h * G + g) * dq;
         for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
-        for (int64_t j = 0; j < d; j++) {
+        for (int64_t j = 0; j < dk; j++) {
             const float qj = q[j];
             const int8_t *row = kb + j * job->kstride;
             for (int64_t t = 0; t < nt; t++) sc[t] += qj * (float)row[t];
         }
-        float bmax = -INFINITY;
-        for (int64_t t = 0; t < nt; t++) {
-            sc[t] *= ks[t];
-            if (sc[t] > bmax) bmax = sc[t];
+        for (int64_t t = 0; t < nt; t++) sc[t] *= ks[t];
+        for (int64_t o = 0; o < no; o++) {
+            const float qo = q[dk + o];
+            const uint16_t *row = kob + o * c;
+            for (int64_t t = 0; t < nt; t++) sc[t] += qo * half_to_float(row[t]);
         }
+        float bmax = -INFINITY;
+        for (int64_t t = 0; t < nt; t++)
+            if (sc[t] > bmax) bmax = sc[t];
         float *acc = st->acc + g * d;
         if (bmax > st->m[g]) {
             const float alpha = expf(st->m[g] - bmax); /* 0 on the first block (m = -inf) */
@@ -149,8 +202,9 @@ AVX512 static inline __m512 widen16(const int8_t *p, __mmask16 mask) {
 /* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
  * 64 positions: 4 x gt accumulators of 16 positions, one channel (one 64-byte line) at a time. */
 AVX512 static inline __attribute__((always_inline)) void scores_avx512(
-    const float *q, int64_t d, const int8_t *kb, int64_t c, const float *ks, int64_t nt,
-    const int gt, float *out) {
+    const float *q, int64_t dk, int64_t no, const int8_t *kb, int64_t kstride, const uint16_t *kob, int64_t c,
+    const float *ks, int64_t nt, const int gt, float *out) {
+    const int64_t dq = dk + no;
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) {
@@ -158,23 +212,31 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         mask[i] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
-    for (int64_t j = 0; j < d; j++) {
-        const int8_t *row = kb + j * c;
+    for (int64_t j = 0; j < dk; j++) {
+        const int8_t *row = kb + j * kstride;
         /* each channel's line of a later block (see the header; a no-op past the end) */
         _mm_prefetch((const char *)(row + PREFETCH_BLOCKS * TILE_T), _MM_HINT_T0);
         __m512 kf[4];
         for (int i = 0; i < 4; i++) kf[i] = widen16(row + 16 * i, mask[i]);
         for (int g = 0; g < gt; g++) {
-            const __m512 qj = _mm512_set1_ps(q[g * d + j]);
+            const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
             for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
         }
     }
     for (int i = 0; i < 4; i++) {
         const __m512 s = _mm512_maskz_loadu_ps(mask[i], ks + 16 * i);
-        for (int g = 0; g < gt; g++)
-            _mm512_storeu_ps(out + g * TILE_T + 16 * i,
-                             _mm512_mask_mul_ps(_mm512_set1_ps(-INFINITY), mask[i], acc[g][i], s));
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_mul_ps(acc[g][i], s);
     }
+    for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
+        const uint16_t *row = kob + o * c;
+        for (int i = 0; i < 4; i++) {
+            const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask[i], row + 16 * i));
+            for (int g = 0; g < gt; g++) acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + dk + o]), x, acc[g][i]);
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int g = 0; g < gt; g++)
+            _mm512_storeu_ps(out + g * TILE_T + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], acc[g][i]));
 }
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * vcode[t][j0 : ...] for a block: nv registers of
@@ -238,30 +300,44 @@ AVX512 static inline __attribute__((always_inline)) void softmax_block(
 
 /* Scores, online softmax and the weighted sum of the value codes for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
-    const job_t *job, int64_t h, int64_t g0, const int gt, const int8_t *kb, const int8_t *vb,
+    const job_t *job, int64_t h, int64_t phys, int64_t g0, const int gt, const int8_t *kb, const int8_t *vb,
     const float *ks, const float *vs, int64_t nt, state_t *st) {
     const int64_t d = job->d;
     float *p = st->p;
-    scores_avx512(job->q + (h * job->g + g0) * d, d, kb, job->kstride, ks, nt, gt, p);
+    const int64_t dq = job->dk + job->no;
+    scores_avx512(job->q + (h * job->g + g0) * dq, job->dk, job->no, kb, job->kstride,
+                  job->ko + h * job->no * job->c + phys, job->c, ks, nt, gt, p);
     softmax_block(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
     for (; j0 + 64 <= d; j0 += 64) pv_avx512(st->acc + g0 * d, d, j0, vb, p, nt, gt, 4);
     for (; j0 < d; j0 += 16) pv_avx512(st->acc + g0 * d, d, j0, vb, p, nt, gt, 1);
 }
 
-AVX512 static void block_avx512(const job_t *job, int64_t h, int64_t phys, int64_t logical, int64_t nt,
-                                state_t *st) {
+AVX512 static void block_avx512(const job_t *job, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     const int64_t d = job->d, c = job->c;
-    const int8_t *kb = job->k + h * d * job->kstride + phys;
+    const int8_t *kb = job->k + h * job->dk * job->kstride + phys;
     const int8_t *vb = job->v + (h * c + phys) * d;
-    const float *ks = job->ks + h * job->scale_stride + logical;
-    const float *vs = job->vs + h * job->scale_stride + logical;
+    const float *ks, *vs;
+    if (job->half_scales) { /* 64 scales in four conversions */
+        const int64_t at = h * job->scale_stride + phys;
+        for (int i = 0; i < 4; i++) {
+            const int64_t left = nt - 16 * i;
+            const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            _mm512_storeu_ps(st->ksb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)job->ks + at + 16 * i)));
+            _mm512_storeu_ps(st->vsb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)job->vs + at + 16 * i)));
+        }
+        ks = st->ksb;
+        vs = st->vsb;
+    } else {
+        ks = (const float *)job->ks + h * job->scale_stride + phys;
+        vs = (const float *)job->vs + h * job->scale_stride + phys;
+    }
     for (int64_t g0 = 0; g0 < job->g; g0 += TILE_G) {
         switch (job->g - g0 >= TILE_G ? TILE_G : (int)(job->g - g0)) {
-            case 4: tile_avx512(job, h, g0, 4, kb, vb, ks, vs, nt, st); break;
-            case 3: tile_avx512(job, h, g0, 3, kb, vb, ks, vs, nt, st); break;
-            case 2: tile_avx512(job, h, g0, 2, kb, vb, ks, vs, nt, st); break;
-            default: tile_avx512(job, h, g0, 1, kb, vb, ks, vs, nt, st); break;
+            case 4: tile_avx512(job, h, phys, g0, 4, kb, vb, ks, vs, nt, st); break;
+            case 3: tile_avx512(job, h, phys, g0, 3, kb, vb, ks, vs, nt, st); break;
+            case 2: tile_avx512(job, h, phys, g0, 2, kb, vb, ks, vs, nt, st); break;
+            default: tile_avx512(job, h, phys, g0, 1, kb, vb, ks, vs, nt, st); break;
         }
     }
 }
@@ -289,11 +365,11 @@ static void work_item(const job_t *job, int64_t item, state_t *st) {
             nt = hi - x < to_grid ? hi - x : to_grid;
 #if GQA_HAVE_AVX512
             if (job->isa == ISA_AVX512) {
-                block_avx512(job, h, a + (x - base), x, nt, st);
+                block_avx512(job, h, a + (x - base), nt, st);
                 continue;
             }
 #endif
-            block_portable(job, h, a + (x - base), x, nt, st);
+            block_portable(job, h, a + (x - base), nt, st);
         }
         base += b - a;
     }
@@ -308,12 +384,14 @@ static void work_item(const job_t *job, int64_t item, state_t *st) {
 static void *worker(void *arg) {
     job_t *job = arg;
     const int64_t G = job->g, d = job->d;
-    float *mem = aligned_alloc(64, ((size_t)(2 * G + G * d + TILE_G * TILE_T) * sizeof(float) + 63) / 64 * 64);
+    float *mem = aligned_alloc(64, ((size_t)(2 * G + G * d + (TILE_G + 2) * TILE_T) * sizeof(float) + 63) / 64 * 64);
     if (!mem) {
         atomic_store(&job->failed, 1);
         return NULL;
     }
-    state_t st = {.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = mem + 2 * G + G * d};
+    float *p = mem + 2 * G + G * d;
+    state_t st = {.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
+                  .vsb = p + (TILE_G + 1) * TILE_T};
     const int64_t items = job->n * job->nsplit;
     for (;;) {
         const int64_t item = atomic_fetch_add(&job->next, 1);
@@ -341,15 +419,17 @@ int gqa_int8_usable_isas(int64_t d) {
     return m;
 }
 
-int gqa_int8_attend(const float *q, const int8_t *k, const int8_t *v, const float *ks, const float *vs,
-                    int64_t scale_stride, int64_t n, int64_t g, int64_t d, int64_t c, int64_t kstride, const int64_t *runs,
-                    int64_t nruns, int64_t nsplit, float *out, int nthreads, int isa) {
+int gqa_int8_attend(const float *q, const int8_t *k, const int8_t *v, const void *ks, const void *vs,
+                    int half_scales, int64_t scale_stride, int64_t n, int64_t g, int64_t d, int64_t dk, int64_t c, int64_t kstride,
+                    const uint16_t *ko, int64_t no, const int64_t *runs, int64_t nruns, int64_t nsplit, float *out,
+                    int nthreads, int isa) {
     int64_t s = 0;
     for (int64_t r = 0; r < nruns; r++) {
         if (runs[2 * r] < 0 || runs[2 * r + 1] > c || runs[2 * r] >= runs[2 * r + 1]) return -EINVAL;
         s += runs[2 * r + 1] - runs[2 * r];
     }
     if (n < 1 || g < 1 || d < 1 || s < 1 || nsplit < 1 || nthreads < 1 || kstride < c) return -EINVAL;
+    if (dk < 0 || no < 0 || dk + no < 1 || (no && !ko)) return -EINVAL;
     const int usable = gqa_int8_usable_isas(d);
     if (isa == ISA_AUTO)
         isa = usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
@@ -360,8 +440,8 @@ int gqa_int8_attend(const float *q, const int8_t *k, const int8_t *v, const floa
     chunk = (chunk + TILE_T - 1) / TILE_T * TILE_T;
     nsplit = (s + chunk - 1) / chunk;
 
-    job_t job = {.q = q, .k = k, .v = v, .ks = ks, .vs = vs, .scale_stride = scale_stride, .n = n, .g = g,
-                 .d = d, .c = c, .kstride = kstride, .s = s, .runs = runs, .nruns = nruns, .nsplit = nsplit, .chunk = chunk,
+    job_t job = {.q = q, .k = k, .v = v, .ks = ks, .vs = vs, .half_scales = half_scales, .scale_stride = scale_stride, .n = n, .g = g,
+                 .d = d, .c = c, .kstride = kstride, .dk = dk, .no = no, .ko = ko, .s = s, .runs = runs, .nruns = nruns, .nsplit = nsplit, .chunk = chunk,
                  .isa = isa};
     atomic_init(&job.next, 0);
     atomic_init(&job.failed, 0);
