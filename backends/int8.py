@@ -86,8 +86,8 @@ KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "block
 # the row's absmax (each piece shrinks the error ~254x), 2 would leave ~1e-5 relative.
 PIECES = 3
 BLOCK = 1024
-# Key channels per KV head kept in float16 (fewer when D < 32; see key_outlier_count), and how
-# many first keys choose them.
+# Key channels per KV head kept in float16 (at most one in 8: key_outlier_count), and how many
+# first keys choose them.
 KEY_OUTLIERS = 4
 CALIBRATION_TOKENS = 16
 _INT32_SAFE_ROWS = 65536

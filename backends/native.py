@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISA", "Int8Kernel", "NativeUnavailable", "build", "cache_dir", "load"]
+__all__ = ["ISA", "Int8Kernel", "NativeUnavailable", "available", "build", "cache_dir", "load"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
