@@ -246,13 +246,13 @@ class Int8Cache(LayerCache):
         b, h, n, d = keys.shape
         o = self.outliers
         ordered = keys.to(torch.float32).gather(3, self._key_index.expand(b, h, n, d))
-        kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key")
+        kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key", check=False)
         self._k[:, :, :, start : start + n] = kc.transpose(2, 3)
         self._ks[:, :, start : start + n] = ks
         self._ko[:, :, :, start : start + n] = ordered[..., d - o :].to(torch.float16).transpose(2, 3)
 
     def _write_rows(self, start, keys, values):
-        vc, vs = quantize_int8(self._rotate(values), scale_dtype=self.scale_dtype, name="value")
+        vc, vs = quantize_int8(self._rotate(values), scale_dtype=self.scale_dtype, name="value", check=False)
         self._write_keys(start, keys)
         n = vc.shape[2]
         self._v[:, :, start : start + n] = vc
@@ -320,8 +320,8 @@ class Int8Cache(LayerCache):
 
     def prefill(self, keys, values):
         if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
-            _check_finite(("prefill key", keys), ("prefill value", values))
-            _check_key_range(("prefill key", keys))
+            _check_values("prefill key", keys, _FLOAT16_MAX)
+            _check_values("prefill value", values)
         super().prefill(keys, values)
 
     def _store_resident(self, t, keys, values):
@@ -356,8 +356,9 @@ class Int8Cache(LayerCache):
     # -- checks: non-finite input is refused before anything is written ---------------------
     def check_step(self, query, new_key, new_value):
         super().check_step(query, new_key, new_value)
-        _check_finite(("query", query), ("new_key", new_key), ("new_value", new_value))
-        _check_key_range(("new_key", new_key))
+        _check_values("query", query)
+        _check_values("new_key", new_key, _FLOAT16_MAX)
+        _check_values("new_value", new_value)
 
     # -- raw codes, for bit-exact snapshots ------------------------------------------------------
     def export_quantized(self) -> Int8Rows:
@@ -491,27 +492,28 @@ def _gather(scales: torch.Tensor, runs) -> torch.Tensor:
     return torch.cat([scales[:, a:b] for a, b in runs], dim=1).to(torch.float32)
 
 
-def _check_finite(*named: tuple[str, torch.Tensor]) -> None:
-    for name, t in named:
-        finite = torch.isfinite(t)
-        if not bool(finite.all()):
-            raise ValueError(
-                f"{name}: {int((~finite).sum())} non-finite value(s) (NaN or inf) in shape {tuple(t.shape)}; "
-                "the int8 cache cannot store them and nothing was written"
-            )
-
-
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 
 
-def _check_key_range(*named: tuple[str, torch.Tensor]) -> None:
-    """Any key channel may be kept in float16: refuse keys beyond its range, before writing."""
-    for name, t in named:
-        if t.numel() and float(t.detach().abs().max()) > _FLOAT16_MAX:
-            raise ValueError(
-                f"{name}: |values| up to {float(t.detach().abs().max()):.4g}, beyond float16's {_FLOAT16_MAX:.0f} "
-                "that the int8 cache's outlier channels hold; nothing was written"
-            )
+def _check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
+    """Refuses non-finite values, and |values| beyond ``limit`` (keys: any key channel may be
+    kept in float16), before anything is written. One reduction when all is well (NaN
+    propagates through amax); the message is worked out only for a refusal."""
+    if not t.numel():
+        return
+    m = float(t.detach().abs().amax())
+    if math.isfinite(m) and m <= limit:
+        return
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        raise ValueError(
+            f"{name}: {int((~finite).sum())} non-finite value(s) (NaN or inf) in shape {tuple(t.shape)}; "
+            "the int8 cache cannot store them and nothing was written"
+        )
+    raise ValueError(
+        f"{name}: |values| up to {m:.4g}, beyond float16's {_FLOAT16_MAX:.0f} that the int8 cache's "
+        "outlier channels hold; nothing was written"
+    )
 
 
 def _mixer(scales: torch.Tensor) -> torch.Tensor:

@@ -65,21 +65,25 @@ def _check_input(x: torch.Tensor, name: str) -> None:
 
 
 def quantize_int8(
-    x: torch.Tensor, *, scale_dtype: torch.dtype = torch.float32, name: str = "x"
+    x: torch.Tensor, *, scale_dtype: torch.dtype = torch.float32, name: str = "x", check: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Quantizes ``x`` (..., D) per row of its last dimension.
 
     Returns ``(codes, scales)``: int8 codes of ``x``'s shape in ``[-127, 127]`` and scales of
     shape ``x.shape[:-1]`` in ``scale_dtype`` (float32 or float16), on ``x``'s device.
     Raises ``ValueError`` (naming ``name``) for non-finite input or a float16 scale overflow.
+    ``check=False`` skips the finiteness checks for a caller that has made them (a cache on
+    its append path, where each check is a pass of its own); the float16 overflow is always
+    checked.
     """
-    _check_input(x, name)
+    if check:
+        _check_input(x, name)
     if scale_dtype not in SCALE_DTYPES:
         raise TypeError(f"scale_dtype must be float32 or float16, got {scale_dtype}")
     lead, d = x.shape[:-1], x.shape[-1]
     # float64 input is narrowed first: the scales are float32 at most anyway.
     x2 = x.reshape(-1, d).to(torch.float32)
-    if not bool(torch.isfinite(x2).all()):
+    if check and x.dtype == torch.float64 and not bool(torch.isfinite(x2).all()):
         raise ValueError(f"{name}: values beyond the float32 range in shape {tuple(x.shape)}")
     codes = None
     if scale_dtype == torch.float32 and _bnb_quant is not None and x2.shape[0] > 0:
@@ -106,8 +110,8 @@ def quantize_int8(
             )
         scales = scales32.to(scale_dtype)
         stored = scales.to(torch.float32).unsqueeze(-1)
-        zero = stored == 0
-        codes = torch.round(x2 / stored.masked_fill(zero, 1.0)).masked_fill_(zero, 0)
+        # A row whose stored scale is 0 has |x| < 4e-6 (or is zero): divided by 1 it rounds to 0.
+        codes = torch.round(x2 / stored.masked_fill(stored == 0, 1.0))
         codes = codes.clamp_(-QMAX, QMAX).to(torch.int8)
     return codes.reshape(x.shape), scales.reshape(lead)
 
