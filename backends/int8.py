@@ -110,6 +110,14 @@ def default_kernel(device) -> str:
 
 
 @functools.cache
+def _log_kernel() -> None:
+    """Says once which kernel int8 caches on the CPU get (the fallback's warning says why)."""
+    if default_kernel("cpu") == "native":
+        kernel = native.load()
+        log.info("int8: native kernel %s (%s)", kernel.path, ", ".join(kernel.isas(128)))
+
+
+@functools.cache
 def _warn_fallback(reason: str, fallback: str) -> None:
     log.warning("int8: the native kernel is unavailable (%s); using the %s kernel, 2-3x slower", reason, fallback)
 
@@ -625,7 +633,7 @@ class Int8Backend(Backend):
     def probe(cls) -> list[str]:
         # Builds (about a second, once per machine) or loads the native kernel now, while the
         # server starts, rather than in a stream's first step. Without it the torch kernels serve.
-        native.available()
+        _log_kernel()
         return []
 
     def cache_nbytes(self, spec: CacheSpec) -> int:

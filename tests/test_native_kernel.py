@@ -240,6 +240,22 @@ def test_backend_falls_back_to_torch_kernels_without_the_native_one(monkeypatch)
     assert Int8Backend().create_cache(_spec()).kernel == "native"
 
 
+def test_the_server_log_says_which_kernel_serves(monkeypatch, caplog):
+    from backends import int8
+
+    caplog.set_level("INFO", logger="backends.int8")
+    int8._log_kernel.cache_clear()
+    assert Int8Backend.probe() == []
+    assert "int8: native kernel" in caplog.text and str(KERNEL.path) in caplog.text
+    caplog.clear()
+    monkeypatch.setattr(native, "available", lambda: (False, "no C compiler (test)"))
+    int8._warn_fallback.cache_clear()
+    assert default_kernel("cpu") == "int_mm"
+    assert "unavailable (no C compiler (test)); using the int_mm kernel" in caplog.text
+    int8._warn_fallback.cache_clear()
+    int8._log_kernel.cache_clear()
+
+
 def _spec():
     from backends.base import CacheSpec
     from backends.policy import EvictionPolicy
