@@ -319,11 +319,9 @@ class Int8Cache(LayerCache):
             self._write_rows(row, key, value)
             return
         self._calibration[:, :, position] = key[:, :, 0].to(torch.float32)
+        self._write_rows(row, key, value)  # with the current channels
         t = position + 1
-        if t & (t - 1):  # between calibrations: the current channels
-            self._write_rows(row, key, value)
-        else:  # t = 1, 2, 4, 8, 16: choose again from every key so far
-            self._write_rows(row, key, value)
+        if not t & (t - 1):  # t = 1, 2, 4, 8, 16: choose again from every key so far
             self._calibrate(t)
 
     def prefill(self, keys, values):
