@@ -592,3 +592,28 @@ def test_registry_and_capabilities():
     assert backend.reasons_against(_spec(4, 2, 8, torch.bfloat16)) == []
     reasons = backend.reasons_against(_spec(4, 2, 8, torch.float64))
     assert len(reasons) == 1 and reasons[0].startswith("int8: dtype float64")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by `make gpu-check`)")
+@pytest.mark.parametrize("policy_name", list(KERNEL_POLICIES))
+def test_int8_cache_on_a_cuda_device(policy_name):
+    """Off the CPU the cache takes the torch "blocks" kernel (float16 key channels as a score
+    bias, the rotation as a matrix product); the same oracle on the dequantized cache."""
+    hq, hkv, d = 8, 2, 64
+    spec = CacheSpec(1, hq, hkv, d, torch.float16, KERNEL_POLICIES[policy_name], device="cuda")
+    cache = Int8Backend().create_cache(spec)
+    assert cache.kernel == "blocks"
+    gen = torch.Generator().manual_seed(9)
+    for _ in range(KERNEL_STEPS):
+        q, k, v = (torch.randn(shape, generator=gen).half().cuda() for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d)))
+        out = cache.step(q, k, v).output
+        assert out.device.type == "cuda"
+    rows = cache.export_quantized()
+    ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales, torch.float64), rows.key_outliers.double()], dim=3)
+    keys = torch.empty_like(ordered).scatter_(3, cache.key_channels.unsqueeze(2).expand_as(ordered), ordered)
+    values = dequantize_int8(rows.value_codes, rows.value_scales, torch.float64) @ cache.rotation.double()
+    if policy_name == "greedy":
+        keys, values = keys[:, :, -cache.policy.window :], values[:, :, -cache.policy.window :]
+    ref = attention_ref(q.double().cpu().numpy(), keys.cpu().numpy(), values.cpu().numpy(), hq, hkv)
+    assert _rel(out.cpu(), ref) <= KERNEL_RTOL[torch.float16]
