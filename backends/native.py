@@ -208,7 +208,11 @@ def _main(argv: list[str]) -> int:
     if argv[:1] != ["build"] or len(argv) > 2:
         print("usage: python -m backends.native build [DIRECTORY]", file=sys.stderr)
         return 2
-    path = build(Path(argv[1]) if len(argv) == 2 else None)
+    try:
+        path = build(Path(argv[1]) if len(argv) == 2 else None)
+    except NativeUnavailable as exc:
+        print(f"backends.native: {exc}", file=sys.stderr)
+        return 1
     kernel = Int8Kernel(path)
     print(f"{path} (on this CPU at head_dim 128: {', '.join(kernel.isas(128))})")
     return 0

@@ -272,3 +272,6 @@ def test_prebuild_command(tmp_path):
     assert len(built) == 1 and str(built[0]) in done.stdout and "portable" in done.stdout
     bad = subprocess.run([sys.executable, "-m", "backends.native"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
+    no_cc = subprocess.run([sys.executable, "-m", "backends.native", "build", str(tmp_path / "other")],
+                           capture_output=True, text=True, env={**env, "CC": str(tmp_path / "no-cc")}, timeout=60)
+    assert no_cc.returncode == 1 and "cannot run the C compiler" in no_cc.stderr and "Traceback" not in no_cc.stderr
