@@ -131,6 +131,12 @@ def key_outlier_count(head_dim: int, key_outliers: int = KEY_OUTLIERS) -> int:
     return max(0, min(key_outliers, head_dim // 8))
 
 
+def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
+    """One position of one KV head: D - O key codes, O float16 key channels, D value codes and
+    two scales."""
+    return (head_dim - outliers) + 2 * outliers + head_dim + 2 * scale_bytes
+
+
 def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
     """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
     outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
@@ -139,7 +145,8 @@ def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = K
     o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
     calibration = CALIBRATION_TOKENS * d * 4 if o else 0
-    return b * h * ((d - o) * _key_row_stride(c) + 2 * o * c + d * c + 2 * c * scale + calibration)
+    padding = (d - o) * (_key_row_stride(c) - c)
+    return b * h * (c * _position_bytes(d, o, scale) + padding + calibration)
 
 
 def _chunks(a: int, b: int, size: int):
@@ -220,9 +227,7 @@ class Int8Cache(LayerCache):
         """Bytes one position occupies (codes, outlier channels, scales; the fixed calibration
         rows are not a position's)."""
         s = self.spec
-        d, o = s.head_dim, self.outliers
-        scale = self._ks.element_size()
-        return s.batch_size * s.num_kv_heads * ((d - o) + 2 * o + d + 2 * scale)
+        return s.batch_size * s.num_kv_heads * _position_bytes(s.head_dim, self.outliers, self._ks.element_size())
 
     @property
     def key_channels(self) -> torch.Tensor:

@@ -113,7 +113,7 @@ def _dequantized(cache: Int8Cache):
     v = dequantize_int8(rows.value_codes, rows.value_scales, torch.float64)
     if cache.rotation is not None:
         v = v @ cache.rotation.double()
-    return k.numpy(), v.numpy()
+    return k.cpu().numpy(), v.cpu().numpy()
 
 
 def _attended_rows(cache: Int8Cache, policy_name: str):
@@ -609,11 +609,6 @@ def test_int8_cache_on_a_cuda_device(policy_name):
         q, k, v = (torch.randn(shape, generator=gen).half().cuda() for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d)))
         out = cache.step(q, k, v).output
         assert out.device.type == "cuda"
-    rows = cache.export_quantized()
-    ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales, torch.float64), rows.key_outliers.double()], dim=3)
-    keys = torch.empty_like(ordered).scatter_(3, cache.key_channels.unsqueeze(2).expand_as(ordered), ordered)
-    values = dequantize_int8(rows.value_codes, rows.value_scales, torch.float64) @ cache.rotation.double()
-    if policy_name == "greedy":
-        keys, values = keys[:, :, -cache.policy.window :], values[:, :, -cache.policy.window :]
-    ref = attention_ref(q.double().cpu().numpy(), keys.cpu().numpy(), values.cpu().numpy(), hq, hkv)
+    keys, values = _attended_rows(cache, policy_name)
+    ref = attention_ref(q.double().cpu().numpy(), keys, values, hq, hkv)
     assert _rel(out.cpu(), ref) <= KERNEL_RTOL[torch.float16]

@@ -46,10 +46,14 @@ def _problem(n, g, d, capacity, gen):
     return q, k, v, ks, vs
 
 
-def _reference(q, k, v, ks, vs, runs):
-    """float64 attention over the dequantized codes of the runs, in run order."""
+def _reference(q, k, v, ks, vs, runs, ko=None):
+    """float64 attention over the dequantized codes of the runs, in run order; ``ko`` (N, O, C)
+    float16 key channels follow the coded ones, unscaled."""
     pos = np.concatenate([np.arange(a, b) for a, b in runs])
-    keys = (k.double().numpy().transpose(0, 2, 1)[:, pos] * ks.double().numpy()[:, pos, None])[None]
+    keys = k.double().numpy().transpose(0, 2, 1)[:, pos] * ks.double().numpy()[:, pos, None]
+    if ko is not None:
+        keys = np.concatenate([keys, ko.double().numpy().transpose(0, 2, 1)[:, pos]], axis=2)
+    keys = keys[None]
     values = (v.double().numpy()[:, pos] * vs.double().numpy()[:, pos, None])[None]
     n, g, _ = q.shape
     # attention_ref scales by 1/sqrt(D); the kernel takes q already scaled
@@ -105,13 +109,7 @@ def test_float16_key_outlier_channels_add_to_the_scores(outliers, isa):
     k = k[:, : d - outliers].contiguous()
     ko = (torch.randn(n, outliers, c, generator=gen) * 20).half()
     runs = [(7, 180)]
-    pos = np.arange(7, 180)
-    keys = np.concatenate([
-        k.double().numpy().transpose(0, 2, 1)[:, pos] * ks.double().numpy()[:, pos, None],
-        ko.double().numpy().transpose(0, 2, 1)[:, pos],
-    ], axis=2)[None]
-    values = (v.double().numpy()[:, pos] * vs.double().numpy()[:, pos, None])[None]
-    ref = attention_ref(q.double().numpy().reshape(1, n * g, d) * d**0.5, keys, values, n * g, n)[0].reshape(n, g, d)
+    ref, _ = _reference(q, k, v, ks, vs, runs, ko)
     out = KERNEL.attend(q, k, v, ks, vs, runs, ko, isa=isa)
     assert _rel(out, ref) <= RTOL
 

@@ -195,6 +195,12 @@ AVX512 static inline __m512 exp512(__m512 x) {
     return _mm512_scalef_ps(y, n);
 }
 
+/* The lanes of the i-th group of 16 positions that a block of nt positions fills. */
+static inline __mmask16 lanes16(int64_t nt, int i) {
+    const int64_t left = nt - 16 * i;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
 AVX512 static inline __m512 widen16(const int8_t *p, __mmask16 mask) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
 }
@@ -208,8 +214,7 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) {
-        const int64_t left = nt - 16 * i;
-        mask[i] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        mask[i] = lanes16(nt, i);
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < dk; j++) {
@@ -271,8 +276,7 @@ AVX512 static inline __attribute__((always_inline)) void softmax_block(
     float *p, int64_t nt, const float *vs, int64_t d, const int gt, float *ms, float *ls, float *accs) {
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) {
-        const int64_t left = nt - 16 * i;
-        mask[i] = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+        mask[i] = lanes16(nt, i);
     }
     for (int g = 0; g < gt; g++) {
         float *pg = p + g * TILE_T;
@@ -321,8 +325,7 @@ AVX512 static void block_avx512(const job_t *job, int64_t h, int64_t phys, int64
     if (job->half_scales) { /* 64 scales in four conversions */
         const int64_t at = h * job->scale_stride + phys;
         for (int i = 0; i < 4; i++) {
-            const int64_t left = nt - 16 * i;
-            const __mmask16 m = left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+            const __mmask16 m = lanes16(nt, i);
             _mm512_storeu_ps(st->ksb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)job->ks + at + 16 * i)));
             _mm512_storeu_ps(st->vsb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)job->vs + at + 16 * i)));
         }
