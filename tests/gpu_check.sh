@@ -41,8 +41,8 @@ print(f"gpu-check: python {sys.version.split()[0]} ({sys.executable}), torch {to
 PY
 
 start=$(date +%s)
-echo "== gpu tests (${GPU_TESTS:-tests/test_cuda_backend.py}) =="
-timeout "${GPU_TEST_TIMEOUT:-240}" "$py" -m pytest -m gpu ${GPU_TESTS:-tests/test_cuda_backend.py} \
+echo "== gpu tests (${GPU_TESTS:-every gpu-marked test under tests/}) =="
+timeout "${GPU_TEST_TIMEOUT:-240}" "$py" -m pytest -m gpu ${GPU_TESTS:-tests} \
   -q -p no:cacheprovider --junitxml="$out/gpu-tests.xml" 2>&1 | tee "$out/gpu-tests.log"
 tests_rc=${PIPESTATUS[0]}
 
