@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISA", "Int8Kernel", "NativeUnavailable", "available", "build", "cache_dir", "load"]
+__all__ = ["ISA", "Int8Kernel", "NativeUnavailable", "available", "build", "cache_dir", "load", "set_threads", "threads"]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
@@ -44,6 +44,23 @@ ISA = {"auto": 0, "portable": 1, "avx512": 2}
 _PARALLEL_MIN_WORK = 1 << 13
 # A split of the positions below this many is not worth its partial result.
 _MIN_SPLIT = 512
+
+
+_threads = os.cpu_count() or 1
+
+
+def set_threads(n: int) -> None:
+    """Sizes the process-wide pool the compiled kernels run on (the server's
+    ``--kernel-threads``); ``n`` >= 1."""
+    global _threads
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"kernel threads must be an int >= 1, got {n!r}")
+    _threads = n
+
+
+def threads() -> int:
+    """The size of the compiled kernels' thread pool."""
+    return _threads
 
 
 class NativeUnavailable(RuntimeError):

@@ -96,6 +96,12 @@ class EngineObserver:
 
     def step_refused(self, stream: "Stream", code: str) -> None: ...
 
+    def batch_done(self, backend: str, dtype: str, size: int) -> None:
+        """One batched computation of ``size`` steps (of one kernel) finished."""
+
+    def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
+        """A ``Batch`` RPC step message for ``sequences`` sequences was answered."""
+
 
 @dataclass(eq=False)
 class Stream:
@@ -192,6 +198,31 @@ class Engine:
     @property
     def active_streams(self) -> int:
         return len(self._streams)
+
+    # Saturation, read at scrape time by ``service.metrics``; the batcher keeps them.
+    @property
+    def steps_waiting(self) -> int:
+        """Steps accepted and waiting for a compute worker."""
+        return 0
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps being computed right now."""
+        return 0
+
+    @property
+    def compute_busy_seconds(self) -> float:
+        """Seconds the compute workers have spent computing, summed over workers, since start."""
+        return 0.0
+
+    @property
+    def compute_workers(self) -> int:
+        return self.config.compute_workers
+
+    @property
+    def batch_sequences_open(self) -> int:
+        """Sequences open in ``Batch`` sessions."""
+        return 0
 
     @property
     def bytes_reserved(self) -> int:

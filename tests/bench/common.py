@@ -39,6 +39,19 @@ def percentile(values: list[float], q: float) -> float:
     return data[k]
 
 
+def spread(values: list[float]) -> tuple[float, float, float]:
+    """(median, p10, p90) of per-round figures."""
+    return statistics.median(values), percentile(values, 10), percentile(values, 90)
+
+
+def verdict(what: str, value: float, target: float, *, at_most: bool = True, unit: str = "x") -> str:
+    """One line ``PASS``/``FAIL`` of a figure against an issue's target, e.g.
+    ``verdict("float32 S=8192 / floor", 1.18, 1.25)`` -> ``PASS  float32 S=8192 / floor: 1.18x (target <= 1.25x)``."""
+    ok = value <= target if at_most else value >= target
+    sign = "<=" if at_most else ">="
+    return f"{'PASS' if ok else 'FAIL'}  {what}: {value:.3g}{unit} (target {sign} {target:g}{unit})"
+
+
 def table(headers: list[str], rows: list[list[object]]) -> str:
     cells = [[str(h) for h in headers]] + [[_fmt(c) for c in row] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
