@@ -155,14 +155,19 @@ class EvictionPolicy:
     def rollback_reach(self, t: int) -> int:
         """The largest ``k`` such that dropping the last ``k`` tokens is exact.
 
-        Exact means ``L(t - k) == L(t) - k``: the dropped tokens are resident and nothing older
-        would have to come back (EVICTION.md, Rollback).
+        Exact means ``L(t - j) == L(t) - j`` for every ``j <= k``: the dropped tokens are
+        resident and nothing older would have to come back (docs/eviction.md, Rollback).
+        Arithmetic, O(1): while nothing has been evicted yet (``L(t) == t``) every token can go;
+        once a strict or sink window is full nothing can; greedy can drop the tokens appended
+        since its last block eviction.
         """
         lt = self.resident_length(t)
-        k = 0
-        while k < t and k < lt and self.resident_length(t - k - 1) == lt - k - 1:
-            k += 1
-        return k
+        if lt == t:
+            return t
+        if self.kind is PolicyKind.GREEDY:
+            # evictions happen on the steps reaching t' with t' - C = 1 (mod g), g = C - W + 1
+            return (t - self.capacity - 1) % (self.capacity - self.window + 1)
+        return 0
 
     def _sink_ranges(self, t: int) -> tuple[range, ...]:
         head = range(0, min(t, self.sinks))
