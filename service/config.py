@@ -115,6 +115,18 @@ class ServerConfig:
     """The token from ``GQA_AUTH_TOKEN`` (e.g. a Kubernetes Secret through ``secretKeyRef``).
     There is deliberately no flag: a command line is visible to every user of the machine."""
 
+    snapshot_key_file: str = field(default="", metadata={
+        "help": "file holding the key that signs snapshots (HMAC-SHA256); replicas that restore each other's share it",
+        "optional_env": True})
+    """With a key (at least 16 bytes, surrounding whitespace stripped), every snapshot is signed and
+    a restore must carry a valid signature: a client cannot forge or alter a stream's state.
+    Without one, snapshots carry only a CRC-32, which detects accidents but not tampering."""
+
+    snapshot_key: str = field(default="", repr=False, metadata={
+        "help": "the snapshot key itself", "env_only": True, "optional_env": True})
+    """The snapshot key from ``GQA_SNAPSHOT_KEY`` (e.g. a Kubernetes Secret); no flag, as for
+    ``auth_token``."""
+
     def validate(self) -> "ServerConfig":
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
@@ -145,7 +157,9 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca-file: mutual TLS needs --tls-cert-file and --tls-key-file too")
         if self.auth_token and self.auth_token_file:
             raise ConfigError("GQA_AUTH_TOKEN and --auth-token-file: set one of them, not both")
-        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file"):
+        if self.snapshot_key and self.snapshot_key_file:
+            raise ConfigError("GQA_SNAPSHOT_KEY and --snapshot-key-file: set one of them, not both")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file", "snapshot_key_file"):
             path = getattr(self, name)
             if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
                 raise ConfigError(f"--{_flag(name)}: {path!r} is not a readable file")

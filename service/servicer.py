@@ -58,6 +58,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         self.config = config
         self.pool = pool
         self._backend_infos = None
+        self.snapshot_key = snapshot.load_key(config)
 
     async def _compute(self, cost_bytes: int, fn, *args):
         """Small work inline (a thread hop costs more); the rest on the compute pool."""
@@ -282,7 +283,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             if not chunks[0].HasField("config"):
                 raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
             config = self._stream_config(chunks[0].config)
-            layers = snapshot.decode(chunks, config)
+            layers = snapshot.decode(chunks, config, self.snapshot_key)
         cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
         return await self._compute(cost, self.engine.open, config, None, layers)
 
@@ -320,7 +321,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         elif kind == "snapshot":
             try:
                 chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
-                                             self._opened_config(stream), self.config.max_message_bytes)
+                                             self._opened_config(stream), self.config.max_message_bytes,
+                                             self.snapshot_key)
             except ServiceError as exc:
                 yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
                     code=exc.code_number, message=exc.message))

@@ -3,14 +3,26 @@
 A snapshot is the stream's configuration, T per layer and each layer's resident tokens in
 position order: dense tensors for float caches; for int8 caches the codes, scales and float16
 key outlier channels, plus on each layer's first chunk the key channel order and, while the
-outlier channels are still being chosen (T < 16), the first keys (as ``export_state`` gives them). Layer data is split along the position axis so that
-each message stays under half the server's message limit. A CRC-32 over all data guards
-against tampering in transit; consistency (shapes, T against the policy) is checked by the
-caches when they load.
+outlier channels are still being chosen (T < 16), the first keys (as ``export_state`` gives
+them). Layer data is split along the position axis so that each message stays under half the
+server's message limit.
+
+Integrity, two levels:
+
+- a CRC-32 over all data (always): detects truncation and corruption in transit, not a
+  deliberate change (anyone can recompute it);
+- with a server snapshot key (``--snapshot-key-file`` / ``GQA_SNAPSHOT_KEY``), an HMAC-SHA256
+  over every chunk (``signature``): a restore must carry a valid one, so a client can neither
+  forge a stream's state nor alter one (its T, its rows).
+
+Whatever the key, every field is checked for consistency: T per layer within ``MAX_TOKENS``
+here, and against the resident rows and the policy by the caches when they load.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 import zlib
 
@@ -18,12 +30,17 @@ import torch
 
 from .api import gqa_pb2
 from .engine import StreamConfig
+from .config import ConfigError, ServerConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "MAX_CHUNKS"]
+__all__ = ["encode", "decode", "load_key", "MAX_CHUNKS", "MAX_TOKENS"]
 
 MAX_CHUNKS = 1 << 16
+# A layer's T in a snapshot: a stream at a million tokens a second takes 146,000 years to get
+# here, and T + 1 still fits every integer the server and its replies use.
+MAX_TOKENS = 1 << 62
+MIN_KEY_BYTES = 16
 _OVERHEAD = 4096  # bytes of a chunk that are not tensor data (fields, shapes)
 # tensors split along the position axis, and their ranks
 _TENSORS = {"key": 4, "value": 4, "key_scale": 3, "value_scale": 3, "key_outliers": 4}
@@ -40,8 +57,46 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int) -> list[gqa_pb2.SnapshotChunk]:
-    """The stream's state as chunks; the last one has ``last`` and the checksum set."""
+def load_key(config: ServerConfig) -> bytes | None:
+    """The snapshot signing key of ``config``, or None (snapshots unsigned); ``ConfigError``
+    when a key source is set but holds fewer than ``MIN_KEY_BYTES`` bytes (an empty Secret
+    must not turn signing off silently)."""
+    if config.snapshot_key_file:
+        try:
+            with open(config.snapshot_key_file, "rb") as f:
+                key, where = f.read().strip(), "--snapshot-key-file"
+        except OSError as exc:
+            raise ConfigError(f"--snapshot-key-file: cannot read {config.snapshot_key_file!r} ({exc.strerror})") from None
+    elif config.snapshot_key:
+        key, where = config.snapshot_key.strip().encode(), "GQA_SNAPSHOT_KEY"
+    else:
+        return None
+    if len(key) < MIN_KEY_BYTES:
+        raise ConfigError(f"{where}: the snapshot key must hold at least {MIN_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
+def _signature(chunks, key: bytes) -> bytes:
+    """HMAC-SHA256 of the chunks as the proto's ``signature`` field describes; the last chunk's
+    signature is left empty while it is computed."""
+    last = chunks[-1]
+    saved = last.signature
+    last.ClearField("signature")
+    try:
+        mac = hmac.new(key, digestmod=hashlib.sha256)
+        for chunk in chunks:
+            data = chunk.SerializeToString(deterministic=True)
+            mac.update(struct.pack("<Q", len(data)))
+            mac.update(data)
+        return mac.digest()
+    finally:
+        last.signature = saved
+
+
+def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int,
+           key: bytes | None = None) -> list[gqa_pb2.SnapshotChunk]:
+    """The stream's state as chunks; the last one has ``last``, the checksum and, with ``key``,
+    the signature set."""
     caches = list(stream.caches)
     chunks = [gqa_pb2.SnapshotChunk(config=config, tokens_seen=[c.tokens_seen for c in caches])]
     budget = max(1, max_message_bytes // 2 - _OVERHEAD)
@@ -73,17 +128,29 @@ def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int) -> list[g
             first = False
     chunks[-1].last = True
     chunks[-1].checksum = _checksum(chunks)
+    if key is not None:
+        chunks[-1].signature = _signature(chunks, key)
     return chunks
 
 
-def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig) -> list[tuple[int, dict]]:
-    """Per layer ``(tokens_seen, state)``; ``InvalidArgument`` for anything inconsistent."""
+def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig,
+           key: bytes | None = None) -> list[tuple[int, dict]]:
+    """Per layer ``(tokens_seen, state)``; ``InvalidArgument`` for anything inconsistent, and,
+    with ``key``, for a missing or wrong signature."""
+    if key is not None:
+        if not chunks[-1].signature:
+            raise InvalidArgument("restore: this server requires signed snapshots and the snapshot carries no signature")
+        if not hmac.compare_digest(_signature(chunks, key), chunks[-1].signature):
+            raise InvalidArgument("restore: the snapshot's signature does not match (altered, or signed with another key)")
     if _checksum(chunks) != chunks[-1].checksum:
-        raise InvalidArgument("restore: the snapshot's checksum does not match its data (tampered or truncated)")
+        raise InvalidArgument("restore: the snapshot's checksum does not match its data (corrupted or truncated)")
     tokens = list(chunks[0].tokens_seen)
     if len(tokens) != config.num_layers:
         raise InvalidArgument(
             f"restore: tokens_seen has {len(tokens)} entries but the configuration has {config.num_layers} layers")
+    for layer, t in enumerate(tokens):
+        if t >= MAX_TOKENS:
+            raise InvalidArgument(f"restore: tokens_seen[{layer}] = {t} is beyond any stream (at most {MAX_TOKENS - 1})")
     pieces: dict[int, list[gqa_pb2.SnapshotChunk]] = {}
     for i, chunk in enumerate(chunks[1:], start=1):
         if chunk.HasField("config") or chunk.tokens_seen:

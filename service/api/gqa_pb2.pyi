@@ -236,7 +236,7 @@ class RollbackResult(_message.Message):
     def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., tokens_seen: _Optional[_Iterable[int]] = ..., rollback_reach: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SnapshotChunk(_message.Message):
-    __slots__ = ("config", "tokens_seen", "layer", "offset", "key", "value", "key_scale", "value_scale", "encoding", "last", "checksum", "key_outliers", "key_channels", "key_calibration")
+    __slots__ = ("config", "tokens_seen", "layer", "offset", "key", "value", "key_scale", "value_scale", "encoding", "last", "checksum", "key_outliers", "key_channels", "key_calibration", "signature")
     CONFIG_FIELD_NUMBER: _ClassVar[int]
     TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
     LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -251,6 +251,7 @@ class SnapshotChunk(_message.Message):
     KEY_OUTLIERS_FIELD_NUMBER: _ClassVar[int]
     KEY_CHANNELS_FIELD_NUMBER: _ClassVar[int]
     KEY_CALIBRATION_FIELD_NUMBER: _ClassVar[int]
+    SIGNATURE_FIELD_NUMBER: _ClassVar[int]
     config: OpenStream
     tokens_seen: _containers.RepeatedScalarFieldContainer[int]
     layer: int
@@ -265,7 +266,8 @@ class SnapshotChunk(_message.Message):
     key_outliers: Tensor
     key_channels: _containers.RepeatedScalarFieldContainer[int]
     key_calibration: Tensor
-    def __init__(self, config: _Optional[_Union[OpenStream, _Mapping]] = ..., tokens_seen: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., key_scale: _Optional[_Union[Tensor, _Mapping]] = ..., value_scale: _Optional[_Union[Tensor, _Mapping]] = ..., encoding: _Optional[str] = ..., last: _Optional[bool] = ..., checksum: _Optional[int] = ..., key_outliers: _Optional[_Union[Tensor, _Mapping]] = ..., key_channels: _Optional[_Iterable[int]] = ..., key_calibration: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    signature: bytes
+    def __init__(self, config: _Optional[_Union[OpenStream, _Mapping]] = ..., tokens_seen: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., offset: _Optional[int] = ..., key: _Optional[_Union[Tensor, _Mapping]] = ..., value: _Optional[_Union[Tensor, _Mapping]] = ..., key_scale: _Optional[_Union[Tensor, _Mapping]] = ..., value_scale: _Optional[_Union[Tensor, _Mapping]] = ..., encoding: _Optional[str] = ..., last: _Optional[bool] = ..., checksum: _Optional[int] = ..., key_outliers: _Optional[_Union[Tensor, _Mapping]] = ..., key_channels: _Optional[_Iterable[int]] = ..., key_calibration: _Optional[_Union[Tensor, _Mapping]] = ..., signature: _Optional[bytes] = ...) -> None: ...
 
 class GetServerInfoRequest(_message.Message):
     __slots__ = ()
