@@ -177,3 +177,16 @@ def floor_reader(nbytes: int) -> Callable[[], object]:
     both come from DRAM."""
     words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     return lambda: words.sum()
+
+
+def hot_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, calls: int = 15,
+               warmup: int = 3) -> dict[str, list[float]]:
+    """Per-round seconds of each function, hot: each round, each function in turn makes
+    ``warmup`` calls then ``calls`` calls in a row, and the round's figure is their median (a
+    block, so that one implementation's idle threads, still spinning, do not land on the
+    next one's single call)."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(median_seconds(fn, repeat=calls, warmup=warmup, budget_s=float("inf")))
+    return samples
