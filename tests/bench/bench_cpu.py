@@ -34,6 +34,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from backends import native
 from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -51,13 +52,14 @@ ORT_SPEEDUP_TARGET = {torch.float32: 1.35, torch.float16: 3.0}  # at every S >= 
 CONSECUTIVE_TARGET = 2.0
 
 MODES = {
-    # lengths, rounds per length (fewer past 8192), rounds at S=1, consecutive steps and rounds
+    # lengths; rounds per length (fewer past 8192), at S=1, of the consecutive loops; seconds
+    # after which a row stops at 3 rounds (a loaded machine must not stretch `make bench`)
     "smoke": dict(lengths=(64, 600), rounds=2, long_rounds=2, s1_rounds=5, consecutive=64, consecutive_rounds=1,
-                  evict_bytes=1 << 20),
-    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, s1_rounds=150, consecutive=2048,
-                    consecutive_rounds=3, evict_bytes=None),
+                  budget_s=1.0, evict_bytes=1 << 20),
+    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, s1_rounds=100, consecutive=2048,
+                    consecutive_rounds=3, budget_s=5.0, evict_bytes=None),
     "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, s1_rounds=600, consecutive=2048,
-                 consecutive_rounds=9, evict_bytes=None),
+                 consecutive_rounds=9, budget_s=60.0, evict_bytes=None),
 }
 
 
@@ -205,7 +207,7 @@ def check_peers_match_ours() -> None:
             assert err < tol, f"{name} differs from ours ({_name(dtype)}): {err:.2e}"
 
 
-def measure(s, dtype, gen, evict, rounds, report) -> dict[str, list[float]]:
+def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[float]]:
     keys, values, q, nk, nv = _inputs(s, dtype, gen)
     headroom = rounds + 8  # ours appends one token per call (warm-up included); the peers overwrite row s
     cache = _ours(dtype, keys, values, EvictionPolicy.none(s + headroom))
@@ -221,13 +223,13 @@ def measure(s, dtype, gen, evict, rounds, report) -> dict[str, list[float]]:
     kv_bytes = 2 * B * HKV * (s + 1) * D * keys.element_size()
     fns["floor"] = floor_reader(kv_bytes)
     del keys, values
-    samples = cold_rounds(fns, evict, rounds=rounds)
+    samples = cold_rounds(fns, evict, rounds=rounds, budget_s=budget_s)
     report.add(kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes, cold=True,
                **{f"{k}_s": v for k, v in samples.items()})
     return samples
 
 
-def per_call(evict, rounds, report) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def per_call(evict, rounds, budget_s, report) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """The fixed cost at S=1 (float32): cold (each call after an eviction) and hot (blocks of
     calls in a row). Ours runs a strict window of 2, so every step attends 2 rows; SDPA and ONNX Runtime
     overwrite row 1 and attend 2 rows as well."""
@@ -242,14 +244,14 @@ def per_call(evict, rounds, report) -> tuple[dict[str, list[float]], dict[str, l
         "sdpa": lambda: sdpa(q, nk, nv),
         "ort": ort_step,
     }
-    cold = cold_rounds(fns, evict, rounds=rounds, warmup=20)
+    cold = cold_rounds(fns, evict, rounds=rounds, warmup=20, budget_s=budget_s, min_rounds=min(rounds, 20))
     hot = hot_rounds(fns, rounds=max(3, rounds // 10), calls=25)
     report.add(kind="per_call", dtype="float32", S=1, cold=True, **{f"{k}_s": v for k, v in cold.items()})
     report.add(kind="per_call", dtype="float32", S=1, cold=False, **{f"{k}_s": v for k, v in hot.items()})
     return cold, hot
 
 
-def consecutive(steps, rounds, evict, report) -> dict[str, list[float]]:
+def consecutive(steps, rounds, budget_s, evict, report) -> dict[str, list[float]]:
     """Total seconds of ``steps`` consecutive float32 steps from an empty cache: ours (the public
     step, policy none) and ONNX Runtime's shared-buffer loop (per step: bind the inputs, the
     past length, run). The inputs are made (and converted to numpy) before the clock starts.
@@ -263,7 +265,8 @@ def consecutive(steps, rounds, evict, report) -> dict[str, list[float]]:
     empty = torch.empty((B, HKV, 0, D))
     samples: dict[str, list[float]] = {"ours": [], "ort": []}
     last = {}
-    for _ in range(rounds):
+    deadline = time.perf_counter() + budget_s
+    for i in range(rounds):
         cache = get_backend("cpu").create_cache(CacheSpec(B, HQ, HKV, D, torch.float32, EvictionPolicy.none(steps)))
         evict()
         t0 = time.perf_counter()
@@ -280,6 +283,8 @@ def consecutive(steps, rounds, evict, report) -> dict[str, list[float]]:
             ort_step()
         samples["ort"].append(time.perf_counter() - t0)
         last["ort"] = ort_step.output()
+        if i >= 1 and time.perf_counter() > deadline:
+            break
     err = ((last["ort"] - last["ours"]).abs().max() / last["ours"].abs().max()).item()
     assert err < 1e-4, f"ONNX Runtime's loop differs from ours at its last step: {err:.2e}"
     report.add(kind="consecutive", dtype="float32", steps=steps, **{f"{k}_s": v for k, v in samples.items()})
@@ -290,13 +295,15 @@ def run(report: Report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
     check_peers_match_ours()
-    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, ONNX Runtime "
-          f"{torch.get_num_threads()}; {evict.nbytes >> 20} MiB written before every timed call", flush=True)
+    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, "
+          f"kernel pool {native.threads()}, ONNX Runtime {torch.get_num_threads()}; {evict.nbytes >> 20} MiB "
+          f"written before every timed call (mode {bench_mode()})", flush=True)
     gen = torch.Generator().manual_seed(0)
     rows, verdicts = [], []
     for dtype in DTYPES:
         for s in cfg["lengths"]:
-            t = measure(s, dtype, gen, evict, cfg["rounds"] if s <= 8192 else cfg["long_rounds"], report)
+            rounds = cfg["rounds"] if s <= 8192 else cfg["long_rounds"]
+            t = measure(s, dtype, gen, evict, rounds, cfg["budget_s"], report)
             fl = t["floor"]
             ort = t.get("ort")
             over = {k: per_round_ratio(t[k], fl) for k in ("ours", "sdpa", "ort") if k in t}
@@ -320,20 +327,22 @@ def run(report: Report) -> None:
                 + ["ort/ours"], rows))
     print("\n".join(verdicts))
 
-    cold, hot = per_call(evict, cfg["s1_rounds"], report)
+    cold, hot = per_call(evict, cfg["s1_rounds"], cfg["budget_s"], report)
     print("\nthe fixed cost: one float32 step at S=1, Python call to output")
     print("legend: 'cold us' median [p10-p90] microseconds, each call after an eviction; 'hot us' per-round "
           "medians of 25 calls in a row; '/ort' the per-round ratio to ONNX Runtime's run_with_iobinding (cold)")
     print(table(["impl", "cold us", "hot us", "/ort"],
-                [[k, fmt_spread(cold[k], 1e6), fmt_spread(hot[k], 1e6), fmt_spread(per_round_ratio(cold[k], cold["ort"]))]
-                 for k in cold]))
+                [[k, fmt_spread(cold[k], 1e6), fmt_spread(hot[k], 1e6),
+                  fmt_spread(per_round_ratio(cold[k], cold["ort"]))] for k in cold]))
     print(verdict_spread("float32 S=1 ours/ort per call (cold)", per_round_ratio(cold["ours"], cold["ort"]), 1.0))
 
     steps = cfg["consecutive"]
-    c = consecutive(steps, cfg["consecutive_rounds"], evict, report)
+    c = consecutive(steps, cfg["consecutive_rounds"], 2 * cfg["budget_s"], evict, report)
     speedup = per_round_ratio(c["ort"], c["ours"])
     print(f"\n{steps} consecutive float32 steps from an empty cache (the loop hot, one eviction before it)")
-    print("legend: 'ours s', 'ort s' median total seconds; 'ort/ours' per-round ratio, median [p10-p90] (>1: ours faster)")
+    print("legend: 'ours s', 'ort s' median total seconds; 'ort/ours' per-round ratio, median [p10-p90] "
+          "(>1: ours faster)")
     print(table(["steps", "ours s", "ort s", "ort/ours"],
                 [[steps, spread(c["ours"])[0], spread(c["ort"])[0], fmt_spread(speedup)]]))
-    print(verdict_spread(f"{steps} consecutive steps ort/ours (speedup)", speedup, CONSECUTIVE_TARGET, at_most=False))
+    print(verdict_spread(f"{steps} consecutive steps ort/ours (speedup)", speedup, CONSECUTIVE_TARGET,
+                         at_most=False))

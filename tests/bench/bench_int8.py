@@ -27,6 +27,7 @@ import math
 import numpy as np
 import torch
 
+from backends import native
 from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -43,9 +44,11 @@ FLOOR_TARGET, FLOOR_TARGET_LENGTHS = 1.5, (2048, 8192, 32768)  # issue #14
 BYTES_TARGET, SPEEDUP_TARGET, SPEEDUP_LENGTH = 0.52, 2.0, 32768
 
 MODES = {
-    "smoke": dict(lengths=(600,), rounds=2, long_rounds=2, evict_bytes=1 << 20),
-    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, evict_bytes=None),
-    "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, evict_bytes=None),
+    # budget_s: seconds after which a length stops at 3 rounds (a loaded machine must not
+    # stretch `make bench`)
+    "smoke": dict(lengths=(600,), rounds=2, long_rounds=2, budget_s=1.0, evict_bytes=1 << 20),
+    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, budget_s=4.0, evict_bytes=None),
+    "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, budget_s=60.0, evict_bytes=None),
 }
 
 
@@ -108,8 +111,9 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
 def run(report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
-    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; torch threads {torch.get_num_threads()}; "
-          f"{evict.nbytes >> 20} MiB written before every timed call", flush=True)
+    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
+          f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
+          flush=True)
     gen = torch.Generator().manual_seed(0)
     timing, errors, verdicts = [], [], []
     for s in cfg["lengths"]:
@@ -124,7 +128,7 @@ def run(report) -> None:
             "float32": lambda: f32.step(q, nk, nv),
             "floor": floor_reader(floor_bytes),
         }
-        t = cold_rounds(fns, evict, rounds=rounds)
+        t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])
         report.add(kind="step", S=s, cold=True, int8_row_bytes=int8.row_bytes, floor_bytes=floor_bytes,
                    **{f"{k}_s": v for k, v in t.items()})
         over = per_round_ratio(t["int8"], t["floor"])
@@ -140,7 +144,8 @@ def run(report) -> None:
         del fns, caches, int8, f32
     print("\nthe int8 public step from a cold L3, float32 tensors in and out")
     print("legend: 'ms' median per-call milliseconds; 'int8/floor' int8's time over the floor's (its bytes read "
-          "once), 'float32/int8' the float32 cache's over int8's (>1: int8 faster), median [p10-p90] of per-round ratios")
+          "once), 'float32/int8' the float32 cache's over int8's (>1: int8 faster), median [p10-p90] of per-round "
+          "ratios")
     print(table(["S", "int8 ms", "float32 ms", "floor ms", "int8/floor", "float32/int8"], timing))
     print("\naccuracy of the first step against float64 on the original data")
     print("legend: 'bytes/token' stored per position (all KV heads); 'x float16' that over a float16 cache's; "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from backends import native
 from backends.base import CacheSpec, StepOutcome
 from backends.batch import BatchStep, step_many
 from backends.policy import EvictionPolicy
@@ -36,9 +37,14 @@ SHORT_TARGET = 3.0  # separate / step_many, at least
 MIXED_TARGET = 1.3  # step_many / floor, at most
 
 MODES = {
-    "smoke": dict(caches=8, short_max=8, mixed_max=256, short_rounds=2, mixed_rounds=2, evict_bytes=1 << 20),
-    "default": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=25, mixed_rounds=7, evict_bytes=None),
-    "long": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=81, mixed_rounds=25, evict_bytes=None),
+    # budget_s: seconds after which a case stops at 3 rounds (a loaded machine must not stretch
+    # `make bench`)
+    "smoke": dict(caches=8, short_max=8, mixed_max=256, short_rounds=2, mixed_rounds=2, budget_s=1.0,
+                  evict_bytes=1 << 20),
+    "default": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=25, mixed_rounds=7, budget_s=6.0,
+                    evict_bytes=None),
+    "long": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=81, mixed_rounds=25, budget_s=90.0,
+                 evict_bytes=None),
 }
 
 
@@ -84,7 +90,7 @@ def measure(backend, dtype, case, cfg, evict, gen, report) -> dict[str, list[flo
         "separate": lambda: _separate(batch),
         "floor": floor_reader(floor_bytes),
     }
-    t = cold_rounds(fns, evict, rounds=rounds)
+    t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])
     refused = [r for r in step_many(batch) if not isinstance(r, StepOutcome)]
     assert not refused, f"step_many refused a step of the benchmark: {refused[0]!r}"
     report.add(kind=case, backend=backend, dtype=str(dtype).removeprefix("torch."), lengths=lengths,
@@ -96,8 +102,9 @@ def run(report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
     n = cfg["caches"]
-    print(f"{n} caches of B={B}, Hq={HQ}, Hkv={HKV}, D={D}; torch threads {torch.get_num_threads()}; "
-          f"{evict.nbytes >> 20} MiB written before every timed call", flush=True)
+    print(f"{n} caches of B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
+          f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
+          flush=True)
     rows, verdicts = [], []
     for backend, dtype in ENCODINGS:
         gen = torch.Generator().manual_seed(0)  # the same lengths for every encoding
