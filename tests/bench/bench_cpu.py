@@ -231,8 +231,8 @@ def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[fl
 
 def per_call(evict, rounds, budget_s, report) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """The fixed cost at S=1 (float32): cold (each call after an eviction) and hot (blocks of
-    calls in a row). Ours runs a strict window of 2, so every step attends 2 rows; SDPA and ONNX Runtime
-    overwrite row 1 and attend 2 rows as well."""
+    calls in a row). Ours runs a strict window of 2, so every step attends 2 rows; SDPA and ONNX
+    Runtime overwrite row 1 and attend 2 rows as well."""
     gen = torch.Generator().manual_seed(3)
     keys, values, q, nk, nv = _inputs(1, torch.float32, gen)
     cache = _ours(torch.float32, keys, values, EvictionPolicy.strict(2))
@@ -266,7 +266,7 @@ def consecutive(steps, rounds, budget_s, evict, report) -> dict[str, list[float]
     samples: dict[str, list[float]] = {"ours": [], "ort": []}
     last = {}
     deadline = time.perf_counter() + budget_s
-    for i in range(rounds):
+    for r in range(rounds):
         cache = get_backend("cpu").create_cache(CacheSpec(B, HQ, HKV, D, torch.float32, EvictionPolicy.none(steps)))
         evict()
         t0 = time.perf_counter()
@@ -283,7 +283,7 @@ def consecutive(steps, rounds, budget_s, evict, report) -> dict[str, list[float]
             ort_step()
         samples["ort"].append(time.perf_counter() - t0)
         last["ort"] = ort_step.output()
-        if i >= 1 and time.perf_counter() > deadline:
+        if r >= 1 and time.perf_counter() > deadline:
             break
     err = ((last["ort"] - last["ours"]).abs().max() / last["ours"].abs().max()).item()
     assert err < 1e-4, f"ONNX Runtime's loop differs from ours at its last step: {err:.2e}"
