@@ -179,14 +179,17 @@ def floor_reader(nbytes: int) -> Callable[[], object]:
     return lambda: words.sum()
 
 
-def hot_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, calls: int = 15,
-               warmup: int = 3) -> dict[str, list[float]]:
+def hot_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, calls: int = 15, warmup: int = 3,
+               min_rounds: int = 3, budget_s: float = float("inf")) -> dict[str, list[float]]:
     """Per-round seconds of each function, hot: each round, each function in turn makes
     ``warmup`` calls then ``calls`` calls in a row, and the round's figure is their median (a
     block, so that one implementation's idle threads, still spinning, do not land on the
-    next one's single call)."""
+    next one's single call); fewer rounds (at least ``min_rounds``) once ``budget_s`` has passed."""
     samples: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
+    deadline = time.perf_counter() + budget_s
+    for i in range(rounds):
         for name, fn in fns.items():
             samples[name].append(median_seconds(fn, repeat=calls, warmup=warmup, budget_s=float("inf")))
+        if i + 1 >= min_rounds and time.perf_counter() > deadline:
+            break
     return samples
