@@ -119,10 +119,11 @@ class Evictor:
     """Evicts the last-level cache by writing a buffer of ``factor`` times its size (in place,
     read-modify-write: plain stores, not the non-temporal ones a large ``memset`` may use,
     which would leave the cache as it was). A model's other layers do this between two steps
-    of one layer: 32 layers of caches never fit in L3."""
+    of one layer: 32 layers of caches never fit in L3. At least 32 MiB counts as the cache
+    (sysfs may list one slice of a larger one)."""
 
     def __init__(self, factor: float = 3.0, nbytes: int | None = None):
-        n = nbytes if nbytes is not None else int(factor * llc_bytes())
+        n = nbytes if nbytes is not None else int(factor * max(llc_bytes(), 32 << 20))
         self.nbytes = n
         self._buf = torch.zeros(max(1, n // 4), dtype=torch.int32)
 
