@@ -91,3 +91,106 @@ class Report:
         }
         path.write_text(json.dumps({"meta": meta, "records": self.records}, indent=1))
         return path
+
+
+# -- cold-cache timing (BENCHMARKS.md): evict the last-level cache before every timed call ----
+
+
+def bench_mode() -> str:
+    """``GQA_BENCH_MODE``: ``smoke`` (tiny sizes, seconds: for the tests), ``default`` (what
+    ``make bench`` runs) or ``long`` (more rounds and cases, for a figure to quote)."""
+    mode = os.environ.get("GQA_BENCH_MODE", "default").strip().lower() or "default"
+    if mode not in ("smoke", "default", "long"):
+        raise ValueError(f"GQA_BENCH_MODE must be smoke, default or long, got {mode!r}")
+    return mode
+
+
+def llc_bytes() -> int:
+    """The last-level cache's size (from sysfs; 32 MiB where it cannot be read)."""
+    try:
+        text = pathlib.Path("/sys/devices/system/cpu/cpu0/cache/index3/size").read_text().strip()
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        return int(text[:-1]) * units[text[-1].upper()] if text[-1].isalpha() else int(text)
+    except (OSError, ValueError, KeyError, IndexError):
+        return 32 << 20
+
+
+class Evictor:
+    """Evicts the last-level cache by writing a buffer of ``factor`` times its size (in place,
+    read-modify-write: plain stores, not the non-temporal ones a large ``memset`` may use,
+    which would leave the cache as it was). A model's other layers do this between two steps
+    of one layer: 32 layers of caches never fit in L3. At least 32 MiB counts as the cache
+    (sysfs may list one slice of a larger one)."""
+
+    def __init__(self, factor: float = 3.0, nbytes: int | None = None):
+        n = nbytes if nbytes is not None else int(factor * max(llc_bytes(), 32 << 20))
+        self.nbytes = n
+        self._buf = torch.zeros(max(1, n // 4), dtype=torch.int32)
+
+    def __call__(self) -> None:
+        self._buf.add_(1)
+
+
+def cold_rounds(fns: dict[str, Callable[[], object]], evict: Callable[[], None], *, rounds: int,
+                min_rounds: int = 3, budget_s: float = float("inf"), warmup: int = 1) -> dict[str, list[float]]:
+    """Per-round seconds of each function, every call made right after ``evict()`` (not timed).
+    The functions take turns round after round, so a drift of the machine hits all alike;
+    ``rounds`` rounds, fewer (at least ``min_rounds``) once ``budget_s`` has passed."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + budget_s
+    for i in range(rounds):
+        for name, fn in fns.items():
+            evict()
+            t0 = time.perf_counter()
+            fn()
+            samples[name].append(time.perf_counter() - t0)
+        if i + 1 >= min_rounds and time.perf_counter() > deadline:
+            break
+    return samples
+
+
+def per_round_ratio(a: list[float], b: list[float]) -> list[float]:
+    """``a[i] / b[i]`` for each round: a ratio's spread is that of the per-round ratios."""
+    return [x / y for x, y in zip(a, b)]
+
+
+def fmt_spread(values: list[float], scale: float = 1.0) -> str:
+    """``median [p10-p90]`` of ``values`` times ``scale``, three significant digits."""
+    if not values:
+        return "-"
+    m, lo, hi = spread(values)
+    return f"{_fmt(m * scale)} [{_fmt(lo * scale)}-{_fmt(hi * scale)}]"
+
+
+def verdict_spread(what: str, values: list[float], target: float, *, at_most: bool = True) -> str:
+    """``verdict`` of the median of per-round ``values``, with their p10-p90 appended."""
+    m, lo, hi = spread(values)
+    return f"{verdict(what, m, target, at_most=at_most)}  [p10-p90 {lo:.3g}-{hi:.3g}, {len(values)} rounds]"
+
+
+def floor_reader(nbytes: int) -> Callable[[], object]:
+    """The memory floor: one read of ``nbytes`` bytes, a sum over them viewed as float32 words
+    with torch's threads. Reading a buffer of the same size rather than the implementation's
+    own storage keeps the floor independent of any cache's private layout: after an eviction
+    both come from DRAM."""
+    words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    return lambda: words.sum()
+
+
+def hot_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, calls: int = 15, warmup: int = 3,
+               min_rounds: int = 3, budget_s: float = float("inf")) -> dict[str, list[float]]:
+    """Per-round seconds of each function, hot: each round, each function in turn makes
+    ``warmup`` calls then ``calls`` calls in a row, and the round's figure is their median (a
+    block, so that one implementation's idle threads, still spinning, do not land on the
+    next one's single call); fewer rounds (at least ``min_rounds``) once ``budget_s`` has passed."""
+    samples: dict[str, list[float]] = {name: [] for name in fns}
+    deadline = time.perf_counter() + budget_s
+    for i in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(median_seconds(fn, repeat=calls, warmup=warmup, budget_s=float("inf")))
+        if i + 1 >= min_rounds and time.perf_counter() > deadline:
+            break
+    return samples

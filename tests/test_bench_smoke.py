@@ -1,0 +1,28 @@
+"""The CPU benchmarks run in `make bench` only; a typo in one must not wait for that run. Each
+module runs here at tiny sizes (GQA_BENCH_MODE=smoke: timings meaningless, never asserted) and
+must print its tables and PASS/FAIL lines and record its raw numbers."""
+
+from __future__ import annotations
+
+import importlib
+import re
+
+import pytest
+
+from tests.bench.common import Report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["cpu", "int8", "step_many"])
+def test_bench_module_runs_in_smoke_mode(name, monkeypatch, capsys):
+    if name == "cpu":
+        pytest.importorskip("onnxruntime", reason="the 'bench' extra (ONNX Runtime) is not installed")
+        pytest.importorskip("onnx", reason="the 'bench' extra (onnx) is not installed")
+    monkeypatch.setenv("GQA_BENCH_MODE", "smoke")
+    module = importlib.import_module(f"tests.bench.bench_{name}")
+    report = Report(name)
+    module.run(report)
+    out = capsys.readouterr().out
+    assert re.search(r"^legend: ", out, re.M), out
+    assert re.search(r"^(PASS|FAIL)  ", out, re.M), out
+    assert report.records
