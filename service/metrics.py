@@ -9,7 +9,8 @@ Three parts, bundled by ``ServiceMetrics`` (one per server, on its own registry)
 - ``GrpcServerMetrics``: a grpc.aio server interceptor exporting the ``grpc_server_*`` families
   under the names and labels of go-grpc-prometheus, for unary and streaming RPCs alike, message
   counts included.
-- ``serve_http``: the text exposition on its own port, with the process and platform collectors.
+- ``serve_http`` (``service.metrics_http``): the exposition on its own port, one thread and a
+  bounded number of connections, with the process and platform collectors.
 
 Labels take bounded values only (backend, dtype, policy, outcome, reason, gRPC method and code);
 never a stream id. Names carry their unit (``_seconds``, ``_bytes``) and counters end in
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -35,12 +37,12 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import __version__
 from .engine import Engine, EngineObserver, StepReport, Stream
+from .metrics_http import MetricsHttpServer, serve_http
 
 __all__ = [
     "ServiceMetrics",
@@ -51,6 +53,7 @@ __all__ = [
     "LATENCY_BUCKETS",
     "RPC_BUCKETS",
     "LIFETIME_BUCKETS",
+    "BATCH_BUCKETS",
     "OPEN_REFUSAL_REASONS",
     "STEP_REFUSAL_CODES",
     "GRPC_CODE_NAMES",
@@ -70,6 +73,10 @@ RPC_BUCKETS = (
     1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
 )
 LIFETIME_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0)
+
+# Steps per batched computation and sequences per Batch message: powers of two up to the
+# largest batch a stream may send (--max-batch-size 256) times a few streams.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Why ``Engine.open`` refuses a stream (the reasons it passes to ``open_refused``).
 OPEN_REFUSAL_REASONS = ("budget", "streams", "draining", "backend", "invalid", "memory")
@@ -149,6 +156,14 @@ class MetricsRecorder(EngineObserver):
             stream, registry=r)
         self.written = Counter(
             "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r)
+        self.batch_size = Histogram(
+            "gqa_batch_size",
+            "Steps computed together in one batched computation (one kernel call).",
+            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
+        self.batch_message_sequences = Histogram(
+            "gqa_batch_message_sequences",
+            "Sequences in one Batch RPC step message that was answered.",
+            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
         info = Gauge("gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=r)
         info.labels(__version__).set(1)
         for reason in OPEN_REFUSAL_REASONS:
@@ -170,6 +185,9 @@ class MetricsRecorder(EngineObserver):
                 if series is None:
                     for code in STEP_REFUSAL_CODES:
                         self.steps.labels(*labels, code.lower())
+                    # Present (at zero) from the first stream, so rate() works from the start.
+                    self.batch_size.labels(*labels[:2])
+                    self.batch_message_sequences.labels(*labels[:2])
                     series = _StreamSeries(
                         queue=self.step_queue.labels(*labels),
                         compute=self.step_compute.labels(*labels),
@@ -219,6 +237,30 @@ class MetricsRecorder(EngineObserver):
         self._bound(stream.labels)
         self.steps.labels(*stream.labels, code.lower()).inc()
 
+    def batch_done(self, backend: str, dtype: str, size: int) -> None:
+        self.batch_size.labels(backend, dtype).observe(size)
+
+    def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
+        self.batch_message_sequences.labels(backend, dtype).observe(sequences)
+
+
+def _cuda_memory() -> list[tuple[str, int, int]]:
+    """(device, allocated, reserved) bytes per CUDA device, or nothing while CUDA is not in use.
+
+    Reads torch only if something else imported it and initialised CUDA (the cuda backend):
+    a scrape must never be what imports torch or creates a CUDA context.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    try:
+        if not torch.cuda.is_initialized():
+            return []
+        return [(str(i), torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
+                for i in range(torch.cuda.device_count())]
+    except Exception:  # a scrape must not fail because a device went away
+        return []
+
 
 class _EngineStateCollector:
     """Gauges read from the engine when Prometheus scrapes, not kept up to date by hand."""
@@ -227,7 +269,7 @@ class _EngineStateCollector:
         self._recorder = recorder
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, ...]:
+    def _families() -> tuple:
         return (
             GaugeMetricFamily("gqa_active_streams", "Streams open now.", labels=STREAM_LABELS),
             GaugeMetricFamily("gqa_cache_reserved_bytes",
@@ -236,16 +278,34 @@ class _EngineStateCollector:
             GaugeMetricFamily("gqa_cache_budget_bytes",
                               "The server's cache budget (--max-cache-bytes); opens past it are refused."),
             GaugeMetricFamily("gqa_streams_limit", "Streams the server holds at most (--max-streams)."),
+            GaugeMetricFamily("gqa_steps_waiting", "Steps accepted and waiting for a compute worker."),
+            GaugeMetricFamily("gqa_steps_in_flight", "Steps being computed now."),
+            CounterMetricFamily("gqa_compute_busy_seconds",
+                                "Seconds the compute workers spent computing, summed over workers; "
+                                "rate() / gqa_compute_workers is their busy fraction."),
+            GaugeMetricFamily("gqa_compute_workers", "Compute workers (threads that run steps)."),
+            GaugeMetricFamily("gqa_batch_sequences_open", "Sequences open in Batch sessions."),
         )
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
+    @staticmethod
+    def _cuda_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("gqa_cuda_memory_allocated_bytes",
+                              "CUDA memory held by tensors (torch.cuda.memory_allocated), per device.",
+                              labels=("device",)),
+            GaugeMetricFamily("gqa_cuda_memory_reserved_bytes",
+                              "CUDA memory held by torch's caching allocator (torch.cuda.memory_reserved), "
+                              "per device: what the process takes from the GPU.", labels=("device",)),
+        )
+
+    def describe(self) -> Iterable:
         return self._families()
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable:
         engine = self._recorder._engine
         if engine is None:
             return []
-        active, reserved, in_use, budget, limit = self._families()
+        active, reserved, in_use, budget, limit, waiting, in_flight, busy, workers, batch_open = self._families()
         counts = dict.fromkeys(self._recorder.seen_labels(), 0)  # gone to 0, not gone
         for stream in engine.streams():
             counts[stream.labels] = counts.get(stream.labels, 0) + 1
@@ -255,7 +315,20 @@ class _EngineStateCollector:
         in_use.add_metric([], engine.bytes_in_use())
         budget.add_metric([], engine.config.max_cache_bytes)
         limit.add_metric([], engine.config.max_streams)
-        return [active, reserved, in_use, budget, limit]
+        waiting.add_metric([], engine.steps_waiting)
+        in_flight.add_metric([], engine.steps_in_flight)
+        busy.add_metric([], engine.compute_busy_seconds)
+        workers.add_metric([], engine.compute_workers)
+        batch_open.add_metric([], engine.batch_sequences_open)
+        families = [active, reserved, in_use, budget, limit, waiting, in_flight, busy, workers, batch_open]
+        devices = _cuda_memory()
+        if devices:
+            allocated, held = self._cuda_families()
+            for device, alloc, res in devices:
+                allocated.add_metric([device], alloc)
+                held.add_metric([device], res)
+            families += [allocated, held]
+        return families
 
 
 class ObserverFanOut(EngineObserver):
@@ -283,6 +356,14 @@ class ObserverFanOut(EngineObserver):
     def step_refused(self, stream, code):
         for o in self.observers:
             o.step_refused(stream, code)
+
+    def batch_done(self, backend, dtype, size):
+        for o in self.observers:
+            o.batch_done(backend, dtype, size)
+
+    def batch_message(self, backend, dtype, sequences):
+        for o in self.observers:
+            o.batch_message(backend, dtype, sequences)
 
 
 # -- gRPC server metrics --------------------------------------------------------------------------
@@ -490,29 +571,6 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                     end(series, call, failure, t0)
 
         return handler
-
-
-# -- exposition -----------------------------------------------------------------------------
-@dataclass
-class MetricsHttpServer:
-    """The /metrics endpoint; ``close()`` stops it and frees the port."""
-
-    httpd: object
-    thread: threading.Thread
-    host: str
-    port: int
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
-
-
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> MetricsHttpServer:
-    """Serves ``registry`` in the text format at http://host:port/metrics on a daemon thread."""
-    bind = host.strip("[]") or "0.0.0.0"
-    httpd, thread = start_http_server(port, addr=bind, registry=registry)
-    return MetricsHttpServer(httpd, thread, host, httpd.server_address[1])
 
 
 class ServiceMetrics:
