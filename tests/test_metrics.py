@@ -360,3 +360,20 @@ def test_metrics_host_binds_apart_from_the_grpc_address():
     with ServerThread(config) as thread:
         assert thread.server.metrics_address.startswith("127.0.0.1:")
         assert b"gqa_build_info" in _scrape(thread)
+
+
+@pytest.mark.gpu
+def test_cuda_memory_gauges_follow_a_cuda_stream(server):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    request = open_request("strict", WINDOW, SHAPE)
+    request.open.backend = "cuda"
+    seen = run_stream(server.address, request, step_requests(SHAPE, 5))
+    assert seen.code == grpc.StatusCode.OK and seen.ok_steps == 5
+    assert torch.cuda.is_initialized()
+    fams = _families(server)
+    reserved = _sample(fams, "gqa_cuda_memory_reserved_bytes", device="0")
+    assert reserved > 0 and reserved == torch.cuda.memory_reserved(0)
+    assert 0 <= _sample(fams, "gqa_cuda_memory_allocated_bytes", device="0") <= reserved
