@@ -80,17 +80,20 @@ def render_dashboard(values: dict) -> str:
 
 # -- the values table ------------------------------------------------------------------------------
 def _comments(text: str) -> dict[str, str]:
-    """Dotted key -> the comment block right above it (list items are not descended into)."""
+    """Dotted key -> its comment: the block right above it, which also covers the keys that
+    follow at the same indent until a blank line or another comment (a group's comment)."""
     out: dict[str, str] = {}
     stack: list[tuple[int, str]] = []
     block: list[str] = []
+    group: tuple[int, str] | None = None  # (indent, comment) covering following siblings
     for line in text.splitlines():
         stripped = line.strip()
         if not stripped:
-            block = []
+            block, group = [], None
             continue
         if stripped.startswith("#"):
             block.append(stripped.lstrip("#").strip())
+            group = None
             continue
         match = re.match(r"^( *)([A-Za-z0-9_.\-/]+):(\s|$)", line)
         if not match:
@@ -102,7 +105,12 @@ def _comments(text: str) -> dict[str, str]:
         path = ".".join([k for _, k in stack] + [key])
         stack.append((indent, key))
         if block:
-            out[path] = " ".join(block)
+            group = (indent, " ".join(block))
+            out[path] = group[1]
+        elif group and group[0] == indent:
+            out[path] = group[1]
+        elif group and indent < group[0]:
+            group = None
         block = []
     return out
 
@@ -129,7 +137,7 @@ def _deref(node: dict, root: dict) -> dict:
 
 def _type(node: dict, root: dict) -> str:
     if "enum" in node:
-        return " \\| ".join(json.dumps(v) for v in node["enum"])
+        return " | ".join(json.dumps(v) for v in node["enum"])
     if "oneOf" in node:
         return " or ".join(_type(_deref(n, root), root) for n in node["oneOf"])
     kind = node.get("type", "")
@@ -162,14 +170,10 @@ def values_table(values_text: str, schema: dict) -> str:
     for path, default in _leaves(values):
         node = _schema_at(schema, path.split("."), schema)
         parts = path.split(".")
-        # A leaf's own comment, else its nearest parent's (sections describe their keys).
-        desc = comments.get(path, "")
-        if not desc:
-            for i in range(len(parts) - 1, 0, -1):
-                parent = ".".join(parts[:i])
-                if parent in comments:
-                    desc = f"({parent}) " + comments[parent] if i < len(parts) - 1 else comments[parent]
-                    break
+        # A key's own (or its group's) comment, else its nearest ancestor's: a section's
+        # comment describes keys like alerts.queueWait.for.
+        desc = next((comments[".".join(parts[:i])] for i in range(len(parts), 0, -1)
+                     if ".".join(parts[:i]) in comments), "")
         desc = desc or node.get("description", "")
         shown = json.dumps(default, separators=(", ", ": "))
         rows.append(f"| `{path}` | {_cell(_type(node, schema))} | `{_cell(shown)}` | {_cell(desc)} |")
