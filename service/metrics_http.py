@@ -4,8 +4,8 @@ prometheus_client's ``start_http_server`` starts a thread per connection and wai
 one forever: a few hundred half-open connections pinned a few hundred threads. Here one thread
 multiplexes every connection with ``selectors``:
 
-- at most ``max_connections`` are held; a new one past that pushes out the connection that has
-  waited longest, so idle or slow connections cannot lock a scraper out;
+- at most ``max_connections`` are held; a new one past that pushes out the oldest connection
+  still sending its request, so idle or slow connections cannot lock a scraper out;
 - a connection has ``timeout_s`` to send its request and take the answer, then it is closed;
 - a request head larger than ``MAX_REQUEST_BYTES`` is refused (431);
 - every answer closes its connection (``Connection: close``): Prometheus reconnects per scrape.
@@ -130,11 +130,19 @@ class MetricsHttpServer:
             except OSError:
                 return
             while len(self._connections) >= self.max_connections:
-                self._drop(next(iter(self._connections.values())))
+                self._drop(self._oldest_idle())
             sock.setblocking(False)
             conn = _Connection(sock, time.monotonic() + self.timeout_s)
             self._connections[sock] = conn
             self._selector.register(sock, selectors.EVENT_READ)
+
+    def _oldest_idle(self) -> _Connection:
+        # One still sending its request (an idle or slow client) goes first; one being answered
+        # only if every held connection is being answered.
+        for conn in self._connections.values():
+            if conn.response is None:
+                return conn
+        return next(iter(self._connections.values()))
 
     def _read(self, conn: _Connection) -> None:
         try:
