@@ -73,8 +73,14 @@ class ServerConfig:
     OpenMP teams on few cores contend (measured on 2 busy cores: a 130 us step took 40 ms with 2
     intra-op threads)."""
 
-    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on the host of --address (0: off)"})
-    """Port of the Prometheus exposition, on the same host as ``address``; 0 turns it off."""
+    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on --metrics-host (0: off)"})
+    """Port of the Prometheus exposition, on ``metrics_host``; 0 turns it off."""
+
+    metrics_host: str = field(default="", metadata={
+        "help": "host /metrics binds (empty: the host of --address)", "optional_env": True})
+    """Address the /metrics listener binds. Empty means the host of ``address``; set it to
+    127.0.0.1 (or a private interface) to keep the unauthenticated exposition off the network
+    the gRPC port serves when ``--address 0.0.0.0``."""
 
     health_port: int = field(default=0, metadata={
         "help": "plaintext port serving only grpc.health.v1, for probes when the main port uses TLS (0: off)",
@@ -108,12 +114,15 @@ class ServerConfig:
     auth_token_file: str = field(default="", metadata={
         "help": "file holding the bearer token every RPC but health must carry", "optional_env": True})
     """A file whose content (surrounding whitespace stripped) is the bearer token; RPCs other
-    than health must send ``authorization: Bearer <token>`` or get UNAUTHENTICATED."""
+    than health must send ``authorization: Bearer <token>`` or get UNAUTHENTICATED. A file
+    that holds no token (empty, or whitespace only) refuses the start: it never means "off"."""
 
     auth_token: str = field(default="", repr=False, metadata={
         "help": "the bearer token itself", "env_only": True, "optional_env": True})
     """The token from ``GQA_AUTH_TOKEN`` (e.g. a Kubernetes Secret through ``secretKeyRef``).
-    There is deliberately no flag: a command line is visible to every user of the machine."""
+    There is deliberately no flag: a command line is visible to every user of the machine.
+    Authentication never fails open: the variable set but empty or whitespace (an empty
+    Secret key, say) refuses the start; only its absence means no authentication."""
 
     snapshot_key_file: str = field(default="", metadata={
         "help": "file holding the key that signs snapshots (HMAC-SHA256); replicas that restore each other's share it",
@@ -157,12 +166,21 @@ class ServerConfig:
             raise ConfigError("--tls-client-ca-file: mutual TLS needs --tls-cert-file and --tls-key-file too")
         if self.auth_token and self.auth_token_file:
             raise ConfigError("GQA_AUTH_TOKEN and --auth-token-file: set one of them, not both")
+        if self.auth_token:
+            _check_token(self.auth_token, "GQA_AUTH_TOKEN")
         if self.snapshot_key and self.snapshot_key_file:
             raise ConfigError("GQA_SNAPSHOT_KEY and --snapshot-key-file: set one of them, not both")
         for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_token_file", "snapshot_key_file"):
             path = getattr(self, name)
             if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
                 raise ConfigError(f"--{_flag(name)}: {path!r} is not a readable file")
+        if self.auth_token_file:
+            try:
+                with open(self.auth_token_file, "rb") as f:
+                    content = f.read().decode("utf-8", "replace")
+            except OSError as exc:
+                raise ConfigError(f"--auth-token-file: cannot read {self.auth_token_file!r}: {exc.strerror}") from None
+            _check_token(content, "--auth-token-file")
         return self
 
     @property
@@ -174,8 +192,23 @@ class ServerConfig:
         return self.address.rpartition(":")[0]
 
     @property
+    def metrics_bind_host(self) -> str:
+        """The host /metrics binds: ``metrics_host``, else the host of ``address``."""
+        return self.metrics_host or self.host
+
+    @property
     def compute_workers(self) -> int:
         return self.workers or (os.cpu_count() or 1)
+
+
+def _check_token(raw: str, where: str) -> None:
+    """A configured token source must hold a usable token: never fall back to no authentication."""
+    token = raw.strip()
+    if not token:
+        raise ConfigError(f"{where}: set but empty; refusing to start without authentication "
+                          "(unset it to run without a token)")
+    if any(c.isspace() for c in token):
+        raise ConfigError(f"{where}: the token must not contain whitespace")
 
 
 def _flag(name: str) -> str:
@@ -211,6 +244,11 @@ def from_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | N
             values[f.name] = flag_value
         elif _env(f.name) in env:
             raw = env[_env(f.name)]
+            if f.metadata.get("env_only") and not raw.strip():
+                # A secret variable present but empty is a misconfigured Secret, not a request
+                # to run without authentication or without snapshot signing.
+                raise ConfigError(f"{_env(f.name)}: set but empty; refusing to start without it "
+                                  "(unset the variable to run without it)")
             try:
                 values[f.name] = kind(raw)
             except ValueError:

@@ -6,10 +6,11 @@ Three parts, bundled by ``ServiceMetrics`` (one per server, on its own registry)
   a step's report, a refusal); it turns them into ``gqa_*`` updates. Gauges that describe the
   engine's state (active streams, cache bytes, the budget) are read from the engine at scrape
   time, so they can never drift from it.
-- ``GrpcServerMetrics``: a grpc.aio server interceptor exporting the ``grpc_server_*`` families
+- ``GrpcServerMetrics`` (``service.metrics_grpc``): a grpc.aio server interceptor exporting the ``grpc_server_*`` families
   under the names and labels of go-grpc-prometheus, for unary and streaming RPCs alike, message
   counts included.
-- ``serve_http``: the text exposition on its own port, with the process and platform collectors.
+- ``serve_http`` (``service.metrics_http``): the exposition on its own port, one thread and a
+  bounded number of connections, with the process and platform collectors.
 
 Labels take bounded values only (backend, dtype, policy, outcome, reason, gRPC method and code);
 never a stream id. Names carry their unit (``_seconds``, ``_bytes``) and counters end in
@@ -18,14 +19,12 @@ never a stream id. Names carry their unit (``_seconds``, ``_bytes``) and counter
 
 from __future__ import annotations
 
-import asyncio
-import inspect
+import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 
-import grpc
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -35,12 +34,13 @@ from prometheus_client import (
     PlatformCollector,
     ProcessCollector,
     disable_created_metrics,
-    start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import __version__
 from .engine import Engine, EngineObserver, StepReport, Stream
+from .metrics_grpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
+from .metrics_http import MetricsHttpServer, serve_http
 
 __all__ = [
     "ServiceMetrics",
@@ -48,9 +48,11 @@ __all__ = [
     "GrpcServerMetrics",
     "ObserverFanOut",
     "serve_http",
+    "MetricsHttpServer",
     "LATENCY_BUCKETS",
     "RPC_BUCKETS",
     "LIFETIME_BUCKETS",
+    "BATCH_BUCKETS",
     "OPEN_REFUSAL_REASONS",
     "STEP_REFUSAL_CODES",
     "GRPC_CODE_NAMES",
@@ -63,31 +65,17 @@ LATENCY_BUCKETS = (
     1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
     1.0, 2.5, 5.0, 10.0,
 )
-# RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
-# client's generation (minutes).
-RPC_BUCKETS = (
-    100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
-)
 LIFETIME_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0)
+
+# Steps per batched computation and sequences per Batch message: powers of two up to the
+# largest batch a stream may send (--max-batch-size 256) times a few streams.
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 # Why ``Engine.open`` refuses a stream (the reasons it passes to ``open_refused``).
 OPEN_REFUSAL_REASONS = ("budget", "streams", "draining", "backend", "invalid", "memory")
 # Codes a step is refused with in-band; pre-created so the first refusal shows in ``rate()``.
 STEP_REFUSAL_CODES = ("INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "INTERNAL")
 STREAM_LABELS = ("backend", "dtype", "policy")
-
-
-def _go_code_name(code: grpc.StatusCode) -> str:
-    # The names of Go's codes.Code.String(), which the go-grpc-prometheus dashboards filter on.
-    if code is grpc.StatusCode.OK:
-        return "OK"
-    if code is grpc.StatusCode.CANCELLED:
-        return "Canceled"
-    return "".join(part.capitalize() for part in code.name.split("_"))
-
-
-GRPC_CODE_NAMES = {code: _go_code_name(code) for code in grpc.StatusCode}
 
 
 # -- the engine's observer ----------------------------------------------------------------------
@@ -149,6 +137,14 @@ class MetricsRecorder(EngineObserver):
             stream, registry=r)
         self.written = Counter(
             "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r)
+        self.batch_size = Histogram(
+            "gqa_batch_size",
+            "Steps computed together in one batched computation (one kernel call).",
+            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
+        self.batch_message_sequences = Histogram(
+            "gqa_batch_message_sequences",
+            "Sequences in one Batch RPC step message that was answered.",
+            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
         info = Gauge("gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=r)
         info.labels(__version__).set(1)
         for reason in OPEN_REFUSAL_REASONS:
@@ -170,6 +166,9 @@ class MetricsRecorder(EngineObserver):
                 if series is None:
                     for code in STEP_REFUSAL_CODES:
                         self.steps.labels(*labels, code.lower())
+                    # Present (at zero) from the first stream, so rate() works from the start.
+                    self.batch_size.labels(*labels[:2])
+                    self.batch_message_sequences.labels(*labels[:2])
                     series = _StreamSeries(
                         queue=self.step_queue.labels(*labels),
                         compute=self.step_compute.labels(*labels),
@@ -219,6 +218,30 @@ class MetricsRecorder(EngineObserver):
         self._bound(stream.labels)
         self.steps.labels(*stream.labels, code.lower()).inc()
 
+    def batch_done(self, backend: str, dtype: str, size: int) -> None:
+        self.batch_size.labels(backend, dtype).observe(size)
+
+    def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
+        self.batch_message_sequences.labels(backend, dtype).observe(sequences)
+
+
+def _cuda_memory() -> list[tuple[str, int, int]]:
+    """(device, allocated, reserved) bytes per CUDA device, or nothing while CUDA is not in use.
+
+    Reads torch only if something else imported it and initialised CUDA (the cuda backend):
+    a scrape must never be what imports torch or creates a CUDA context.
+    """
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return []
+    try:
+        if not torch.cuda.is_initialized():
+            return []
+        return [(str(i), torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
+                for i in range(torch.cuda.device_count())]
+    except Exception:  # a scrape must not fail because a device went away
+        return []
+
 
 class _EngineStateCollector:
     """Gauges read from the engine when Prometheus scrapes, not kept up to date by hand."""
@@ -227,7 +250,7 @@ class _EngineStateCollector:
         self._recorder = recorder
 
     @staticmethod
-    def _families() -> tuple[GaugeMetricFamily, ...]:
+    def _families() -> tuple:
         return (
             GaugeMetricFamily("gqa_active_streams", "Streams open now.", labels=STREAM_LABELS),
             GaugeMetricFamily("gqa_cache_reserved_bytes",
@@ -236,16 +259,34 @@ class _EngineStateCollector:
             GaugeMetricFamily("gqa_cache_budget_bytes",
                               "The server's cache budget (--max-cache-bytes); opens past it are refused."),
             GaugeMetricFamily("gqa_streams_limit", "Streams the server holds at most (--max-streams)."),
+            GaugeMetricFamily("gqa_steps_waiting", "Steps accepted and waiting for a compute worker."),
+            GaugeMetricFamily("gqa_steps_in_flight", "Steps being computed now."),
+            CounterMetricFamily("gqa_compute_busy_seconds",
+                                "Seconds the compute workers spent computing, summed over workers; "
+                                "rate() / gqa_compute_workers is their busy fraction."),
+            GaugeMetricFamily("gqa_compute_workers", "Compute workers (threads that run steps)."),
+            GaugeMetricFamily("gqa_batch_sequences_open", "Sequences open in Batch sessions."),
         )
 
-    def describe(self) -> Iterable[GaugeMetricFamily]:
+    @staticmethod
+    def _cuda_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        return (
+            GaugeMetricFamily("gqa_cuda_memory_allocated_bytes",
+                              "CUDA memory held by tensors (torch.cuda.memory_allocated), per device.",
+                              labels=("device",)),
+            GaugeMetricFamily("gqa_cuda_memory_reserved_bytes",
+                              "CUDA memory held by torch's caching allocator (torch.cuda.memory_reserved), "
+                              "per device: what the process takes from the GPU.", labels=("device",)),
+        )
+
+    def describe(self) -> Iterable:
         return self._families()
 
-    def collect(self) -> Iterable[GaugeMetricFamily]:
+    def collect(self) -> Iterable:
         engine = self._recorder._engine
         if engine is None:
             return []
-        active, reserved, in_use, budget, limit = self._families()
+        active, reserved, in_use, budget, limit, waiting, in_flight, busy, workers, batch_open = self._families()
         counts = dict.fromkeys(self._recorder.seen_labels(), 0)  # gone to 0, not gone
         for stream in engine.streams():
             counts[stream.labels] = counts.get(stream.labels, 0) + 1
@@ -255,7 +296,20 @@ class _EngineStateCollector:
         in_use.add_metric([], engine.bytes_in_use())
         budget.add_metric([], engine.config.max_cache_bytes)
         limit.add_metric([], engine.config.max_streams)
-        return [active, reserved, in_use, budget, limit]
+        waiting.add_metric([], engine.steps_waiting)
+        in_flight.add_metric([], engine.steps_in_flight)
+        busy.add_metric([], engine.compute_busy_seconds)
+        workers.add_metric([], engine.compute_workers)
+        batch_open.add_metric([], engine.batch_sequences_open)
+        families = [active, reserved, in_use, budget, limit, waiting, in_flight, busy, workers, batch_open]
+        devices = _cuda_memory()
+        if devices:
+            allocated, held = self._cuda_families()
+            for device, alloc, res in devices:
+                allocated.add_metric([device], alloc)
+                held.add_metric([device], res)
+            families += [allocated, held]
+        return families
 
 
 class ObserverFanOut(EngineObserver):
@@ -284,235 +338,13 @@ class ObserverFanOut(EngineObserver):
         for o in self.observers:
             o.step_refused(stream, code)
 
+    def batch_done(self, backend, dtype, size):
+        for o in self.observers:
+            o.batch_done(backend, dtype, size)
 
-# -- gRPC server metrics --------------------------------------------------------------------------
-_RPC_LABELS = ("grpc_type", "grpc_service", "grpc_method")
-
-
-def _rpc_type(request_streaming: bool, response_streaming: bool) -> str:
-    if request_streaming:
-        return "bidi_stream" if response_streaming else "client_stream"
-    return "server_stream" if response_streaming else "unary"
-
-
-@dataclass(slots=True)
-class _MethodSeries:
-    labels: tuple[str, str, str]
-    started: object
-    received: object
-    sent: object
-    handling: object
-    handled_family: object
-    handled: dict = field(default_factory=dict)
-
-    def handled_child(self, code: grpc.StatusCode):
-        child = self.handled.get(code)
-        if child is None:
-            child = self.handled[code] = self.handled_family.labels(*self.labels, GRPC_CODE_NAMES[code])
-        return child
-
-
-class _Call:
-    """One RPC in flight: counts its messages and remembers the status its handler set."""
-
-    __slots__ = ("series", "code")
-
-    def __init__(self, series: _MethodSeries):
-        self.series = series
-        self.code: grpc.StatusCode | None = None
-
-
-class _CountingContext:
-    """The handler's context, counting what it reads and writes and the code it aborts with."""
-
-    __slots__ = ("_context", "_call")
-
-    def __init__(self, context, call: _Call):
-        self._context = context
-        self._call = call
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-    async def read(self):
-        message = await self._context.read()
-        if message is not grpc.aio.EOF:
-            self._call.series.received.inc()
-        return message
-
-    async def write(self, message) -> None:
-        await self._context.write(message)
-        self._call.series.sent.inc()
-
-    async def abort(self, code, details="", trailing_metadata=()):
-        self._call.code = code
-        await self._context.abort(code, details, trailing_metadata)
-
-    def set_code(self, code) -> None:
-        self._call.code = code
-        self._context.set_code(code)
-
-
-async def _counted(requests, series: _MethodSeries):
-    async for message in requests:
-        series.received.inc()
-        yield message
-
-
-def _final_code(call: _Call, exc: BaseException | None) -> grpc.StatusCode:
-    if exc is None:
-        return call.code or grpc.StatusCode.OK
-    if isinstance(exc, grpc.aio.AbortError):
-        return call.code or grpc.StatusCode.UNKNOWN
-    if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
-        return grpc.StatusCode.CANCELLED
-    return grpc.StatusCode.UNKNOWN  # what grpc.aio answers an unhandled exception with
-
-
-class GrpcServerMetrics(grpc.aio.ServerInterceptor):
-    """go-grpc-prometheus's server metrics for a grpc.aio server, streaming RPCs included.
-
-    Wraps async handlers (coroutines and async generators); a synchronous handler on an aio
-    server is passed through unmeasured.
-    """
-
-    def __init__(self, registry: CollectorRegistry):
-        r = registry
-        self.started = Counter("grpc_server_started_total", "Total number of RPCs started on the server.",
-                               _RPC_LABELS, registry=r)
-        self.handled = Counter("grpc_server_handled_total",
-                               "Total number of RPCs completed on the server, regardless of success or failure.",
-                               _RPC_LABELS + ("grpc_code",), registry=r)
-        self.received = Counter("grpc_server_msg_received_total",
-                                "Total number of RPC stream messages received on the server.",
-                                _RPC_LABELS, registry=r)
-        self.sent = Counter("grpc_server_msg_sent_total", "Total number of gRPC stream messages sent by the server.",
-                            _RPC_LABELS, registry=r)
-        self.handling = Histogram("grpc_server_handling_seconds",
-                                  "Histogram of response latency (seconds) of gRPC that had been application-level "
-                                  "handled by the server.",
-                                  _RPC_LABELS, buckets=RPC_BUCKETS, registry=r)
-        self._methods: dict[str, _MethodSeries] = {}
-
-    def _series(self, full_method: str, request_streaming: bool, response_streaming: bool) -> _MethodSeries:
-        series = self._methods.get(full_method)
-        if series is None:
-            service, _, method = full_method.lstrip("/").rpartition("/")
-            labels = (_rpc_type(request_streaming, response_streaming), service, method)
-            series = _MethodSeries(labels, self.started.labels(*labels), self.received.labels(*labels),
-                                   self.sent.labels(*labels), self.handling.labels(*labels), self.handled)
-            self._methods[full_method] = series
-        return series
-
-    def initialize(self, service: "object") -> None:
-        """Creates every series of a service's methods at 0 (a ``ServiceDescriptor``), every code
-        included, so a rate over the first RPCs or the first error is not lost."""
-        for m in service.methods:
-            series = self._series(f"/{service.full_name}/{m.name}", m.client_streaming, m.server_streaming)
-            for code in grpc.StatusCode:
-                series.handled_child(code)
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        series = self._series(handler_call_details.method, handler.request_streaming, handler.response_streaming)
-        if handler.request_streaming and handler.response_streaming:
-            behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-        if inspect.isasyncgenfunction(behavior):
-            wrapped = self._wrap_generator(behavior, series, handler.request_streaming)
-        elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, series, handler.request_streaming, handler.response_streaming)
-        else:
-            return handler
-        return factory(wrapped, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
-
-    @staticmethod
-    def _begin(series: _MethodSeries, request_or_iterator, request_streaming: bool):
-        series.started.inc()
-        if request_streaming:
-            return _counted(request_or_iterator, series)
-        series.received.inc()
-        return request_or_iterator
-
-    @staticmethod
-    def _end(series: _MethodSeries, call: _Call, exc: BaseException | None, t0: float) -> None:
-        series.handled_child(_final_code(call, exc)).inc()
-        series.handling.observe(time.perf_counter() - t0)
-
-    def _wrap_coroutine(self, behavior: Callable, series: _MethodSeries, request_streaming: bool,
-                        response_streaming: bool):
-        begin, end = self._begin, self._end
-
-        async def handler(request_or_iterator, context):
-            t0 = time.perf_counter()
-            call = _Call(series)
-            request = begin(series, request_or_iterator, request_streaming)
-            try:
-                response = await behavior(request, _CountingContext(context, call))
-            except BaseException as exc:
-                end(series, call, exc, t0)
-                raise
-            if not response_streaming and (call.code is None or call.code is grpc.StatusCode.OK):
-                series.sent.inc()
-            end(series, call, None, t0)
-            return response
-
-        return handler
-
-    def _wrap_generator(self, behavior: Callable, series: _MethodSeries, request_streaming: bool):
-        begin, end = self._begin, self._end
-
-        async def handler(request_or_iterator, context):
-            t0 = time.perf_counter()
-            call = _Call(series)
-            request = begin(series, request_or_iterator, request_streaming)
-            responses = behavior(request, _CountingContext(context, call))
-            failure: BaseException | None = None
-            try:
-                async for response in responses:
-                    yield response
-                    series.sent.inc()  # resumed: the server wrote it and asks for the next
-            except BaseException as exc:
-                failure = exc
-                raise
-            finally:
-                try:
-                    await responses.aclose()
-                finally:
-                    end(series, call, failure, t0)
-
-        return handler
-
-
-# -- exposition -----------------------------------------------------------------------------
-@dataclass
-class MetricsHttpServer:
-    """The /metrics endpoint; ``close()`` stops it and frees the port."""
-
-    httpd: object
-    thread: threading.Thread
-    host: str
-    port: int
-
-    def close(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
-
-
-def serve_http(registry: CollectorRegistry, host: str, port: int) -> MetricsHttpServer:
-    """Serves ``registry`` in the text format at http://host:port/metrics on a daemon thread."""
-    bind = host.strip("[]") or "0.0.0.0"
-    httpd, thread = start_http_server(port, addr=bind, registry=registry)
-    return MetricsHttpServer(httpd, thread, host, httpd.server_address[1])
+    def batch_message(self, backend, dtype, sequences):
+        for o in self.observers:
+            o.batch_message(backend, dtype, sequences)
 
 
 class ServiceMetrics:

@@ -62,16 +62,23 @@ def server_credentials(config: ServerConfig) -> grpc.ServerCredentials | None:
 
 
 def load_token(config: ServerConfig) -> str | None:
-    """The bearer token the server requires, or None when authentication is off."""
+    """The bearer token the server requires, or None when no token source is configured.
+
+    A configured source that holds no token is an error, never "authentication off": an empty
+    Kubernetes Secret must stop the pod, not open the service (``ServerConfig.validate`` says
+    so first; this re-reads the file, which may have changed since).
+    """
     if config.auth_token_file:
         token = _read(config.auth_token_file, "auth-token-file").decode("utf-8", "replace").strip()
         where = "--auth-token-file"
-    else:
+    elif config.auth_token:
         token, where = config.auth_token.strip(), "GQA_AUTH_TOKEN"
-        if not token:
-            return None
-    if not token or any(c.isspace() for c in token):
-        raise ConfigError(f"{where}: the token must be non-empty and contain no whitespace")
+    else:
+        return None
+    if not token:
+        raise ConfigError(f"{where}: set but empty; refusing to start without authentication")
+    if any(c.isspace() for c in token):
+        raise ConfigError(f"{where}: the token must not contain whitespace")
     return token
 
 

@@ -106,14 +106,14 @@ class Server:
     def metrics_address(self) -> str | None:
         """host:port of /metrics while it is served, else None."""
         http = self.metrics.http if self.metrics is not None else None
-        return f"{self.config.host}:{http.port}" if http is not None else None
+        return f"{self.config.metrics_bind_host}:{http.port}" if http is not None else None
 
     async def start(self) -> None:
         if self.metrics is not None:
             try:
-                self.metrics.start_http(self.config.host, self.config.metrics_port)
+                self.metrics.start_http(self.config.metrics_bind_host, self.config.metrics_port)
             except OSError as exc:
-                raise OSError(f"cannot serve metrics on {self.config.host}:{self.config.metrics_port}: {exc} "
+                raise OSError(f"cannot serve metrics on {self.config.metrics_bind_host}:{self.config.metrics_port}: {exc} "
                               "(--metrics-port / GQA_METRICS_PORT; 0 turns metrics off)") from None
         # Probe the backends before reporting SERVING: the first probe imports optional modules.
         await self.servicer.backend_infos()

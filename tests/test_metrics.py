@@ -219,3 +219,161 @@ def test_live_exposition_passes_promtool_check_metrics(server):
     body = _scrape(server)
     done = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, timeout=30)
     assert done.returncode == 0, (done.stdout + done.stderr).decode()
+
+
+# -- saturation, batches, device memory (Contract 3) ---------------------------------------------
+def _families(server) -> dict:
+    return {f.name: f for f in text_string_to_metric_families(_scrape(server).decode())}
+
+
+def _sample(families, family: str, name: str | None = None, **labels) -> float:
+    for s in families[family].samples:
+        if s.name == (name or family) and all(s.labels.get(k) == v for k, v in labels.items()):
+            return s.value
+    raise KeyError((family, name, labels))
+
+
+def test_saturation_gauges_read_the_engine_views_at_scrape_time(server, monkeypatch):
+    from service.engine import Engine
+
+    fams = _families(server)
+    assert _sample(fams, "gqa_steps_waiting") == server.engine.steps_waiting
+    assert _sample(fams, "gqa_compute_workers") == server.engine.compute_workers >= 1
+    views = {"steps_waiting": 7, "steps_in_flight": 3, "compute_busy_seconds": 12.5, "compute_workers": 4,
+             "batch_sequences_open": 9}
+    for name, value in views.items():
+        monkeypatch.setattr(Engine, name, property(lambda self, v=value: v))
+    fams = _families(server)
+    assert _sample(fams, "gqa_steps_waiting") == 7
+    assert _sample(fams, "gqa_steps_in_flight") == 3
+    assert _sample(fams, "gqa_compute_busy_seconds", "gqa_compute_busy_seconds_total") == 12.5
+    assert fams["gqa_compute_busy_seconds"].type == "counter"
+    assert _sample(fams, "gqa_compute_workers") == 4
+    assert _sample(fams, "gqa_batch_sequences_open") == 9
+
+
+def test_batch_histograms_count_what_the_observer_is_told(server):
+    run_stream(server.address, open_request("strict", WINDOW, SHAPE), step_requests(SHAPE, 2))
+    fams = _families(server)
+    # Created at zero with the first stream of a (backend, dtype), so rate() sees the first batch.
+    assert _sample(fams, "gqa_batch_size", "gqa_batch_size_count", backend="cpu", dtype="float32") >= 0
+    recorder = server.server.metrics.recorder
+    before = server.server.metrics.value("gqa_batch_size_count", {"backend": "cpu", "dtype": "float32"})
+    for size in (1, 3, 4, 200):
+        recorder.batch_done("cpu", "float32", size)
+    recorder.batch_message("int8", "float16", 5)
+    m = server.server.metrics
+    assert m.value("gqa_batch_size_count", {"backend": "cpu", "dtype": "float32"}) == before + 4
+    assert m.value("gqa_batch_size_bucket", {"backend": "cpu", "dtype": "float32", "le": "4.0"}) >= 3
+    assert m.value("gqa_batch_message_sequences_count", {"backend": "int8", "dtype": "float16"}) == 1
+    assert m.value("gqa_batch_message_sequences_sum", {"backend": "int8", "dtype": "float16"}) == 5
+
+
+def test_cuda_memory_only_while_cuda_is_initialised(server, monkeypatch):
+    import torch
+
+    fams = _families(server)
+    if not torch.cuda.is_initialized():
+        assert "gqa_cuda_memory_allocated_bytes" not in fams
+        assert "gqa_cuda_memory_reserved_bytes" not in fams
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda i: 1000 * (i + 1))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda i: 4096 * (i + 1))
+    fams = _families(server)
+    assert _sample(fams, "gqa_cuda_memory_allocated_bytes", device="1") == 2000
+    assert _sample(fams, "gqa_cuda_memory_reserved_bytes", device="0") == 4096
+
+
+# -- the listener is bounded (#17 item 12) -------------------------------------------------------
+IDLE_CONNECTIONS = 300
+# One thread serves every connection: the count may grow by the handful the test's own
+# client needs, never by one per connection (prometheus_client's server: 300 -> 311 threads).
+THREAD_GROWTH_BOUND = 4
+
+
+def test_idle_connections_do_not_pin_threads_and_a_scrape_still_gets_through(server):
+    import socket
+
+    from service.metrics_http import MAX_CONNECTIONS
+
+    host, port = server.server.metrics_address.rsplit(":", 1)
+    _scrape(server)
+    threads_before = threading.active_count()
+    idle = []
+    try:
+        for _ in range(IDLE_CONNECTIONS):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # a request head that never ends
+            idle.append(s)
+        assert _wait_for(lambda: server.server.metrics.http.connections <= MAX_CONNECTIONS)
+        grown = threading.active_count() - threads_before
+        assert grown <= THREAD_GROWTH_BOUND, f"{grown} threads for {IDLE_CONNECTIONS} idle connections"
+        # The idle ones are pushed out oldest first: a scraper is never locked out.
+        assert b"gqa_build_info" in _scrape(server)
+        assert server.server.metrics.http.connections <= MAX_CONNECTIONS
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_idle_connection_is_closed_after_the_timeout():
+    import socket
+
+    from prometheus_client import CollectorRegistry
+
+    from service.metrics_http import MetricsHttpServer
+
+    http = MetricsHttpServer(CollectorRegistry(), "127.0.0.1", 0, timeout_s=0.2)
+    try:
+        with socket.create_connection(("127.0.0.1", http.port), timeout=5) as s:
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed by the server, not by our timeout
+        assert _wait_for(lambda: http.connections == 0)
+    finally:
+        http.close()
+
+
+def test_listener_answers_only_get_and_head_on_metrics(server):
+    import gzip
+    import urllib.error
+
+    base = f"http://{server.server.metrics_address}"
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(f"{base}/nope", timeout=10)
+    assert info.value.code == 404
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", data=b"x", method="POST"), timeout=10)
+    assert info.value.code == 405
+    request = urllib.request.Request(f"{base}/metrics", headers={"Accept-Encoding": "gzip"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.headers["Content-Encoding"] == "gzip"
+        assert b"gqa_build_info" in gzip.decompress(r.read())
+    request = urllib.request.Request(f"{base}/metrics", headers={"Accept": "application/openmetrics-text"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.headers["Content-Type"].startswith("application/openmetrics-text")
+        assert r.read().rstrip().endswith(b"# EOF")
+
+
+def test_metrics_host_binds_apart_from_the_grpc_address():
+    config = ServerConfig(address="0.0.0.0:0", metrics_port=free_port(), metrics_host="127.0.0.1")
+    with ServerThread(config) as thread:
+        assert thread.server.metrics_address.startswith("127.0.0.1:")
+        assert b"gqa_build_info" in _scrape(thread)
+
+
+@pytest.mark.gpu
+def test_cuda_memory_gauges_follow_a_cuda_stream(server):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    request = open_request("strict", WINDOW, SHAPE)
+    request.open.backend = "cuda"
+    seen = run_stream(server.address, request, step_requests(SHAPE, 5))
+    assert seen.code == grpc.StatusCode.OK and seen.ok_steps == 5
+    assert torch.cuda.is_initialized()
+    fams = _families(server)
+    reserved = _sample(fams, "gqa_cuda_memory_reserved_bytes", device="0")
+    assert reserved > 0 and reserved == torch.cuda.memory_reserved(0)
+    assert 0 <= _sample(fams, "gqa_cuda_memory_allocated_bytes", device="0") <= reserved

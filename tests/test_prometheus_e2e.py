@@ -34,6 +34,9 @@ WINDOW = 4
 MAX_STEPS = 150  # per stream; paced, so the load spans several scrapes
 PACE_S = 0.1
 POLL_S = 20.0
+SATURATION_FAMILIES = ("gqa_steps_waiting", "gqa_steps_in_flight", "gqa_compute_busy_seconds_total",
+                       "gqa_compute_workers", "gqa_batch_sequences_open", "gqa_batch_size_count",
+                       "gqa_batch_message_sequences_count")
 
 
 @pytest.fixture
@@ -105,7 +108,7 @@ def poll(api: str, promql: str, accept, timeout_s: float = POLL_S) -> float | No
     return value
 
 
-def test_prometheus_scrapes_latency_streams_and_evictions(service, prometheus):
+def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, prometheus):
     api = prometheus
     assert poll(api, 'up{job="gqa"}', lambda v: v == 1) == 1
 
@@ -130,6 +133,17 @@ def test_prometheus_scrapes_latency_streams_and_evictions(service, prometheus):
                         '(rate(gqa_step_duration_seconds_bucket{job="gqa"}[5s])))',
                    lambda v: not math.isnan(v))
         assert p99 is not None and 0 < p99 <= 10, p99
+        # The saturation and batch families (Contract 3) are scraped under load: every one
+        # present, the worker count the engine's, utilisation a fraction (the dashboard's query).
+        for family in SATURATION_FAMILIES:
+            assert poll(api, f'count({family}{{job="gqa"}})', lambda v: v >= 1) is not None, family
+        workers = service.engine.compute_workers
+        assert poll(api, 'sum(gqa_compute_workers{job="gqa"})', lambda v: v == workers) == workers
+        utilisation = poll(api, 'sum(rate(gqa_compute_busy_seconds_total{job="gqa"}[5s])) '
+                                '/ sum(gqa_compute_workers{job="gqa"})', lambda v: not math.isnan(v))
+        assert utilisation is not None and 0 <= utilisation <= 1, utilisation
+        for gauge in ("gqa_steps_waiting", "gqa_steps_in_flight", "gqa_batch_sequences_open"):
+            assert scalar(api, f'sum({gauge}{{job="gqa"}})') >= 0, gauge
     finally:
         hold.set()
         for t in threads:
@@ -157,3 +171,35 @@ def test_prometheus_scrapes_latency_streams_and_evictions(service, prometheus):
     series = query(api, 'histogram_quantile(0.99, sum by (backend, le) '
                         '(rate(gqa_step_duration_seconds_bucket{job="gqa"}[30s])))')
     assert [s["metric"] for s in series] == [{"backend": "cpu"}]
+
+
+def _dashboard_queries() -> list[tuple[str, str]]:
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    dashboard = json.loads((root / "helm" / "gqa-serve" / "dashboards" / "gqa-serve.json").read_text())
+    constants = {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "constant"}
+
+    def substitute(expr: str) -> str:
+        expr = expr.replace("$__rate_interval", "10s")
+        for name, value in constants.items():
+            expr = expr.replace(f"${name}", value)
+        # Everything selected, as the dashboard's "All" does; no cluster/namespace label here.
+        return re.sub(r"\$(cluster|namespace|job|instance|backend)\b", ".*", expr)
+
+    return [(p["title"], substitute(t["expr"])) for p in dashboard["panels"] for t in p["targets"]]
+
+
+def test_every_dashboard_query_runs_against_a_live_scrape(service, prometheus):
+    api = prometheus
+    assert poll(api, 'up{job="gqa"}', lambda v: v == 1) == 1
+    run_stream(service.address, open_request("strict", WINDOW, SHAPE), step_requests(SHAPE, 20), pace_s=0.05)
+    # Wait until rates over the scrapes are defined, then run every panel's query.
+    assert poll(api, 'sum(rate(gqa_steps_total{job="gqa"}[10s]))', lambda v: v > 0) > 0
+    answered = {}
+    for title, expr in _dashboard_queries():
+        answered.setdefault(title, []).append(query(api, expr))
+    for title in ("Worker utilisation by pod", "Steps waiting and in flight by pod", "Process CPU by pod",
+                  "Process memory (RSS) by pod", "Pods up", "Cache and streams used of limit by pod"):
+        assert all(answered[title]), f"{title}: no data"

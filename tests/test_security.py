@@ -290,3 +290,62 @@ def test_the_token_has_no_flag():
     flags = {a for action in parser._actions for a in action.option_strings}
     assert "--auth-token-file" in flags and "--tls-client-ca-file" in flags
     assert "--auth-token" not in flags
+
+
+# -- authentication never fails open (#17 item 11) ----------------------------------------------
+EMPTY_TOKENS = {"empty": "", "space": " ", "whitespace": " \t\n", "newline": "\n"}
+
+
+@pytest.mark.parametrize("raw", list(EMPTY_TOKENS.values()), ids=list(EMPTY_TOKENS))
+def test_an_empty_token_variable_refuses_to_start(raw):
+    # An empty Secret key through secretKeyRef sets the variable to "": that is a broken
+    # deployment, not a request to run without authentication.
+    with pytest.raises(ConfigError) as info:
+        from_args(None, {"GQA_ADDRESS": "127.0.0.1:0", "GQA_METRICS_PORT": "0", "GQA_AUTH_TOKEN": raw})
+    assert "GQA_AUTH_TOKEN" in str(info.value) and "empty" in str(info.value)
+    assert "\n" not in str(info.value)
+    # Built directly, a whitespace token is refused too (an empty string is "not configured").
+    if raw:
+        with pytest.raises(ConfigError, match="GQA_AUTH_TOKEN"):
+            dataclasses.replace(BASE, auth_token=raw).validate()
+
+
+@pytest.mark.parametrize("raw", list(EMPTY_TOKENS.values()), ids=list(EMPTY_TOKENS))
+def test_an_empty_token_file_refuses_to_start(tmp_path, raw):
+    path = tmp_path / "token"
+    path.write_text(raw)
+    with pytest.raises(ConfigError) as info:
+        from_args(None, {"GQA_ADDRESS": "127.0.0.1:0", "GQA_METRICS_PORT": "0", "GQA_AUTH_TOKEN_FILE": str(path)})
+    assert "--auth-token-file" in str(info.value) and "empty" in str(info.value)
+
+
+def test_a_token_with_inner_whitespace_is_refused():
+    with pytest.raises(ConfigError, match="whitespace"):
+        from_args(None, {"GQA_ADDRESS": "127.0.0.1:0", "GQA_METRICS_PORT": "0", "GQA_AUTH_TOKEN": "two words"})
+
+
+def test_no_token_variable_means_no_authentication():
+    config = from_args(None, {"GQA_ADDRESS": "127.0.0.1:0", "GQA_METRICS_PORT": "0"})
+    assert config.auth_token == "" and not config.auth_token_file
+
+
+@pytest.mark.parametrize("source", ["variable", "file"])
+def test_serve_with_an_empty_token_exits_2_with_one_line(tmp_path, source):
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, GQA_ADDRESS=f"127.0.0.1:{free_port()}", GQA_METRICS_PORT="0")
+    if source == "variable":
+        env["GQA_AUTH_TOKEN"] = "   "
+        where = "GQA_AUTH_TOKEN"
+    else:
+        path = tmp_path / "token"
+        path.write_text(" \n")
+        env["GQA_AUTH_TOKEN_FILE"] = str(path)
+        where = "--auth-token-file"
+    run = subprocess.run([sys.executable, "-m", "service.cli", "serve"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 2, run.stdout + run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gqa-serve: error: ") and where in lines[0], run.stderr

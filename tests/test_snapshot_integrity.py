@@ -147,6 +147,13 @@ def test_a_key_source_that_is_set_but_unusable_refuses_to_start(kwargs, word):
         snapshot.load_key(ServerConfig(**kwargs))
 
 
+def test_an_empty_key_variable_refuses_to_start():
+    from service.config import from_args
+
+    with pytest.raises(ConfigError, match="GQA_SNAPSHOT_KEY: set but empty"):
+        from_args(None, {"GQA_SNAPSHOT_KEY": " "})
+
+
 def test_an_empty_key_file_refuses_to_start(tmp_path):
     path = tmp_path / "key"
     path.write_text("\n")
