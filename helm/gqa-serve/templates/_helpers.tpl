@@ -185,6 +185,13 @@ gqa-serve.bytes.
       name: {{ . }}
       key: {{ $.Values.auth.secretKey }}
 {{- end }}
+{{- with .Values.snapshotKey.existingSecret }}
+- name: GQA_SNAPSHOT_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ . }}
+      key: {{ $.Values.snapshotKey.secretKey }}
+{{- end }}
 {{- with .Values.extraEnv }}
 {{ toYaml . }}
 {{- end }}
