@@ -320,7 +320,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         elif kind == "snapshot":
             try:
                 chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
-                                             self._opened_config(stream), self.config.max_message_bytes)
+                                             self._opened_config(stream), self.config.max_message_bytes,
+                                             request.snapshot.max_chunk_bytes)
             except ServiceError as exc:
                 yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
                     code=exc.code_number, message=exc.message))

@@ -21,9 +21,11 @@ from .engine import StreamConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "MAX_CHUNKS"]
+__all__ = ["encode", "decode", "MAX_CHUNKS", "DEFAULT_CHUNK_BYTES"]
 
 MAX_CHUNKS = 1 << 16
+# gRPC's default receive limit in every language: chunks a client did not size stay under it.
+DEFAULT_CHUNK_BYTES = 4 << 20
 _OVERHEAD = 4096  # bytes of a chunk that are not tensor data (fields, shapes)
 # tensors split along the position axis, and their ranks
 _TENSORS = {"key": 4, "value": 4, "key_scale": 3, "value_scale": 3, "key_outliers": 4}
@@ -40,11 +42,18 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int) -> list[gqa_pb2.SnapshotChunk]:
-    """The stream's state as chunks; the last one has ``last`` and the checksum set."""
+def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int,
+           max_chunk_bytes: int = 0) -> list[gqa_pb2.SnapshotChunk]:
+    """The stream's state as chunks; the last one has ``last`` and the checksum set.
+
+    Each chunk's response message stays under ``max_chunk_bytes`` (0: ``DEFAULT_CHUNK_BYTES``)
+    and under half of ``max_message_bytes``, except that a chunk always carries at least one
+    position.
+    """
     caches = list(stream.caches)
     chunks = [gqa_pb2.SnapshotChunk(config=config, tokens_seen=[c.tokens_seen for c in caches])]
-    budget = max(1, max_message_bytes // 2 - _OVERHEAD)
+    limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+    budget = max(1, limit - _OVERHEAD)
     for layer, cache in enumerate(caches):
         state = cache.export_state()
         tensors = {name: state[name] for name in _TENSORS if name in state}
