@@ -584,6 +584,9 @@ class AsyncDecodeStream:
             for request in first:
                 await self._call.write(request)
             self.opened = (await self._next()).opened
+        except grpc.RpcError as exc:
+            self._call.cancel()
+            raise CallFailed.from_rpc(exc) from None
         except BaseException:
             self._call.cancel()
             raise
