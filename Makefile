@@ -19,7 +19,9 @@ ADDRESS ?= 127.0.0.1:50051
 TORCH_INDEX_URL ?=
 # The cuda backend's Triton kernels, only where a GPU can use them.
 GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo triton)
-PIP := $(BIN)/pip install --quiet --disable-pip-version-check
+# setuptools prints a 10-line "Editable installation." notice on every editable install (an
+# InformationOnly warning, nothing to fix); every other warning of the build still shows.
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet --disable-pip-version-check
 
 .PHONY: install install-test install-bench tools run test soak bench proto gpu-check clean
 
