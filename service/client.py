@@ -334,6 +334,8 @@ def _snapshot_chunk(response: gqa_pb2.DecodeResponse) -> gqa_pb2.SnapshotChunk:
 
 def _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads):
     q = _as_torch(query, None, "query")
+    if q.dtype not in TORCH_TO_DTYPE or q.dtype == torch.int8:  # e.g. numpy's float64 default
+        q = q.to(torch.float32)
     dtype = q.dtype
     k = _as_torch(new_key, dtype, "new_key")
     return gqa_pb2.DecodeStepRequest(

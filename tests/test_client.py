@@ -62,6 +62,8 @@ def test_decode_step_infers_heads_and_sends_an_empty_cache(client):
     empty = torch.empty(1, HKV, 0, D)
     result = client.decode_step(q, k, v, empty, empty)
     assert isinstance(result.output, torch.Tensor)
+    as_float64 = client.decode_step(*(t.double().numpy() for t in (q, k, v, empty, empty)))  # sent as float32
+    np.testing.assert_array_equal(as_float64.output, result.output.numpy())
     assert result.new_key_cache.shape == (1, HKV, 1, D)
     assert_close_to_oracle(result.output, attention_ref(q, k[:, :, None], v[:, :, None], HQ, HKV), torch.float32)
 
