@@ -250,3 +250,22 @@ def test_second_ctrl_c_stops_at_once():
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_demo_and_bench_send_the_token(tmp_path):
+    from service.config import ServerConfig
+    from service.server import ServerThread
+
+    token = "cli-test-token-0123456789abcdef"
+    (tmp_path / "token").write_text(token + "\n")
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, auth_token=token)
+    small = ["--heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+    with ServerThread(config) as srv:
+        denied = gqa("demo", "--address", srv.address, "--steps", "4", *small)
+        assert denied.returncode == 1 and "UNAUTHENTICATED" in one_line(denied)
+        done = gqa("demo", "--address", srv.address, "--steps", "4", "--token-file", str(tmp_path / "token"), *small)
+        assert done.returncode == 0, done.stderr
+        done = gqa("bench", "--address", srv.address, "--steps", "20", "--streams", "2", "--context", "8",
+                   "--token-file", str(tmp_path / "token"), *small)
+        assert done.returncode == 0, done.stderr
+        assert "20 ok" in done.stdout
