@@ -226,3 +226,31 @@ def test_open_message_helper_builds_prefill():
     assert message.dtype == gqa_pb2.DTYPE_BFLOAT16 and message.policy == gqa_pb2.EVICTION_POLICY_SINK
     assert message.prefill[0].layer == 1 and list(message.prefill[0].key.shape) == [1, HKV, 3, D]
     assert message.prefill[0].key.dtype == gqa_pb2.DTYPE_BFLOAT16
+
+
+def test_mutual_tls_with_certificates_as_bytes_or_paths(tmp_path):
+    pytest.importorskip("cryptography", reason="the test extra generates the certificates")
+    from tests.test_security import _ca, _leaf, _pem, _pem_key
+
+    ca_key, ca = _ca("client-test-ca")
+    server_key, server_cert = _leaf("localhost", ca_key, ca, server=True)
+    client_key, client_cert = _leaf("gqa-client", ca_key, ca)
+    paths = {}
+    for name, pem in (("ca", _pem(ca)), ("server_cert", _pem(server_cert)), ("server_key", _pem_key(server_key)),
+                      ("client_cert", _pem(client_cert)), ("client_key", _pem_key(client_key))):
+        paths[name] = tmp_path / f"{name}.pem"
+        paths[name].write_bytes(pem)
+    config = dataclasses.replace(BASE, tls_cert_file=str(paths["server_cert"]), tls_key_file=str(paths["server_key"]),
+                                 tls_client_ca_file=str(paths["ca"]))
+    with ServerThread(config) as srv:
+        with Client(srv.address, root_certificates=_pem(ca), certificate_chain=_pem(client_cert),
+                    private_key=_pem_key(client_key)) as c:
+            with c.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="none", capacity=2) as stream:
+                assert stream.step(0, torch.ones(1, HQ, D), torch.ones(1, HKV, D), torch.ones(1, HKV, D)).tokens_seen == 1
+        with Client(srv.address, root_certificates=paths["ca"], certificate_chain=paths["client_cert"],
+                    private_key=paths["client_key"]) as c:
+            assert c.server_info().version
+        with Client(srv.address, root_certificates=paths["ca"], timeout=10) as no_client_cert:
+            with pytest.raises(CallFailed) as refused:
+                no_client_cert.server_info()
+            assert refused.value.code == grpc.StatusCode.UNAVAILABLE
