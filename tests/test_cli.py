@@ -133,7 +133,7 @@ def busy_port():
 
 @pytest.mark.parametrize("case", ["unknown-backend", "bad-size", "bad-int", "bad-choice", "no-subcommand",
                                   "address-in-use", "metrics-port-in-use", "demo-no-server", "bench-no-server",
-                                  "demo-bad-heads", "bench-plot-dir"])
+                                  "demo-bad-heads", "bench-no-token-file"])
 def test_expected_failures_are_one_line(case, busy_port, tmp_path):
     free = free_port()
     serve = ["serve", "--address", f"127.0.0.1:{free}"]
@@ -149,7 +149,7 @@ def test_expected_failures_are_one_line(case, busy_port, tmp_path):
         "demo-no-server": (["demo", "--address", f"127.0.0.1:{free}"], 1, ["UNAVAILABLE", str(free)]),
         "bench-no-server": (["bench", "--address", f"127.0.0.1:{free}", "--duration", "1"], 1, ["UNAVAILABLE"]),
         "demo-bad-heads": (["demo", "--heads", "6", "--kv-heads", "4"], 2, ["--heads"]),
-        "bench-plot-dir": (["bench", "--token-file", str(tmp_path / "absent")], 2, ["--token-file"]),
+        "bench-no-token-file": (["bench", "--token-file", str(tmp_path / "absent")], 2, ["--token-file"]),
     }[case]
     done = gqa(*args)
     line = one_line(done)
