@@ -1,31 +1,57 @@
 # gqa-serve: every entry point sets up what it needs on a fresh machine.
-#   make run    - install, then start the service on the CPU backend at 127.0.0.1:50051
-#   make test   - install, then run the test suite (GPU tests skipped where no GPU)
+#   make run    - install what serving needs (nothing else), then start the service on the CPU
+#                 backend at 127.0.0.1:50051
+#   make test   - install the test extras and tools, then run the test suite (GPU tests skipped
+#                 where no GPU)
 #   make soak   - install, then the load test for longer (GQA_SOAK_STEPS, GQA_SOAK_STREAMS)
-#   make bench  - install, then run the benchmarks (writes bench-results/*.json)
+#   make bench  - install the bench extras, then run the benchmarks (bench-results/*.json, *.png)
 #   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
+#
+# Installs are layered, one stamp each: serving (the package alone; plus triton where an NVIDIA
+# GPU is visible), then the test or bench extras on top. TORCH_INDEX_URL=... installs torch from
+# that index first (off this project's machines, PyTorch's CPU wheel index keeps pip from
+# pulling the multi-GB CUDA build; see README "Install").
 
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
-STAMP  := $(VENV)/.installed
-EXTRAS ?= dev,bench,triton
 ADDRESS ?= 127.0.0.1:50051
+TORCH_INDEX_URL ?=
+# The cuda backend's Triton kernels, only where a GPU can use them.
+GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo triton)
+# setuptools prints a 10-line "Editable installation." notice on every editable install (an
+# InformationOnly warning, nothing to fix); every other warning of the build still shows.
+PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install tools run test soak bench proto gpu-check clean
+.PHONY: install install-test install-bench tools run test soak bench proto gpu-check clean
 
-$(STAMP): pyproject.toml
+$(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[$(EXTRAS)]'
+	touch $@
+
+$(VENV)/.installed: pyproject.toml | $(VENV)/.created
+	@if [ -n "$(TORCH_INDEX_URL)" ]; then echo "torch from $(TORCH_INDEX_URL)"; $(PIP) --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"; fi
+	$(PIP) -e '.$(if $(GPU_EXTRAS),[$(GPU_EXTRAS)])'
 	@# the int8 backend's C kernel; without a C compiler int8 streams use torch's slower kernels
 	$(BIN)/python -m backends.native build || echo "gqa-serve: the int8 kernel did not build (above); int8 streams will use the torch kernels"
 	touch $@
 
-install: $(STAMP)
+# Tests also run the Triton kernels through its CPU interpreter, so they take the triton extra.
+$(VENV)/.installed-test: $(VENV)/.installed
+	$(PIP) -e '.[test,triton]'
+	touch $@
 
-# External tools the tests drive (promtool, prometheus, helm, hadolint, node packages...).
-tools: install
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PIP) -e '.[bench]'
+	touch $@
+
+install: $(VENV)/.installed
+install-test: $(VENV)/.installed-test
+install-bench: $(VENV)/.installed-bench
+
+# External tools the tests drive (promtool, prometheus, helm, hadolint, node packages, go...).
+tools: install-test
 	@for script in tests/tools/install_*.sh; do \
 		[ -e "$$script" ] || continue; \
 		echo "tools: $$script"; bash "$$script" || exit 1; \
@@ -35,21 +61,21 @@ run: install
 	@echo "gqa-serve: starting on $(ADDRESS) (CPU backend); try: $(BIN)/gqa-serve demo --address $(ADDRESS)"
 	$(BIN)/gqa-serve serve --backend cpu --address $(ADDRESS)
 
-test: install tools
+test: install-test tools
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/python -m pytest -m "not gpu"
 
 # The load test, longer: 256 streams x 3000 steps (GQA_SOAK_STREAMS / GQA_SOAK_STEPS to change).
-soak: install
+soak: install-test
 	GQA_SOAK_STREAMS=$${GQA_SOAK_STREAMS:-256} GQA_SOAK_STEPS=$${GQA_SOAK_STEPS:-3000} \
 		$(BIN)/python -m pytest tests/test_load.py -s -q
 
-bench: install
+bench: install-bench
 	$(BIN)/python -m tests.bench
 
-proto: install
+proto: install-test
 	$(BIN)/python proto/generate.py service/api
 
-gpu-check: install
+gpu-check: install-test
 	bash tests/gpu_check.sh
 
 clean:

@@ -25,12 +25,22 @@ No function here knows about caches or backends.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-try:  # bitsandbytes is a declared dependency; its CPU kernels are plain torch in 0.50
+# bitsandbytes is a declared dependency; its CPU kernels are plain torch in 0.50. Its import
+# logs a warning inviting users to `pip install kernels` (a 4-bit GEMM this project never
+# uses): keep its loggers to errors while it loads.
+_bnb_log = logging.getLogger("bitsandbytes")
+_bnb_level = _bnb_log.level
+_bnb_log.setLevel(logging.ERROR)
+try:
     from bitsandbytes.functional import int8_vectorwise_quant as _bnb_quant
 except ImportError:  # pragma: no cover - kept usable where bitsandbytes cannot load
     _bnb_quant = None
+finally:
+    _bnb_log.setLevel(_bnb_level)
 
 __all__ = [
     "QMAX",

@@ -1,6 +1,7 @@
-"""The ``gqa-serve`` command: ``step`` (one decode step from JSON), ``serve``, ``demo``.
+"""The ``gqa-serve`` command: ``step`` (one decode step from JSON), ``serve``, ``demo``, ``bench``.
 
-Exit status 2 with a one-line message on stderr for bad input or configuration.
+Every expected failure (bad input, a bad flag, no server, a port in use) is one line on stderr
+and a non-zero exit: 2 for bad input or configuration, 1 for a failure at run time.
 """
 
 from __future__ import annotations
@@ -12,7 +13,17 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["main"]
+__all__ = ["main", "fail", "OneLineParser"]
+
+EXIT_USAGE = 2
+EXIT_FAILURE = 1
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def _shortest(value: float, dtype) -> float:
@@ -33,6 +44,29 @@ def tensor_to_json(t) -> Any:
 
 
 STEP_KEYS = ("query", "new_key", "new_value", "key_cache", "value_cache", "num_query_heads", "num_kv_heads")
+TENSOR_KEYS = STEP_KEYS[:5]
+
+
+def _explicit_tensor(name: str, spec: dict):
+    """``{"shape": [...], "values": [...]}``: flat row-major values, so that a dimension may be
+    0 (nested lists cannot say ``[1, 1, 0, 2]``)."""
+    import math
+
+    import torch
+
+    if set(spec) != {"shape", "values"}:
+        raise ValueError(f"{name}: an explicit tensor is {{\"shape\": [...], \"values\": [...]}}, got keys "
+                         f"{', '.join(sorted(spec)) or 'none'}")
+    shape, values = spec["shape"], spec["values"]
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise ValueError(f"{name}.shape: expected a list of non-negative integers, got {shape!r}")
+    if not isinstance(values, list) or len(values) != math.prod(shape):
+        count = len(values) if isinstance(values, list) else "no"
+        raise ValueError(f"{name}.values: shape {shape} needs {math.prod(shape)} values, got {count}")
+    try:
+        return torch.tensor(values, dtype=torch.float32).reshape(shape)
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise ValueError(f"{name}.values: expected numbers ({exc})") from None
 
 
 def cmd_step(args: argparse.Namespace) -> int:
@@ -52,23 +86,40 @@ def cmd_step(args: argparse.Namespace) -> int:
     if unknown:
         return fail(f"input has unknown keys {', '.join(unknown)}")
     try:
-        result = gqa_decode_step(**{k: payload[k] for k in STEP_KEYS})
+        inputs = {k: _explicit_tensor(k, payload[k]) if k in TENSOR_KEYS and isinstance(payload[k], dict)
+                  else payload[k] for k in STEP_KEYS}
+        result = gqa_decode_step(**inputs)
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
     print(json.dumps({k: tensor_to_json(result[k]) for k in ("output", "new_key_cache", "new_value_cache")}))
     return 0
 
 
-def fail(message: str) -> int:
+def fail(message: str, status: int = EXIT_USAGE) -> int:
     print(f"gqa-serve: error: {message}".replace("\n", " "), file=sys.stderr)
-    return 2
+    return status
+
+
+STEP_EPILOG = """\
+input: one JSON object with query (B, Hq, D), new_key and new_value (B, Hkv, D), key_cache and
+value_cache (B, Hkv, S, D), num_query_heads, num_kv_heads. A tensor is a nested list, or
+{"shape": [...], "values": [...]} with its values flat in row-major order, which can say S = 0:
+  gqa-serve step --json '{"query": [[[0, 1]]], "new_key": [[[1, 0]]], "new_value": [[[6, 0]]],
+    "key_cache": {"shape": [1, 1, 0, 2], "values": []},
+    "value_cache": {"shape": [1, 1, 0, 2], "values": []}, "num_query_heads": 1, "num_kv_heads": 1}'
+output: {"output", "new_key_cache", "new_value_cache"} as nested lists."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gqa-serve", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    from . import __version__
 
-    step = sub.add_parser("step", help="one decode step: a JSON object on stdin (or --json) to a JSON object on stdout")
+    parser = OneLineParser(prog="gqa-serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--version", action="version", version=f"gqa-serve {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{step,serve,demo,bench}")
+
+    step = sub.add_parser("step", help="one decode step: a JSON object on stdin (or --json) to a JSON object on stdout",
+                          description="One decode step computed locally (no server): JSON in, JSON out.",
+                          epilog=STEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     step.add_argument("--json", help="the input object, instead of reading stdin")
     step.set_defaults(func=cmd_step)
 
@@ -82,7 +133,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except KeyboardInterrupt:
+        print("gqa-serve: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args"]
+__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args", "parse_size", "format_size"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -20,6 +21,30 @@ MiB = 1 << 20
 
 class ConfigError(ValueError):
     """A configuration value that cannot be served; the message names the flag."""
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """Bytes from ``4Gi``, ``512Mi``, ``1G`` (powers of 1000), ``1.5GiB`` or a plain integer."""
+    match = _SIZE.fullmatch(str(text))
+    if not match:
+        raise ValueError(f"expected a size such as 4Gi, 512Mi, 1G or 1048576, got {text!r}")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    if value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    """The shortest exact binary form: ``4Gi``, ``512Mi``, ``1000``."""
+    for unit in ("Ti", "Gi", "Mi", "Ki"):
+        if n and n % _UNITS[unit.lower()] == 0:
+            return f"{n // _UNITS[unit.lower()]}{unit}"
+    return str(n)
 
 
 @dataclass
@@ -36,7 +61,7 @@ class ServerConfig:
     max_streams: int = field(default=1024, metadata={"help": "streams open at once"})
     """Streams open at once; an open past it gets RESOURCE_EXHAUSTED."""
 
-    max_cache_bytes: int = field(default=4 * GiB, metadata={"help": "bytes of all streams' caches together"})
+    max_cache_bytes: int = field(default=4 * GiB, metadata={"help": "bytes of all streams' caches together", "size": True})
     """Total cache bytes; a stream's bytes are reserved at open, before allocation."""
 
     max_capacity: int = field(default=1 << 20, metadata={"help": "rows per layer a stream may ask for"})
@@ -47,7 +72,7 @@ class ServerConfig:
     max_head_dim: int = field(default=1024, metadata={"help": "head width"})
     max_batch_size: int = field(default=256, metadata={"help": "batch size per stream"})
 
-    max_message_bytes: int = field(default=64 * MiB, metadata={"help": "gRPC message size, both directions"})
+    max_message_bytes: int = field(default=64 * MiB, metadata={"help": "gRPC message size, both directions", "size": True})
     """Largest gRPC message either way; larger snapshots are chunked below it."""
 
     idle_timeout_s: float = field(default=300.0, metadata={"help": "seconds of silence before a stream is freed"})
@@ -60,7 +85,7 @@ class ServerConfig:
     grace_period_s: float = field(default=10.0, metadata={"help": "seconds open streams get to finish on SIGTERM"})
     """On SIGTERM: new streams are refused at once, open ones end with UNAVAILABLE after this."""
 
-    inline_step_bytes: int = field(default=1 * MiB, metadata={"help": "steps reading fewer cache bytes run on the event loop"})
+    inline_step_bytes: int = field(default=1 * MiB, metadata={"help": "steps reading fewer cache bytes run on the event loop", "size": True})
     """A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
     costs more than the step. Longer steps run on the compute pool so streams stay responsive."""
 
@@ -140,6 +165,10 @@ class ServerConfig:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"--address: expected HOST:PORT, got {self.address!r}")
+        from backends.registry import BACKENDS  # names only: no backend module is imported
+
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKENDS))})")
         if self.dtype not in ("float32", "float16", "bfloat16"):
             raise ConfigError(f"--dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
         for name in ("max_streams", "max_cache_bytes", "max_capacity", "max_layers", "max_heads",
@@ -219,18 +248,32 @@ def _env(name: str) -> str:
     return "GQA_" + name.upper()
 
 
+def _kind(f):
+    if f.metadata.get("size"):
+        return _size
+    return f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+
+
+def _size(text: str) -> int:
+    return parse_size(text)
+
+
+_size.__name__ = "size"  # argparse names the type in its error: "invalid size value: '4Q'"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults stay unset so that the environment can fill them."""
     for f in fields(ServerConfig):
         if f.metadata.get("env_only"):
             continue
-        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+        default = format_size(f.default) if f.metadata.get("size") else f.default
+        units = "; units such as 4Gi, 512Mi, 1G" if f.metadata.get("size") else ""
         parser.add_argument(
             f"--{_flag(f.name)}",
             dest=f.name,
-            type=kind,
+            type=_kind(f),
             default=None,
-            help=f"{f.metadata.get('help', '')} [env {_env(f.name)}, default {f.default}]",
+            help=f"{f.metadata.get('help', '')} [env {_env(f.name)}, default {default}{units}]",
         )
 
 
@@ -238,7 +281,7 @@ def from_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | N
     env = os.environ if env is None else env
     values = {}
     for f in fields(ServerConfig):
-        kind = f.type if isinstance(f.type, type) else {"int": int, "float": float, "str": str}[f.type]
+        kind = _kind(f)
         flag_value = getattr(args, f.name, None) if args is not None else None
         if flag_value is not None:
             values[f.name] = flag_value
@@ -251,6 +294,7 @@ def from_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | N
                                   "(unset the variable to run without it)")
             try:
                 values[f.name] = kind(raw)
-            except ValueError:
-                raise ConfigError(f"{_env(f.name)}: expected {kind.__name__}, got {raw!r}") from None
+            except ValueError as exc:
+                expected = str(exc) if kind is _size else f"expected {kind.__name__}, got {raw!r}"
+                raise ConfigError(f"{_env(f.name)}: {expected}") from None
     return dataclasses.replace(ServerConfig(), **values).validate()

@@ -1,85 +1,85 @@
-"""``gqa-serve demo``: open a stream against a running server, run N steps, print latencies."""
+"""``gqa-serve demo``: one stream against a running server, N steps, round trip beside compute."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
-import grpc
 import torch
 
-from .api import gqa_pb2, gqa_pb2_grpc
-from .tensors import to_proto
-
-POLICIES = {
-    "none": gqa_pb2.EVICTION_POLICY_NONE,
-    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
-    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
-    "sink": gqa_pb2.EVICTION_POLICY_SINK,
-}
+__all__ = ["run_demo", "percentile"]
 
 
-def _percentile(sorted_values: list[float], q: float) -> float:
+def percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return float("nan")
     k = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
     return sorted_values[k]
 
 
-def run_demo(address: str, steps: int, *, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
-             layers: int = 2, policy: str = "greedy", window: int = 256, backend: str = "",
-             out=sys.stdout) -> dict:
-    torch.manual_seed(0)
-    open_msg = gqa_pb2.OpenStream(
-        backend=backend, dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=heads,
-        num_kv_heads=kv_heads, head_dim=head_dim, num_layers=layers, policy=POLICIES[policy],
-        window=window, capacity=window * 2 if policy in ("greedy", "none") else 0,
-        sink_tokens=4 if policy == "sink" else 0,
-    )
-    if policy == "none":
-        open_msg.capacity = max(steps, 1)
-    latencies: list[float] = []
-    sent: dict[int, float] = {}
+def _capacity(args: argparse.Namespace) -> int:
+    if args.capacity:
+        return args.capacity
+    if args.policy == "none":
+        return -(-args.steps // args.layers)  # room for every token of the busiest layer
+    if args.policy == "greedy":
+        return args.window + args.window // 2
+    return 0
 
-    def requests():
-        yield gqa_pb2.DecodeRequest(request_id=0, open=open_msg)
-        for i in range(1, steps + 1):
-            step = gqa_pb2.Step(
-                layer=(i - 1) % layers,
-                query=to_proto(torch.randn(1, heads, head_dim)),
-                new_key=to_proto(torch.randn(1, kv_heads, head_dim)),
-                new_value=to_proto(torch.randn(1, kv_heads, head_dim)),
-            )
-            ready.acquire()  # one step in flight: we measure the round trip
-            sent[i] = time.perf_counter()
-            yield gqa_pb2.DecodeRequest(request_id=i, step=step)
 
-    import threading
+def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
+    """Runs the demo on ``client`` (a ``service.client.Client``); returns the figures in us."""
+    generator = torch.Generator().manual_seed(args.seed)
+    dtype = getattr(torch, args.dtype)
 
-    ready = threading.Semaphore(0)
-    with grpc.insecure_channel(address) as channel:
-        stub = gqa_pb2_grpc.AttentionServiceStub(channel)
-        responses = stub.Decode(requests())
-        opened = next(responses).opened
-        print(f"stream {opened.stream_id}: backend {opened.backend}, {opened.num_layers} layers, "
-              f"capacity {opened.capacity}, {opened.bytes_reserved} bytes reserved", file=out)
-        ready.release()
-        width = 40
-        for done, response in enumerate(responses, start=1):
-            latencies.append(time.perf_counter() - sent[response.request_id])
-            if response.step.status.code:
-                raise SystemExit(f"step {response.request_id} refused: {response.step.status.message}")
-            if out.isatty() and (done == steps or done % max(1, steps // 100) == 0):
-                filled = width * done // steps
-                print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{steps} steps", end="", file=out, flush=True)
-            if done == steps:
-                break
-            ready.release()
-        responses.cancel()
-    if out.isatty():
+    def rnd(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    stream = client.open(num_query_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                         num_layers=args.layers, dtype=args.dtype, policy=args.policy, window=args.window,
+                         capacity=_capacity(args), sink_tokens=args.sink_tokens if args.policy == "sink" else 0,
+                         backend=args.backend)
+    o = stream.opened
+    policy = args.policy + (f" W={o.window}" if args.policy != "none" else "") + f" C={o.capacity}"
+    if args.policy == "sink":
+        policy += f" sinks={o.sink_tokens}"
+    print(f"stream {o.stream_id}: backend {o.backend}, {args.dtype}, {policy}, {o.num_layers} layers of "
+          f"Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}, {o.bytes_reserved} bytes reserved", file=out)
+    round_trips, computes = [], []
+    evictions = evicted = 0
+    last = None
+    tty = out.isatty()
+    width = 40
+    with stream:
+        for i in range(args.steps):
+            query, key, value = rnd(1, args.heads, args.head_dim), rnd(1, args.kv_heads, args.head_dim), \
+                rnd(1, args.kv_heads, args.head_dim)
+            t0 = time.perf_counter()
+            last = stream.step(i % args.layers, query, key, value)
+            round_trips.append(time.perf_counter() - t0)
+            computes.append(last.compute_ns / 1e9)
+            evictions += last.evicted
+            evicted += last.evicted_tokens
+            done = i + 1
+            if tty and (done == args.steps or done % max(1, args.steps // 100) == 0):
+                filled = width * done // args.steps
+                print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{args.steps} steps", end="", file=out,
+                      flush=True)
+    if tty:
         print(file=out)
-    else:
-        print(f"{len(latencies)}/{steps} steps done", file=out)
-    ordered = sorted(latencies)
-    stats = {q: _percentile(ordered, q) * 1e6 for q in (50, 90, 99)}
-    print("round trip per step: p50 {:.0f} us, p90 {:.0f} us, p99 {:.0f} us (over {} steps)".format(
-        stats[50], stats[90], stats[99], len(latencies)), file=out)
+    print(f"{args.steps} steps: layer {last.layer} has seen {last.tokens_seen} tokens, keeps {last.resident} "
+          f"(positions {last.first_position}..{last.last_position}); {evictions} steps evicted "
+          f"{evicted} tokens in all; exact rollback reach now {last.rollback_reach}", file=out)
+    rt, cp = sorted(round_trips), sorted(computes)
+    stats = {}
+    for name, values in (("round_trip", rt), ("compute", cp)):
+        for q in (50, 90, 99):
+            stats[f"{name}_p{q}_us"] = percentile(values, q) * 1e6
+    print(f"round trip per step      p50 {stats['round_trip_p50_us']:7.0f} us   p90 {stats['round_trip_p90_us']:7.0f} us"
+          f"   p99 {stats['round_trip_p99_us']:7.0f} us   (this client's clock)", file=out)
+    print(f"server compute per step  p50 {stats['compute_p50_us']:7.0f} us   p90 {stats['compute_p90_us']:7.0f} us"
+          f"   p99 {stats['compute_p99_us']:7.0f} us   (compute_ns of each reply)", file=out)
+    print("the difference is the network, (de)serialization and queueing at the server", file=out)
+    stats.update(evictions=evictions, evicted_tokens=evicted)
     return stats

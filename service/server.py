@@ -169,7 +169,10 @@ async def _run(config: ServerConfig) -> None:
     draining: list[asyncio.Task] = []
 
     def on_signal(signame: str) -> None:
-        if draining:
+        if draining:  # a second signal (Ctrl-C twice): no grace, end every stream now
+            if len(draining) == 1:
+                log.warning("received %s again: stopping now", signame)
+                draining.append(asyncio.ensure_future(server.stop(0)))
             return
         log.info("received %s", signame)
         draining.append(asyncio.ensure_future(server.drain()))

@@ -322,7 +322,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             try:
                 chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
                                              self._opened_config(stream), self.config.max_message_bytes,
-                                             self.snapshot_key)
+                                             request.snapshot.max_chunk_bytes, self.snapshot_key)
             except ServiceError as exc:
                 yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
                     code=exc.code_number, message=exc.message))

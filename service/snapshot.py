@@ -34,13 +34,15 @@ from .config import ConfigError, ServerConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "load_key", "MAX_CHUNKS", "MAX_TOKENS"]
+__all__ = ["encode", "decode", "load_key", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
 
 MAX_CHUNKS = 1 << 16
 # A layer's T in a snapshot: a stream at a million tokens a second takes 146,000 years to get
 # here, and T + 1 still fits every integer the server and its replies use.
 MAX_TOKENS = 1 << 62
 MIN_KEY_BYTES = 16
+# gRPC's default receive limit in every language: chunks a client did not size stay under it.
+DEFAULT_CHUNK_BYTES = 4 << 20
 _OVERHEAD = 4096  # bytes of a chunk that are not tensor data (fields, shapes)
 # tensors split along the position axis, and their ranks
 _TENSORS = {"key": 4, "value": 4, "key_scale": 3, "value_scale": 3, "key_outliers": 4}
@@ -93,13 +95,19 @@ def _signature(chunks, key: bytes) -> bytes:
         last.signature = saved
 
 
-def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int,
+def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int, max_chunk_bytes: int = 0,
            key: bytes | None = None) -> list[gqa_pb2.SnapshotChunk]:
     """The stream's state as chunks; the last one has ``last``, the checksum and, with ``key``,
-    the signature set."""
+    the signature set.
+
+    Each chunk's response message stays under ``max_chunk_bytes`` (0: ``DEFAULT_CHUNK_BYTES``)
+    and under half of ``max_message_bytes``, except that a chunk always carries at least one
+    position.
+    """
     caches = list(stream.caches)
     chunks = [gqa_pb2.SnapshotChunk(config=config, tokens_seen=[c.tokens_seen for c in caches])]
-    budget = max(1, max_message_bytes // 2 - _OVERHEAD)
+    limit = min(max_chunk_bytes or DEFAULT_CHUNK_BYTES, max_message_bytes // 2)
+    budget = max(1, limit - _OVERHEAD)
     for layer, cache in enumerate(caches):
         state = cache.export_state()
         tensors = {name: state[name] for name in _TENSORS if name in state}

@@ -106,3 +106,166 @@ def test_sigterm_drains(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+# -- first contact: one line per expected failure, --version, units, explicit shapes ---------------
+def one_line(done: subprocess.CompletedProcess) -> str:
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return lines[0]
+
+
+def test_version():
+    from service import __version__
+
+    done = gqa("--version")
+    assert done.returncode == 0 and done.stdout.strip() == f"gqa-serve {__version__}"
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["unknown-backend", "bad-size", "bad-int", "bad-choice", "no-subcommand",
+                                  "address-in-use", "metrics-port-in-use", "demo-no-server", "bench-no-server",
+                                  "demo-bad-heads", "bench-no-token-file"])
+def test_expected_failures_are_one_line(case, busy_port, tmp_path):
+    free = free_port()
+    serve = ["serve", "--address", f"127.0.0.1:{free}"]
+    args, code, words = {
+        "unknown-backend": ([*serve, "--metrics-port", "0", "--backend", "foo"], 2, ["--backend", "foo", "cpu"]),
+        "bad-size": ([*serve, "--max-cache-bytes", "4Q"], 2, ["--max-cache-bytes", "4Q"]),
+        "bad-int": ([*serve, "--workers", "x"], 2, ["--workers", "--help"]),
+        "bad-choice": (["demo", "--policy", "lru"], 2, ["--policy", "lru"]),
+        "no-subcommand": ([], 2, ["required"]),
+        "address-in-use": (["serve", "--address", f"127.0.0.1:{busy_port}", "--metrics-port", "0"], 1,
+                           ["in use", "--address"]),
+        "metrics-port-in-use": ([*serve, "--metrics-port", str(busy_port)], 1, ["in use", "--metrics-port"]),
+        "demo-no-server": (["demo", "--address", f"127.0.0.1:{free}"], 1, ["UNAVAILABLE", str(free)]),
+        "bench-no-server": (["bench", "--address", f"127.0.0.1:{free}", "--duration", "1"], 1, ["UNAVAILABLE"]),
+        "demo-bad-heads": (["demo", "--heads", "6", "--kv-heads", "4"], 2, ["--heads"]),
+        "bench-no-token-file": (["bench", "--token-file", str(tmp_path / "absent")], 2, ["--token-file"]),
+    }[case]
+    done = gqa(*args)
+    line = one_line(done)
+    assert done.returncode == code, done.stderr
+    assert line.startswith("gqa-serve"), line
+    for word in words:
+        assert word in line, line
+
+
+def test_sizes_take_units():
+    from service.cli import build_parser
+    from service.config import from_args
+
+    args = build_parser().parse_args(["serve", "--max-cache-bytes", "4Gi", "--max-message-bytes", "512Mi",
+                                      "--inline-step-bytes", "1M"])
+    config = from_args(args, env={})
+    assert (config.max_cache_bytes, config.max_message_bytes, config.inline_step_bytes) == (4 << 30, 512 << 20, 10**6)
+    assert from_args(None, env={"GQA_MAX_CACHE_BYTES": "2Gi"}).max_cache_bytes == 2 << 30
+    assert "default 4Gi" in gqa("serve", "--help").stdout
+
+
+def test_step_with_explicit_shapes_sends_an_empty_cache():
+    empty = {"shape": [1, 1, 0, 2], "values": []}
+    payload = {"query": [[[0, 1]]], "new_key": [[[1, 0]]], "new_value": [[[6, 0]]], "key_cache": empty,
+               "value_cache": empty, "num_query_heads": 1, "num_kv_heads": 1}
+    done = gqa("step", "--json", json.dumps(payload))
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["output"] == [[[6.0, 0.0]]]  # the first token attends to itself alone
+    assert result["new_key_cache"] == [[[[1.0, 0.0]]]]
+    bad = dict(payload, key_cache={"shape": [1, 1, 1, 2], "values": []})
+    done = gqa("step", "--json", json.dumps(bad))
+    assert done.returncode == 2 and "key_cache.values" in one_line(done)
+
+
+def test_demo_help_explains_every_flag():
+    text = gqa("demo", "--help").stdout
+    for flag in ("--address", "--steps", "--layers", "--heads", "--kv-heads", "--head-dim", "--policy", "--window",
+                 "--capacity", "--sink-tokens", "--backend", "--dtype", "--seed", "--tls", "--token-file"):
+        assert flag in text
+    assert "default 500" in text and "default 64" in text and "evict" in text
+
+
+@pytest.fixture(scope="module")
+def server():
+    from service.config import ServerConfig
+    from service.server import ServerThread
+
+    with ServerThread(ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0)) as srv:
+        yield srv
+
+
+def test_demo_evicts_and_shows_compute_beside_round_trip(server):
+    done = gqa("demo", "--address", server.address, "--steps", "40", "--window", "8", "--heads", "4",
+               "--kv-heads", "2", "--head-dim", "16")
+    assert done.returncode == 0, done.stderr
+    assert "round trip per step" in done.stdout and "server compute per step" in done.stdout
+    evicted = int(done.stdout.split(" steps evicted ")[1].split()[0])
+    assert evicted > 0, done.stdout
+
+
+def test_bench_writes_json_and_a_png_that_opens(server, tmp_path):
+    pytest.importorskip("matplotlib", reason="the loadgen extra (pip install 'gqa-serve[loadgen]')")
+    from PIL import Image
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    done = gqa("bench", "--address", server.address, "--duration", "2", "--streams", "2", "--context", "64",
+               "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--json", str(out), "--plot", str(png))
+    assert done.returncode == 0, done.stderr
+    assert "steps/s" in done.stdout and "server compute" in done.stdout
+    summary = json.loads(out.read_text())
+    assert summary["steps_ok"] > 0 and summary["errors"] == {}
+    assert summary["round_trip_p50_ms"] > 0 and summary["compute_p50_ms"] > 0
+    with Image.open(png) as image:
+        image.load()
+        assert image.format == "PNG" and image.size[0] > 100
+
+
+def test_second_ctrl_c_stops_at_once():
+    port = free_port()
+    env = dict(os.environ, GQA_ADDRESS=f"127.0.0.1:{port}", GQA_METRICS_PORT="0", GQA_GRACE_PERIOD_S="600")
+    proc = subprocess.Popen([*ENTRY, "serve"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=30)
+        session = Session(channel, open_message())  # an open stream would hold the drain for 600 s
+        assert session.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
+        proc.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while "draining" not in (line := proc.stdout.readline()) and time.monotonic() < deadline:
+            pass
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 0  # far inside the 600 s grace period
+        output = proc.stdout.read()
+        assert "again: stopping now" in output and "Traceback" not in output
+        channel.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_demo_and_bench_send_the_token(tmp_path):
+    from service.config import ServerConfig
+    from service.server import ServerThread
+
+    token = "cli-test-token-0123456789abcdef"
+    (tmp_path / "token").write_text(token + "\n")
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, auth_token=token)
+    small = ["--heads", "4", "--kv-heads", "2", "--head-dim", "8"]
+    with ServerThread(config) as srv:
+        denied = gqa("demo", "--address", srv.address, "--steps", "4", *small)
+        assert denied.returncode == 1 and "UNAUTHENTICATED" in one_line(denied)
+        done = gqa("demo", "--address", srv.address, "--steps", "4", "--token-file", str(tmp_path / "token"), *small)
+        assert done.returncode == 0, done.stderr
+        done = gqa("bench", "--address", srv.address, "--steps", "20", "--streams", "2", "--context", "8",
+                   "--token-file", str(tmp_path / "token"), *small)
+        assert done.returncode == 0, done.stderr
+        assert "20 ok" in done.stdout

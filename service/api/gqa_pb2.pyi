@@ -156,8 +156,10 @@ class Rollback(_message.Message):
     def __init__(self, count: _Optional[int] = ..., layer: _Optional[int] = ..., all_layers: _Optional[bool] = ...) -> None: ...
 
 class SnapshotRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("max_chunk_bytes",)
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    max_chunk_bytes: int
+    def __init__(self, max_chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "opened", "step", "rollback", "snapshot", "error")

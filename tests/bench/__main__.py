@@ -1,28 +1,237 @@
-"""Runs the benchmark modules: ``python -m tests.bench [name ...]`` (default: all)."""
+"""Runs the benchmarks, then draws their plots: ``python -m tests.bench [name ...]``.
+
+Each module prints its tables on stdout and writes its raw records to bench-results/NAME.json
+(``GQA_BENCH_DIR`` to change); then PNG plots are drawn from those records under the same
+folder: latency against S per implementation (cpu.json) and service throughput against streams
+(service.json). A plot whose records lack the fields it needs is skipped with a message.
+"""
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib
+import json
+import math
 import pathlib
 import sys
 import time
 
-from .common import Report
+from . import common
+from .common import RESULTS_DIR, Report
 
 HERE = pathlib.Path(__file__).parent
 
 
+def available() -> dict[str, str]:
+    """Benchmark names and the first line of each module's docstring (read without importing)."""
+    names = {}
+    for path in sorted(HERE.glob("bench_*.py")):
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        names[path.stem.removeprefix("bench_")] = doc.strip().splitlines()[0] if doc.strip() else ""
+    return names
+
+
+def build_parser(names: dict[str, str]) -> argparse.ArgumentParser:
+    listing = "\n".join(f"  {name:<10} {line}" for name, line in names.items())
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=__doc__.split("\n\n")[1].replace("``", ""),
+        epilog=f"benchmarks (default: all, in this order):\n{listing}\n\n"
+               "`make bench` installs the bench extras (ONNX Runtime for the cpu comparison; rich for "
+               "the progress display, matplotlib for the plots) and runs them all.")
+    parser.add_argument("names", nargs="*", metavar="name", help="benchmarks to run (default: all)")
+    parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    parser.add_argument("--plots-only", action="store_true",
+                        help="draw the plots from the JSON already in the results folder; run nothing")
+    return parser
+
+
+class _Progress:
+    """A spinner on stderr naming the running benchmark, its elapsed time and the latest
+    ``common.status`` text; plain start lines where stderr is not a terminal or rich is absent."""
+
+    def __init__(self):
+        self._live = None
+        try:
+            import rich  # noqa: F401
+        except ImportError:
+            self._rich = False
+        else:
+            self._rich = sys.stderr.isatty()
+
+    def start(self, index: int, total: int, name: str) -> None:
+        self.prefix = f"bench {index}/{total}: {name}"
+        self.t0 = time.perf_counter()
+        if not self._rich:
+            print(f"[{self.prefix} ...]", file=sys.stderr, flush=True)
+            common.set_status_hook(None)
+            return
+        from rich.console import Console
+
+        self._live = Console(stderr=True).status(self.prefix)
+        self._live.start()
+        common.set_status_hook(self._update)
+
+    def _update(self, text: str) -> None:
+        if self._live is not None:
+            self._live.update(f"{self.prefix} ({time.perf_counter() - self.t0:.0f} s): {text}")
+
+    def stop(self) -> None:
+        common.set_status_hook(None)
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+
 def main(argv: list[str]) -> int:
-    names = argv or sorted(p.stem.removeprefix("bench_") for p in HERE.glob("bench_*.py"))
-    for name in names:
-        module = importlib.import_module(f"tests.bench.bench_{name}")
-        report = Report(name)
-        print(f"\n=== {name} ===", flush=True)
-        t0 = time.perf_counter()
-        module.run(report)
-        path = report.write()
-        print(f"[{name}: {time.perf_counter() - t0:.0f} s, raw numbers in {path}]", flush=True)
+    names = available()
+    args = build_parser(names).parse_args(argv)
+    if args.list:
+        for name, line in names.items():
+            print(f"{name:<10} {line}")
+        return 0
+    unknown = [n for n in args.names if n not in names]
+    if unknown:
+        print(f"python -m tests.bench: error: unknown benchmark {', '.join(unknown)} (known: {', '.join(names)})",
+              file=sys.stderr)
+        return 2
+    selected = args.names or list(names)
+    if not args.plots_only:
+        progress = _Progress()
+        for i, name in enumerate(selected, start=1):
+            module = importlib.import_module(f"tests.bench.bench_{name}")
+            report = Report(name)
+            print(f"\n=== {name} ===", flush=True)
+            t0 = time.perf_counter()
+            progress.start(i, len(selected), name)
+            try:
+                module.run(report)
+            finally:
+                progress.stop()
+            path = report.write()
+            print(f"[{name}: {time.perf_counter() - t0:.0f} s, raw numbers in {path}]", flush=True)
+    if not args.no_plots:
+        draw_plots(RESULTS_DIR)
     return 0
+
+
+# -- plots ---------------------------------------------------------------------------------------
+def _records(path: pathlib.Path) -> list[dict] | None:
+    if not path.exists():
+        return None
+    try:
+        return list(json.loads(path.read_text()).get("records", []))
+    except (ValueError, AttributeError):
+        return None
+
+
+def _number(value) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+
+
+def _spread_keys(key: str) -> tuple[str, str]:
+    stem = key[: -len("_s")]
+    return f"{stem}_p10_s", f"{stem}_p90_s"
+
+
+def latency_series(records: list[dict]) -> dict[str, dict[str, list[tuple[float, float, float | None, float | None]]]]:
+    """From cpu.json: per dtype, per implementation, (S, seconds, p10, p90) of the step records
+    (``S`` and ``<impl>_s`` fields; ``<impl>_p10_s`` / ``<impl>_p90_s`` when present)."""
+    series: dict = {}
+    for record in records:
+        if record.get("kind", "step") != "step" or _number(record.get("S")) is None:
+            continue
+        for key, value in record.items():
+            if not key.endswith("_s") or key.endswith(("_p10_s", "_p90_s")) or _number(value) is None:
+                continue
+            lo, hi = (_number(record.get(k)) for k in _spread_keys(key))
+            impl = key[: -len("_s")]
+            series.setdefault(str(record.get("dtype", "")), {}).setdefault(impl, []).append(
+                (record["S"], value, lo, hi))
+    return series
+
+
+def throughput_series(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
+    """From service.json: per (server, S), (streams, steps/s)."""
+    series: dict = {}
+    for record in records:
+        streams, rate = _number(record.get("streams")), _number(record.get("steps_per_s"))
+        if streams is None or rate is None:
+            continue
+        label = " ".join(str(x) for x in (record.get("server"), f"S={record['S']}" if "S" in record else None) if x)
+        series.setdefault(label or "service", []).append((streams, rate))
+    return series
+
+
+def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("plots: matplotlib is not installed (pip install -e '.[bench]'); no plots", file=sys.stderr)
+        return []
+    written = []
+
+    cpu = _records(folder / "cpu.json")
+    series = latency_series(cpu) if cpu is not None else {}
+    if not series:
+        print(f"plots: {folder / 'cpu.json'} {'is missing' if cpu is None else 'has no S and *_s step records'}; "
+              "no latency plot", file=sys.stderr)
+    else:
+        fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.2), squeeze=False)
+        every = sorted({impl for impls in series.values() for impl in impls})
+        colors = {impl: f"C{i % 10}" for i, impl in enumerate(every)}  # one colour per implementation
+        for ax, (dtype, impls) in zip(axes[0], sorted(series.items())):
+            for impl, points in sorted(impls.items()):
+                points.sort()
+                xs, ys = [p[0] for p in points], [p[1] * 1e3 for p in points]
+                line, = ax.plot(xs, ys, marker="o", label=impl, color=colors[impl])
+                if all(p[2] is not None and p[3] is not None for p in points):
+                    ax.fill_between(xs, [p[2] * 1e3 for p in points], [p[3] * 1e3 for p in points],
+                                    color=line.get_color(), alpha=0.2)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("S (cached positions)")
+            ax.set_ylabel("ms per step (median)")
+            ax.set_title(f"decode step, {dtype or 'all dtypes'}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = folder / "cpu_latency.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+
+    service = _records(folder / "service.json")
+    rates = throughput_series(service) if service is not None else {}
+    if not rates:
+        print(f"plots: {folder / 'service.json'} "
+              f"{'is missing' if service is None else 'has no streams and steps_per_s records'}; no throughput plot",
+              file=sys.stderr)
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for label, points in sorted(rates.items()):
+            points.sort()
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_ylabel("steps/s")
+        ax.set_ylim(bottom=0)
+        ax.set_title("service throughput")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = folder / "service_throughput.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    for path in written:
+        print(f"[plot: {path}]")
+    return written
 
 
 if __name__ == "__main__":

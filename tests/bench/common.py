@@ -31,6 +31,21 @@ def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 
     return statistics.median(times)
 
 
+_status_hook: Callable[[str], None] | None = None
+
+
+def status(text: str) -> None:
+    """Says what a benchmark is measuring now (e.g. ``status("float16 S=8192")``): shown beside
+    the progress spinner of ``python -m tests.bench``; a no-op elsewhere."""
+    if _status_hook is not None:
+        _status_hook(text)
+
+
+def set_status_hook(hook: Callable[[str], None] | None) -> None:
+    global _status_hook
+    _status_hook = hook
+
+
 def percentile(values: list[float], q: float) -> float:
     data = sorted(values)
     if not data:

@@ -1,0 +1,69 @@
+"""``python -m tests.bench`` as a user meets it: --help, a bad name, and the plots it draws from
+the modules' JSON records (synthetic records here: the benchmarks themselves take minutes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENTRY = [sys.executable, "-m", "tests.bench"]
+
+
+def bench(*args, results=None) -> subprocess.CompletedProcess:
+    env = dict(os.environ, **({"GQA_BENCH_DIR": str(results)} if results else {}))
+    return subprocess.run([*ENTRY, *args], capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_help_lists_the_benchmarks():
+    done = bench("--help")
+    assert done.returncode == 0, done.stderr
+    for name in ("cpu", "int8", "service", "--plots-only", "--no-plots"):
+        assert name in done.stdout
+
+
+def test_unknown_benchmark_is_one_line():
+    done = bench("nope")
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "nope" in lines[0] and "cpu" in lines[0]
+
+
+def write(folder, name, records):
+    (folder / f"{name}.json").write_text(json.dumps({"meta": {}, "records": records}))
+
+
+def test_plots_from_the_records(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra draws the plots")
+    from PIL import Image
+
+    cpu = []
+    for dtype in ("float32", "bfloat16"):
+        for s in (512, 2048, 8192):
+            record = {"kind": "step", "dtype": dtype, "S": s, "kv_bytes": s * 8192, "ours_s": s * 1e-8,
+                      "naive_s": s * 2e-7, "sdpa_s": s * 3e-8, "ort_s": None, "floor_s": s * 7e-9}
+            record.update(ours_p10_s=s * 0.9e-8, ours_p90_s=s * 1.2e-8)
+            cpu.append(record)
+    cpu.append({"kind": "consecutive", "dtype": "float32", "steps": 64, "ours_s": 0.1, "naive_s": 1.0})
+    write(tmp_path, "cpu", cpu)
+    write(tmp_path, "service", [{"server": kind, "S": 1024, "streams": c, "steps_per_s": 1000.0 * c ** 0.5}
+                                for kind in ("echo", "service") for c in (1, 4, 16)] + [{"S": 1024, "in_process_step_us_all_cores": 9.0}])
+    done = bench("--plots-only", results=tmp_path)
+    assert done.returncode == 0, done.stderr
+    for name in ("cpu_latency.png", "service_throughput.png"):
+        assert name in done.stdout
+        with Image.open(tmp_path / name) as image:
+            image.load()
+            assert image.format == "PNG"
+
+
+def test_a_plot_without_its_fields_is_skipped_with_a_message(tmp_path):
+    pytest.importorskip("matplotlib", reason="the bench extra draws the plots")
+    write(tmp_path, "cpu", [{"something": "else"}])
+    done = bench("--plots-only", results=tmp_path)
+    assert done.returncode == 0
+    assert "no latency plot" in done.stderr and "service.json is missing" in done.stderr.replace(str(tmp_path) + "/", "")
+    assert not list(tmp_path.glob("*.png"))
