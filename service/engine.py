@@ -193,6 +193,8 @@ class Engine:
         self._reserved = 0
         self._ids = itertools.count(1)
         self.draining = False
+        # Kept by service.batch_rpc on the event loop: sequences open in Batch sessions.
+        self.batch_sequences = 0
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -222,7 +224,7 @@ class Engine:
     @property
     def batch_sequences_open(self) -> int:
         """Sequences open in ``Batch`` sessions."""
-        return 0
+        return self.batch_sequences
 
     @property
     def bytes_reserved(self) -> int:

@@ -21,6 +21,7 @@ from backends import registry
 from backends.reference import gqa_decode_step
 
 from . import __version__, snapshot
+from . import batch_rpc
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, Stream
@@ -128,6 +129,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 active_streams=self.engine.active_streams,
             ),
         )
+
+    # -- Batch (service.batch_rpc) -----------------------------------------------------------
+    async def Batch(self, request_iterator, context):
+        await batch_rpc.serve(self.engine, self.config, self.pool, context)
 
     # -- Decode -----------------------------------------------------------------------------
     async def Decode(self, request_iterator, context):
