@@ -58,9 +58,11 @@ POLICY_ENUMS = {v: k for k, v in POLICY_NAMES.items()}
 _OK = gqa_pb2.Status(code=0)
 
 # Step tensors are views of the request's (immutable) bytes; step_many never writes its inputs
-# (Contract 1), so torch's warning about a read-only buffer does not apply here.
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning,
-                        module=__name__)
+# (Contract 1), so torch's warning about a read-only buffer does not apply. torch gives it once
+# per process: take it here, silenced, rather than in a client's first step.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(4), dtype=torch.float32)
 
 
 class NotFound(ServiceError):
