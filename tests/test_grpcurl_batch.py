@@ -6,6 +6,7 @@ tests/tools/install_client_tools.sh``)."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -71,3 +72,18 @@ def test_grpcurl_batch_session(server):
     assert refusal["id"] == "5" and refusal["status"]["code"] == 5
     assert removed["removed"]["ids"] == ["7", "9"]
     assert server.engine.batch_sequences_open == 0
+
+
+@needs_grpcurl
+def test_the_documented_batch_example_runs(server):
+    """docs/wire-format.md's grpcurl example, sent as written; the outputs are the ones it states."""
+    text = (pathlib.Path(__file__).resolve().parent.parent / "docs" / "wire-format.md").read_text()
+    requests = text.split("```jsonl\n", 1)[1].split("```", 1)[0]
+    done = grpcurl(server, f"{SERVICE}/Batch", flags=("-d", "@"), stdin=requests)
+    assert done.returncode == 0, done.stderr
+    responses = [json.loads(chunk) for chunk in done.stdout.replace("}\n{", "}\x00{").split("\x00")]
+    step, refused = responses[3]["step"], responses[4]["step"]
+    np.testing.assert_allclose(decode_f32(step["output"]).reshape(4, 2),
+                               [[2.0318, 3.0318], [2.0530, 3.0530], [5, 6], [5, 6]], atol=1e-4)
+    assert [(r.get("index", 0), r["status"]["code"]) for r in refused["refusals"]] == [(0, 3), (1, 3), (2, 5)]
+    assert responses[5]["removed"]["ids"] == ["7", "9"]
