@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import math
 import time
@@ -217,20 +218,31 @@ class Session:
         if request.HasField("restore"):
             return await self._add_restore(request)
         try:
-            if sid in self.sequences or sid in self.restoring:
-                raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
-            config = self._stream_config(request, "add")
-            prefill, cost = {}, 0
-            for i, entry in enumerate(request.prefill):
-                if entry.layer in prefill:
-                    raise InvalidArgument(f"add.prefill[{i}].layer: layer {entry.layer} appears twice")
-                prefill[entry.layer] = (from_proto(entry.key, f"add.prefill[{i}].key", rank=4),
-                                        from_proto(entry.value, f"add.prefill[{i}].value", rank=4))
-                cost += len(entry.key.data) + len(entry.value.data)
+            with self._refusals_counted():
+                if sid in self.sequences or sid in self.restoring:
+                    raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
+                config = self._stream_config(request, "add")
+                prefill, cost = {}, 0
+                for i, entry in enumerate(request.prefill):
+                    if entry.layer in prefill:
+                        raise InvalidArgument(f"add.prefill[{i}].layer: layer {entry.layer} appears twice")
+                    prefill[entry.layer] = (from_proto(entry.key, f"add.prefill[{i}].key", rank=4),
+                                            from_proto(entry.value, f"add.prefill[{i}].value", rank=4))
+                    cost += len(entry.key.data) + len(entry.value.data)
+            # From here the engine counts its own refusals (budget, streams, backend...).
             stream = await self._compute(cost, self.engine.open, config, prefill)
         except ServiceError as exc:
             return gqa_pb2.BatchAdded(status=_status(exc), id=sid)
         return self._added(sid, stream)
+
+    @contextlib.contextmanager
+    def _refusals_counted(self):
+        """Adds refused before they reach the engine count as open refusals too (reason invalid)."""
+        try:
+            yield
+        except ServiceError:
+            self.engine.observer.open_refused("invalid")
+            raise
 
     async def _add_restore(self, request: gqa_pb2.BatchAdd) -> gqa_pb2.BatchAdded | None:
         sid = request.id
@@ -254,14 +266,15 @@ class Session:
             return None
         del self.restoring[sid]
         try:
-            if pending.error is not None:
-                raise pending.error
-            chunks = pending.chunks
-            if not chunks[0].HasField("config"):
-                raise InvalidArgument("add.restore: the first chunk must carry the sequence's configuration")
-            self._check_snapshot_config(chunks[0].config)
-            config = self._stream_config(chunks[0].config, "add.restore.config")
-            layers = snapshot.decode(chunks, config)
+            with self._refusals_counted():
+                if pending.error is not None:
+                    raise pending.error
+                chunks = pending.chunks
+                if not chunks[0].HasField("config"):
+                    raise InvalidArgument("add.restore: the first chunk must carry the sequence's configuration")
+                self._check_snapshot_config(chunks[0].config)
+                config = self._stream_config(chunks[0].config, "add.restore.config")
+                layers = snapshot.decode(chunks, config)
             cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
             stream = await self._compute(cost, self.engine.open, config, None, layers)
         except ServiceError as exc:

@@ -534,3 +534,30 @@ def test_fuzz_interleavings_never_lose_or_mix_sequences(channel, server, ops):
         s.close()
     assert wait_for(lambda: server.engine.batch_sequences_open == 0)
 
+
+
+# -- other backends --------------------------------------------------------------------------------
+def test_int8_sequences_match_decode_streams_and_move_between_them(channel):
+    """int8 caches (codes, scales, outlier channels) through Batch: bit-identical to int8 Decode
+    streams, across the calibration of the first 16 tokens, and snapshots both ways."""
+    g = torch.Generator().manual_seed(13)
+    batch = session(channel, backend="int8")
+    decode = {}
+    for sid, cfg in ((1, dict(policy="strict", window=6)), (2, dict(policy="sink", window=5, sinks=2))):
+        pre = {0: (rand(g, 1, HKV, 3, D), rand(g, 1, HKV, 3, D))}
+        batch.add(sid, prefill=pre, **cfg)
+        decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, backend="int8", prefill=pre, **cfg))
+    for step in range(24):
+        q, k, v = packed(g, 2)
+        out = batch.step(step % LAYERS, [1, 2], q, k, v)
+        for i, sid in enumerate((1, 2)):
+            expected = decode[sid].output(decode[sid].step(step % LAYERS, q[i:i + 1], k[i:i + 1], v[i:i + 1]))
+            assert torch.equal(out.output[i:i + 1], expected), (step, sid)
+    batch.restore(3, decode[1].snapshot())
+    back = Session(channel, restore=batch.snapshot(2))
+    q, k, v = packed(g, 2)
+    out = batch.step(0, [3, 2], q, k, v)
+    assert torch.equal(out.output[:1], decode[1].output(decode[1].step(0, q[:1], k[:1], v[:1])))
+    assert torch.equal(out.output[1:], back.output(back.step(0, q[1:], k[1:], v[1:])))
+    for closing in (*decode.values(), back, batch):
+        closing.close()

@@ -234,15 +234,17 @@ async def measure_s1(addresses: dict[str, str], dtype: str) -> dict:
                     for kind, ch in channels.items()}
         for kind in channels:  # warm up
             await round_trips(sessions[kind][0], steps, 5)
+        compute = []
         for _ in range(ROUNDS):
             for kind in ("echo", "service"):
-                times, _ = await round_trips(sessions[kind][0], steps, MESSAGES_S1)
+                times, reply = await round_trips(sessions[kind][0], steps, MESSAGES_S1)
                 rtt[kind].append(statistics.median(times))
                 rate[kind].append(await throughput(sessions[kind], steps))
+            compute.append(gqa_pb2.BatchResponse.FromString(reply).step.compute_ns * 1e-9)
         for calls in sessions.values():
             for call in calls:
                 await call.done_writing()
-    return {"rtt": rtt, "rate": rate}
+    return {"rtt": rtt, "rate": rate, "compute": compute}
 
 
 async def measure_s2048(addresses: dict[str, str], dtype: str, threads: int) -> dict:
@@ -282,14 +284,15 @@ def run(report) -> None:
                 ratio_rtt = [s / (e + local) for s, e in zip(r["rtt"]["service"], r["rtt"]["echo"])]
                 ratio_rate = [s / e for s, e in zip(r["rate"]["service"], r["rate"]["echo"])]
                 m, lo, hi = spread(ratio_rtt)
-                rows.append([dtype, 1, echo_rtt * 1e6, svc_rtt * 1e6, local * 1e6, f"{m:.2f} ({lo:.2f}-{hi:.2f})",
+                rows.append([dtype, 1, echo_rtt * 1e6, svc_rtt * 1e6,
+                             f"{local * 1e6:.0f} | {statistics.median(r['compute']) * 1e6:.0f}", f"{m:.2f} ({lo:.2f}-{hi:.2f})",
                              echo_rate, svc_rate, f"{statistics.median(ratio_rate):.2f}", "-"])
                 lines.append(verdict(f"{dtype} S=1 Batch round trip / (echo + step_many)", m, 1.25))
                 lines.append(verdict(f"{dtype} S=1 sequence-steps/s / echo's ({SESSIONS} sessions)",
                                      statistics.median(ratio_rate), 0.8, at_most=False))
                 report.add(dtype=dtype, S=1, sequences=N, sessions=SESSIONS, echo_rtt_s=r["rtt"]["echo"],
                            service_rtt_s=r["rtt"]["service"], step_many_s=local, echo_seq_steps_per_s=r["rate"]["echo"],
-                           service_seq_steps_per_s=r["rate"]["service"])
+                           service_seq_steps_per_s=r["rate"]["service"], server_compute_s=r["compute"])
 
                 r = loop.run_until_complete(measure_s2048(addresses, dtype, threads))
                 ratios = [(r["bytes"] / t) / (r["bytes"] / f) for t, f in zip(r["rtt"], r["floor"])]
@@ -297,7 +300,7 @@ def run(report) -> None:
                 gbs = r["bytes"] / statistics.median(r["rtt"]) / 1e9
                 floor_gbs = r["bytes"] / statistics.median(r["floor"]) / 1e9
                 compute_gbs = r["bytes"] / statistics.median(r["compute"]) / 1e9
-                rows.append([dtype, 2048, "-", statistics.median(r["rtt"]) * 1e6, statistics.median(r["compute"]) * 1e6,
+                rows.append([dtype, 2048, "-", statistics.median(r["rtt"]) * 1e6, f"- | {statistics.median(r['compute']) * 1e6:.0f}",
                              "-", "-", N / statistics.median(r["rtt"]), "-",
                              f"{gbs:.2f} / {compute_gbs:.2f} / {floor_gbs:.2f}"])
                 lines.append(verdict(f"{dtype} S=2048 cache read (round trip) / read floor ({threads} thread)", m, 0.7,
