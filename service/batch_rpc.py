@@ -4,8 +4,8 @@ A session shares backend, dtype, heads, head width and layer count; each of its 
 an engine ``Stream`` of batch size 1, so admission, the byte budget, ``max_streams``, the idle
 reaper and the drain apply to it exactly as to a ``Decode`` stream. A step message becomes one
 ``backends.batch.step_many`` call over ``[seq.caches[layer] for seq in ids]`` on the compute
-pool, each step reading its rows of the packed tensors as views of the message's bytes (no
-copy). Refusals are per sequence and in-band; only a broken protocol, a refused ``open``, the
+pool, each step reading its rows of the packed tensors as views over the bytes the protobuf
+runtime hands over (no copy of our own, per message or per row). Refusals are per sequence and in-band; only a broken protocol, a refused ``open``, the
 idle timeout and shutdown end the RPC.
 
 Translation only, like the servicer: the compute is the backend's, the bookkeeping the
@@ -124,11 +124,12 @@ def _packed(message: gqa_pb2.Tensor, name: str, shape: tuple[int, ...], dtype: t
     if tuple(message.shape) != shape:
         raise InvalidArgument(f"step.{name}.shape: expected {list(shape)} (N, heads, D), got {list(message.shape)}")
     need = math.prod(shape) * dtype.itemsize
-    if len(message.data) != need:
-        raise InvalidArgument(f"step.{name}.data: {len(message.data)} bytes, but shape {list(shape)} needs {need}")
+    data = message.data  # the runtime hands over a fresh bytes object per access: take it once
+    if len(data) != need:
+        raise InvalidArgument(f"step.{name}.data: {len(data)} bytes, but shape {list(shape)} needs {need}")
     if need == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(message.data, dtype=dtype).view(shape)
+    return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
 @dataclass
