@@ -4,6 +4,7 @@ and a fuzz of random interleavings against a model made of plain caches."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -414,14 +415,18 @@ def test_a_busy_session_is_not_reaped():
 
 def test_drain_ends_sessions_with_unavailable():
     config = ServerConfig(address="127.0.0.1:0", metrics_port=0, grace_period_s=0.3)
-    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+    srv = ServerThread(config).start()
+    with grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
         s = session(ch)
         s.add(1, window=4)
-        srv.call(srv.server.drain())
+        # Not waited on: the drain ends with the server's loop, which may close before it answers.
+        asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
+        assert wait_for(lambda: srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0)
         with pytest.raises(grpc.RpcError) as ended:
             s.step(0, [1], *packed(torch.Generator().manual_seed(1), 1))
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ended.value.details()
+    srv._thread.join(15)  # the drained server stops by itself
+    assert not srv._thread.is_alive()
 
 
 # -- fuzz ---------------------------------------------------------------------------------------
