@@ -362,6 +362,8 @@ class Session:
                 log.exception("session %s: batched step on layer %d failed", self.id, layer)
                 outcomes = [Internal()] * len(batch)
                 queue_seconds = 0.0
+            else:
+                self.engine.observer.batch_done(s.backend, s.dtype, len(batch))
 
         out_rows: list[torch.Tensor | None] = [None] * n
         cols = {name: [0] * n for name in ("tokens_seen", "resident", "first_position", "last_position",

@@ -46,6 +46,9 @@ class Recorder(EngineObserver):
     def batch_message(self, backend, dtype, sequences):
         self.messages.append((backend, dtype, sequences))
 
+    def batch_done(self, backend, dtype, size):
+        self.messages.append(("computed", size))
+
 
 RECORDER = Recorder()
 
@@ -143,10 +146,10 @@ def test_step_messages_feed_the_observer_and_the_open_count(channel, server):
             s.add(sid, window=4)
         assert server.engine.batch_sequences_open == 3
         s.step(0, [1, 2, 3], *packed(g, 3))
-        s.step(1, [2], *packed(g, 1))
+        s.step(1, [2, 4], *packed(g, 2))  # 4 is unknown: one step computed, a message of two
         s.remove([2])
         assert server.engine.batch_sequences_open == 2
-    assert RECORDER.messages == [("cpu", "float32", 3), ("cpu", "float32", 1)]
+    assert RECORDER.messages == [("computed", 3), ("cpu", "float32", 3), ("computed", 1), ("cpu", "float32", 2)]
     assert server.engine.batch_sequences_open == 0 and server.engine.bytes_reserved == 0
 
 
