@@ -57,6 +57,9 @@ POLICY_NAMES = {
 }
 POLICY_ENUMS = {v: k for k, v in POLICY_NAMES.items()}
 _OK = gqa_pb2.Status(code=0)
+# BatchStepResult's per-sequence fields, in the order the step loop collects them.
+_ROW_FIELDS = ("tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach")
+_NO_ROW = (0,) * len(_ROW_FIELDS)  # a refused sequence's entries
 
 # Step tensors are views of the request's (immutable) bytes; step_many never writes its inputs
 # (Contract 1), so torch's warning about a read-only buffer does not apply. torch gives it once
@@ -366,8 +369,7 @@ class Session:
                 self.engine.observer.batch_done(s.backend, s.dtype, len(batch))
 
         out_rows: list[torch.Tensor | None] = [None] * n
-        cols = {name: [0] * n for name in ("tokens_seen", "resident", "first_position", "last_position",
-                                            "evicted_tokens", "rollback_reach")}
+        rows: list[tuple[int, ...]] = [_NO_ROW] * n  # the per-sequence fields, row by row
         for i, stream, entry, outcome in zip(slots, streams, batch, outcomes):
             if isinstance(outcome, Exception):
                 exc = _as_service_error(outcome, self.id, ids[i], layer)
@@ -377,12 +379,8 @@ class Session:
                 continue
             reach = entry.cache.policy.rollback_reach(outcome.tokens_seen)
             out_rows[i] = outcome.output
-            cols["tokens_seen"][i] = outcome.tokens_seen
-            cols["resident"][i] = outcome.resident
-            cols["first_position"][i] = outcome.first_position
-            cols["last_position"][i] = outcome.last_position
-            cols["evicted_tokens"][i] = outcome.evicted_tokens
-            cols["rollback_reach"][i] = reach
+            rows[i] = (outcome.tokens_seen, outcome.resident, outcome.first_position, outcome.last_position,
+                       outcome.evicted_tokens, reach)
             observer.step_done(stream, StepReport(outcome, compute_ns, reach), queue_seconds)
         if refused:
             # zeros on the outputs' device (a cuda backend's outputs stay there until the copy below)
@@ -396,8 +394,9 @@ class Session:
         result.status.SetInParent()
         result.layer = layer
         _fill_tensor(result.output, output)
-        for name, column in cols.items():
-            getattr(result, name).extend(column)
+        if n:
+            for name, column in zip(_ROW_FIELDS, zip(*rows)):
+                getattr(result, name).extend(column)
         result.refusals.extend(refusals)
         result.compute_ns = compute_ns
 
