@@ -100,10 +100,8 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
         pre = prefills(g, lengths, dtype)
         added = batch.add(sid, prefill=pre, **policy)
         assert list(added.tokens_seen) == list(lengths)
-        cfg = dict(policy) | {"sinks": policy.get("sinks", 0)}
-        cfg.pop("sink_tokens", None)
         decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, dtype=dtype, prefill=pre,
-                                                     **cfg))
+                                                     **policy))
         for layer in range(LAYERS):
             k, v = pre.get(layer, (torch.empty(1, HKV, 0, D), torch.empty(1, HKV, 0, D)))
             history[sid, layer] = ([k[:, :, i] for i in range(k.shape[2])], [v[:, :, i] for i in range(v.shape[2])])
