@@ -139,7 +139,8 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
 def test_step_messages_feed_the_observer_and_the_open_count(channel, server):
     RECORDER.messages.clear()
     g = torch.Generator().manual_seed(4)
-    with session(channel) as s:
+    stub = gqa_pb2_grpc.AttentionServiceStub(channel)  # BatchSession takes a stub as well as a channel
+    with session(stub) as s:
         for sid in (1, 2, 3):
             s.add(sid, window=4)
         assert server.engine.batch_sequences_open == 3
