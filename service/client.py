@@ -552,13 +552,16 @@ class Client(_Base):
         return DecodeStream(self.stub, [gqa_pb2.DecodeRequest(request_id=0, restore=c) for c in chunks],
                             self.metadata)
 
-    def batch(self, *args, **kwargs):
-        """A ``Batch`` session on this client's channel (``service.client_batch.BatchSession``)."""
-        try:
-            from .client_batch import BatchSession
-        except ImportError:
-            raise NotImplementedError("this gqa-serve has no Batch RPC client (service/client_batch.py)") from None
-        return BatchSession(self.channel, *args, **kwargs)
+    def batch(self, *, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
+              dtype="float32", backend: str = ""):
+        """Opens a ``Batch`` session (many sequences per message) on this client's channel, with
+        its token; see ``service.client_batch.BatchSession`` for add, step, remove, rollback and
+        snapshot."""
+        from .client_batch import BatchSession
+
+        return BatchSession(self.stub, num_query_heads=num_query_heads, num_kv_heads=num_kv_heads,
+                            head_dim=head_dim, num_layers=num_layers, dtype=dtype, backend=backend,
+                            metadata=self.metadata)
 
     def close(self) -> None:
         self.channel.close()

@@ -230,6 +230,28 @@ class ServerConfig:
         return self.workers or (os.cpu_count() or 1)
 
 
+MIN_SNAPSHOT_KEY_BYTES = 16
+
+
+def load_snapshot_key(config: ServerConfig) -> bytes | None:
+    """The snapshot signing key of ``config``, or None (snapshots unsigned); ``ConfigError``
+    when a key source is set but holds fewer than ``MIN_SNAPSHOT_KEY_BYTES`` bytes (an empty Secret
+    must not turn signing off silently)."""
+    if config.snapshot_key_file:
+        try:
+            with open(config.snapshot_key_file, "rb") as f:
+                key, where = f.read().strip(), "--snapshot-key-file"
+        except OSError as exc:
+            raise ConfigError(f"--snapshot-key-file: cannot read {config.snapshot_key_file!r} ({exc.strerror})") from None
+    elif config.snapshot_key:
+        key, where = config.snapshot_key.strip().encode(), "GQA_SNAPSHOT_KEY"
+    else:
+        return None
+    if len(key) < MIN_SNAPSHOT_KEY_BYTES:
+        raise ConfigError(f"{where}: the snapshot key must hold at least {MIN_SNAPSHOT_KEY_BYTES} bytes, got {len(key)}")
+    return key
+
+
 def _check_token(raw: str, where: str) -> None:
     """A configured token source must hold a usable token: never fall back to no authentication."""
     token = raw.strip()

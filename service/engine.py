@@ -26,7 +26,7 @@ from backends.base import CacheSpec, LayerCache, StepOutcome
 from backends.errors import BackendUnavailable, CacheFullError, RollbackError
 from backends.policy import EvictionPolicy, PolicyError
 
-from .config import ServerConfig
+from .config import ServerConfig, load_snapshot_key
 from .errors import (
     DeadlineExceeded,
     FailedPrecondition,
@@ -193,6 +193,10 @@ class Engine:
         self._reserved = 0
         self._ids = itertools.count(1)
         self.draining = False
+        # Signs and checks snapshots (service.snapshot); None: snapshots carry a CRC only.
+        self.snapshot_key: bytes | None = load_snapshot_key(config)
+        # Kept by service.batch_rpc on the event loop: sequences open in Batch sessions.
+        self.batch_sequences = 0
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -222,7 +226,7 @@ class Engine:
     @property
     def batch_sequences_open(self) -> int:
         """Sequences open in ``Batch`` sessions."""
-        return 0
+        return self.batch_sequences
 
     @property
     def bytes_reserved(self) -> int:

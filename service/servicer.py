@@ -21,6 +21,7 @@ from backends import registry
 from backends.reference import gqa_decode_step
 
 from . import __version__, snapshot
+from . import batch_rpc
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, Stream
@@ -58,7 +59,6 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         self.config = config
         self.pool = pool
         self._backend_infos = None
-        self.snapshot_key = snapshot.load_key(config)
 
     async def _compute(self, cost_bytes: int, fn, *args):
         """Small work inline (a thread hop costs more); the rest on the compute pool."""
@@ -129,6 +129,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 active_streams=self.engine.active_streams,
             ),
         )
+
+    # -- Batch (service.batch_rpc) -----------------------------------------------------------
+    async def Batch(self, request_iterator, context):
+        await batch_rpc.serve(self.engine, self.config, self.pool, context)
 
     # -- Decode -----------------------------------------------------------------------------
     async def Decode(self, request_iterator, context):
@@ -283,7 +287,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             if not chunks[0].HasField("config"):
                 raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
             config = self._stream_config(chunks[0].config)
-            layers = snapshot.decode(chunks, config, self.snapshot_key)
+            layers = snapshot.decode(chunks, config, self.engine.snapshot_key)
         cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
         return await self._compute(cost, self.engine.open, config, None, layers)
 
@@ -322,7 +326,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             try:
                 chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
                                              self._opened_config(stream), self.config.max_message_bytes,
-                                             request.snapshot.max_chunk_bytes, self.snapshot_key)
+                                             request.snapshot.max_chunk_bytes, self.engine.snapshot_key)
             except ServiceError as exc:
                 yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
                     code=exc.code_number, message=exc.message))

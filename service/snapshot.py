@@ -11,7 +11,8 @@ Integrity, two levels:
 
 - a CRC-32 over all data (always): detects truncation and corruption in transit, not a
   deliberate change (anyone can recompute it);
-- with a server snapshot key (``--snapshot-key-file`` / ``GQA_SNAPSHOT_KEY``), an HMAC-SHA256
+- with a server snapshot key (``--snapshot-key-file`` / ``GQA_SNAPSHOT_KEY``, read by
+  ``config.load_snapshot_key`` into ``Engine.snapshot_key``), an HMAC-SHA256
   over every chunk (``signature``): a restore must carry a valid one, so a client can neither
   forge a stream's state nor alter one (its T, its rows).
 
@@ -30,17 +31,15 @@ import torch
 
 from .api import gqa_pb2
 from .engine import StreamConfig
-from .config import ConfigError, ServerConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "load_key", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["encode", "decode", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
 
 MAX_CHUNKS = 1 << 16
 # A layer's T in a snapshot: a stream at a million tokens a second takes 146,000 years to get
 # here, and T + 1 still fits every integer the server and its replies use.
 MAX_TOKENS = 1 << 62
-MIN_KEY_BYTES = 16
 # gRPC's default receive limit in every language: chunks a client did not size stay under it.
 DEFAULT_CHUNK_BYTES = 4 << 20
 _OVERHEAD = 4096  # bytes of a chunk that are not tensor data (fields, shapes)
@@ -57,25 +56,6 @@ def _checksum(chunks) -> int:
             crc = zlib.crc32(getattr(chunk, name).data, crc)
         crc = zlib.crc32(struct.pack(f"<{len(chunk.key_channels)}I", *chunk.key_channels), crc)
     return crc
-
-
-def load_key(config: ServerConfig) -> bytes | None:
-    """The snapshot signing key of ``config``, or None (snapshots unsigned); ``ConfigError``
-    when a key source is set but holds fewer than ``MIN_KEY_BYTES`` bytes (an empty Secret
-    must not turn signing off silently)."""
-    if config.snapshot_key_file:
-        try:
-            with open(config.snapshot_key_file, "rb") as f:
-                key, where = f.read().strip(), "--snapshot-key-file"
-        except OSError as exc:
-            raise ConfigError(f"--snapshot-key-file: cannot read {config.snapshot_key_file!r} ({exc.strerror})") from None
-    elif config.snapshot_key:
-        key, where = config.snapshot_key.strip().encode(), "GQA_SNAPSHOT_KEY"
-    else:
-        return None
-    if len(key) < MIN_KEY_BYTES:
-        raise ConfigError(f"{where}: the snapshot key must hold at least {MIN_KEY_BYTES} bytes, got {len(key)}")
-    return key
 
 
 def _signature(chunks, key: bytes) -> bytes:

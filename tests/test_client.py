@@ -254,3 +254,20 @@ def test_mutual_tls_with_certificates_as_bytes_or_paths(tmp_path):
             with pytest.raises(CallFailed) as refused:
                 no_client_cert.server_info()
             assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_client_batch_session_carries_the_token_and_matches_a_decode_stream():
+    config = dataclasses.replace(BASE, auth_token="client-test-token-0123456789")
+    g = torch.Generator().manual_seed(9)
+    steps = [(rnd(g, 2, HQ, D), rnd(g, 2, HKV, D), rnd(g, 2, HKV, D)) for _ in range(3)]
+    with ServerThread(config) as srv, Client(srv.address, token="client-test-token-0123456789") as c:
+        session = c.batch(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D)
+        session.add(7, policy="strict", window=2)
+        session.add(8, policy="none", capacity=4)
+        outputs = [session.step(0, [7, 8], q, k, v).output for q, k, v in steps]
+        session.close()
+        for row, (policy, kw) in enumerate((("strict", dict(window=2)), ("none", dict(capacity=4)))):
+            with c.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy=policy, **kw) as stream:
+                for (q, k, v), out in zip(steps, outputs):
+                    alone = stream.step(0, q[row : row + 1], k[row : row + 1], v[row : row + 1]).output
+                    assert torch.equal(alone[0], out[row])

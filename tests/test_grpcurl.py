@@ -114,7 +114,7 @@ def test_grpcurl_lists_services_and_methods(server):
     assert SERVICE in services and "grpc.health.v1.Health" in services
     methods = grpcurl(server, "list", SERVICE)
     assert methods.returncode == 0, methods.stderr
-    assert set(methods.stdout.split()) == {f"{SERVICE}.{m}" for m in ("Decode", "DecodeStep", "GetServerInfo")}
+    assert set(methods.stdout.split()) == {f"{SERVICE}.{m}" for m in ("Batch", "Decode", "DecodeStep", "GetServerInfo")}
 
 
 @needs_grpcurl

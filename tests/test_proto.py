@@ -31,6 +31,8 @@ def test_enums_start_with_unspecified():
 def test_package_and_services():
     assert gqa_pb2.DESCRIPTOR.package == "gqa.v1"
     service = gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"]
-    assert set(service.methods_by_name) == {"DecodeStep", "Decode", "GetServerInfo"}
+    assert set(service.methods_by_name) == {"DecodeStep", "Decode", "Batch", "GetServerInfo"}
     decode = service.methods_by_name["Decode"]
     assert decode.client_streaming and decode.server_streaming
+    batch = service.methods_by_name["Batch"]
+    assert batch.client_streaming and batch.server_streaming

@@ -8,7 +8,7 @@ import torch
 
 from service import snapshot
 from service.api import gqa_pb2
-from service.config import ConfigError, ServerConfig
+from service.config import ConfigError, ServerConfig, load_snapshot_key
 from service.server import ServerThread
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 
@@ -144,7 +144,7 @@ def _resigned(chunks, key: bytes):
 ], ids=["blank", "short"])
 def test_a_key_source_that_is_set_but_unusable_refuses_to_start(kwargs, word):
     with pytest.raises(ConfigError, match=word):
-        snapshot.load_key(ServerConfig(**kwargs))
+        load_snapshot_key(ServerConfig(**kwargs))
 
 
 def test_an_empty_key_variable_refuses_to_start():
@@ -158,6 +158,6 @@ def test_an_empty_key_file_refuses_to_start(tmp_path):
     path = tmp_path / "key"
     path.write_text("\n")
     with pytest.raises(ConfigError, match="--snapshot-key-file"):
-        snapshot.load_key(ServerConfig(snapshot_key_file=str(path)))
+        load_snapshot_key(ServerConfig(snapshot_key_file=str(path)))
     with pytest.raises(ConfigError, match="set one of them"):
         ServerConfig(snapshot_key_file=str(path), snapshot_key=KEY).validate()

@@ -7,6 +7,9 @@
 //   const stream = await client.openStream({ num_query_heads: 4, ... });
 //   const result = await stream.step(0, query, newKey, newValue);   // throws Refusal if refused
 //   await stream.close();
+//   const batch = await client.openBatch({ num_query_heads: 4, num_kv_heads: 2, head_dim: 8, num_layers: 2 });
+//   await batch.add(7, { policy: 'EVICTION_POLICY_STRICT', window: 64 });
+//   const res = await batch.step(0, [7], query, newKey, newValue);   // packed (N, ...) tensors
 //
 // Wire format (see docs/wire-format.md): a Tensor is little-endian, row-major bytes plus a
 // dtype and a shape; float16 and bfloat16 travel as raw 16-bit words.
@@ -205,6 +208,17 @@ class GqaClient {
     return stream._restore(chunks);
   }
 
+  /**
+   * Opens a Batch session: many sequences, each with its own policy and length, one message
+   * per layer for any subset of them. `open` is { backend, dtype, num_query_heads, num_kv_heads,
+   * head_dim, num_layers }. Resolves with a BatchSession once the server answered `opened`;
+   * rejects with the status that ended the RPC (INVALID_ARGUMENT, FAILED_PRECONDITION, ...).
+   */
+  openBatch(open) {
+    const session = new BatchSession(this.stub.Batch());
+    return session._open(open);
+  }
+
   close() {
     this.stub.close();
   }
@@ -315,9 +329,129 @@ class DecodeStream {
   }
 }
 
+/**
+ * One Batch session (see gqa.proto, `rpc Batch`). Requests may be pipelined; each call returns
+ * a promise settled by the response carrying its request_id. Per-sequence refusals of a step,
+ * remove or rollback are listed in the result's `refusals` (index, id, status); a refused add or
+ * snapshot, or a step message refused as a whole, rejects with a Refusal. The session stays open
+ * either way.
+ */
+class BatchSession {
+  constructor(call) {
+    this.call = call;
+    this.nextId = 0;
+    this.pending = new Map();
+    this.ended = null;
+    this.opened = null;
+    this.status = null;
+    call.on('data', (response) => this._onResponse(response));
+    call.on('error', (err) => this._fail(err));
+    call.on('status', (status) => {
+      this.status = status;
+      this._fail(Object.assign(new Error(`the session ended: ${codeName(status.code)} ${status.details}`), status));
+    });
+  }
+
+  _send(fields, count = 1) {
+    if (this.ended) return Promise.reject(this.ended);
+    const requestId = this.nextId++;
+    return new Promise((resolve, reject) => {
+      this.pending.set(requestId, { resolve, reject });
+      const list = Array.isArray(fields) ? fields : [fields];
+      for (const f of list) this.call.write({ request_id: requestId, ...f });
+    });
+  }
+
+  async _open(open) {
+    this.opened = await this._send({ open });
+    return this;
+  }
+
+  _onResponse(response) {
+    const waiter = this.pending.get(response.request_id);
+    if (!waiter) return;
+    const body = response[response.kind];
+    if (response.kind === 'snapshot') {
+      if (body.status.code !== 0) {
+        this.pending.delete(response.request_id);
+        waiter.reject(new Refusal(body.status, response.request_id));
+        return;
+      }
+      (waiter.chunks = waiter.chunks || []).push(body.chunk);
+      if (!body.chunk.last) return;
+      this.pending.delete(response.request_id);
+      waiter.resolve(waiter.chunks);
+      return;
+    }
+    this.pending.delete(response.request_id);
+    if (body && body.status && body.status.code !== 0) waiter.reject(new Refusal(body.status, response.request_id));
+    else waiter.resolve(body);
+  }
+
+  _fail(err) {
+    if (!this.ended) this.ended = err;
+    for (const { reject } of this.pending.values()) reject(err);
+    this.pending.clear();
+  }
+
+  /**
+   * Adds sequence `id` (a Number below 2**53): { policy, window, capacity, sink_tokens, prefill }
+   * as in OpenStream, prefill entries (1, Hkv, n, D). Resolves with BatchAdded; rejects with a
+   * Refusal (RESOURCE_EXHAUSTED over the budget, INVALID_ARGUMENT for an id in use, ...).
+   */
+  add(id, fields = {}) {
+    return this._send({ add: { id, ...fields } });
+  }
+
+  /** Adds sequence `id` from snapshot chunks (of a Decode stream with batch_size 1, or `snapshot`). */
+  restore(id, chunks) {
+    return this._send(chunks.map((chunk) => ({ add: { id, restore: chunk } })));
+  }
+
+  /**
+   * One layer's token for sequences `ids`: query (N, Hq, D), newKey and newValue (N, Hkv, D)
+   * Tensor messages, row i for ids[i]. Resolves with BatchStepResult: output (N, Hq, D) and the
+   * per-sequence arrays (tokens_seen, resident, first_position, last_position, evicted_tokens,
+   * rollback_reach) in the order of ids, and `refusals` for the sequences refused.
+   */
+  step(layer, ids, query, newKey, newValue) {
+    return this._send({ step: { layer, ids, query, new_key: newKey, new_value: newValue } });
+  }
+
+  /** Ends sequences, freeing their bytes; resolves with BatchRemoved (ids, refusals). */
+  remove(ids) {
+    return this._send({ remove: { ids } });
+  }
+
+  /** Drops counts[i] tokens of ids[i], of `layer` or of every layer (null). */
+  rollback(ids, counts, layer = null) {
+    const rollback = layer === null ? { ids, counts, all_layers: true } : { ids, counts, layer };
+    return this._send({ rollback });
+  }
+
+  /** Sequence `id`'s state as SnapshotChunk messages (`restore` here, or restoreStream). */
+  snapshot(id) {
+    return this._send({ snapshot: { id } });
+  }
+
+  /** Half-closes the session (every sequence is freed) and waits for the server to finish it. */
+  close() {
+    if (this.status) return Promise.resolve(this.status);
+    return new Promise((resolve) => {
+      this.call.on('status', resolve);
+      this.call.end();
+    });
+  }
+
+  cancel() {
+    this.call.cancel();
+  }
+}
+
 module.exports = {
   GqaClient,
   DecodeStream,
+  BatchSession,
   Refusal,
   codeName,
   loadPackage,

@@ -5,7 +5,11 @@
 //   node clients/node/run.js --address 127.0.0.1:50051 --mode info
 //   node clients/node/run.js --address 127.0.0.1:50051 --mode examples [--examples FILE]
 //   node clients/node/run.js --address 127.0.0.1:50051 --mode stream --steps 100 --policy greedy
+//   node clients/node/run.js --address 127.0.0.1:50051 --mode batch --sequences 6 --steps 20
 //
+// `batch` adds sequences of mixed policies (none, strict, greedy, sink in turn) and prefill
+// lengths to one Batch session, steps changing subsets of them, then restores a snapshot of
+// one as a new sequence and probes the in-band refusals (unknown id, duplicate id).
 // `stream` is deterministic for a given --seed and prints every tensor it sends and receives
 // (flat, row-major) so that another program can check the outputs.
 
@@ -36,6 +40,7 @@ const { values: args } = parseArgs({
     dtype: { type: 'string', default: 'float32' },
     backend: { type: 'string', default: '' },
     seed: { type: 'string', default: '1' },
+    sequences: { type: 'string', default: '6' },
     'probe-errors': { type: 'boolean', default: false },
     'restore-check': { type: 'boolean', default: false },
     help: { type: 'boolean', short: 'h', default: false },
@@ -269,10 +274,112 @@ async function runStream(client) {
     `p90 ${percentile(sorted, 90).toFixed(0)} us, p99 ${percentile(sorted, 99).toFixed(0)} us per step\n`);
 }
 
+// The policy of the i-th sequence in `batch` mode: the four policies in turn.
+function batchPolicy(i, window) {
+  const kinds = [
+    { policy: 'EVICTION_POLICY_NONE', capacity: 4 * window + 64 },
+    { policy: 'EVICTION_POLICY_STRICT', window },
+    { policy: 'EVICTION_POLICY_GREEDY', window, capacity: window + 3 },
+    { policy: 'EVICTION_POLICY_SINK', window, sink_tokens: 2 },
+  ];
+  return kinds[i % kinds.length];
+}
+
+async function runBatch(client) {
+  const steps = Number(args.steps);
+  const count = Number(args.sequences);
+  const Hq = Number(args.heads);
+  const Hkv = Number(args['kv-heads']);
+  const D = Number(args['head-dim']);
+  const layers = Number(args.layers);
+  const window = Number(args.window);
+  const dtype = DTYPES[args.dtype];
+  if (!dtype) throw new RangeError(`--dtype: expected one of ${Object.keys(DTYPES).join(', ')}`);
+  const next = generator(Number(args.seed));
+
+  let session;
+  try {
+    session = await client.openBatch({ backend: args.backend, dtype, num_query_heads: Hq, num_kv_heads: Hkv, head_dim: D,
+      num_layers: layers });
+  } catch (err) {
+    emit(statusLine('Batch/open', err));
+    return;
+  }
+  emit({ kind: 'batch_opened', opened: session.opened });
+
+  // Sequence ids 100, 101, ...; the i-th gets a prefill of i tokens on layer 0.
+  const ids = Array.from({ length: count }, (_, i) => 100 + i);
+  for (const [i, id] of ids.entries()) {
+    const fields = batchPolicy(i, window);
+    const prefill = i > 0
+      ? [{ layer: 0, key: randomTensor(next, [1, Hkv, i, D], dtype), value: randomTensor(next, [1, Hkv, i, D], dtype) }]
+      : [];
+    const added = await session.add(id, { ...fields, prefill });
+    emit({ kind: 'added', id, fields, tokens_seen: added.tokens_seen, bytes_reserved: added.bytes_reserved,
+      prefill: prefill.map((p) => ({ layer: p.layer, key: dump(p.key), value: dump(p.value) })) });
+  }
+
+  const latencies = [];
+  const stepOnce = async (i, layer, subset) => {
+    const n = subset.length;
+    const query = randomTensor(next, [n, Hq, D], dtype);
+    const newKey = randomTensor(next, [n, Hkv, D], dtype);
+    const newValue = randomTensor(next, [n, Hkv, D], dtype);
+    const started = process.hrtime.bigint();
+    const result = await session.step(layer, subset, query, newKey, newValue);
+    latencies.push(Number(process.hrtime.bigint() - started) / 1e3);
+    emit({
+      kind: 'batch_step', step: i, layer, ids: subset, query: dump(query), new_key: dump(newKey), new_value: dump(newValue),
+      output: dump(result.output), tokens_seen: result.tokens_seen, resident: result.resident,
+      first_position: result.first_position, last_position: result.last_position,
+      evicted_tokens: result.evicted_tokens, rollback_reach: result.rollback_reach,
+      refusals: result.refusals.map((r) => ({ index: r.index, id: r.id, code: r.status.code, code_name: codeName(r.status.code) })),
+    });
+    return { query, newKey, newValue, result };
+  };
+  for (let i = 0; i < steps; i++) {
+    // a changing subset, so the sequences' lengths drift apart
+    const subset = ids.filter((_, j) => (i + j) % 3 !== 0);
+    await stepOnce(i, i % layers, subset.length ? subset : ids);
+  }
+
+  // Snapshot the first sequence, restore it as a new one, and step both with the same token.
+  const chunks = await session.snapshot(ids[0]);
+  const copyId = 999;
+  const restored = await session.restore(copyId, chunks);
+  emit({ kind: 'batch_restored', from: ids[0], id: copyId, chunks: chunks.length, tokens_seen: restored.tokens_seen });
+  const query = randomTensor(next, [1, Hq, D], dtype);
+  const kv = randomTensor(next, [1, Hkv, D], dtype);
+  const a = await session.step(0, [ids[0]], query, kv, kv);
+  const b = await session.step(0, [copyId], query, kv, kv);
+  emit({ kind: 'batch_restore_check', same: Buffer.compare(a.output.data, b.output.data) === 0 });
+
+  // In-band refusals: an unknown id and an id twice are refused alone; the others are computed.
+  const probe = await session.step(1 % layers, [ids[1], 12345, ids[2], ids[2]], randomTensor(next, [4, Hq, D], dtype),
+    randomTensor(next, [4, Hkv, D], dtype), randomTensor(next, [4, Hkv, D], dtype));
+  emit({ kind: 'batch_probe', tokens_seen: probe.tokens_seen,
+    refusals: probe.refusals.map((r) => ({ index: r.index, id: r.id, code: r.status.code, code_name: codeName(r.status.code) })) });
+  const removed = await session.remove([copyId, 4242]);
+  emit({ kind: 'batch_removed', ids: removed.ids, refusals: removed.refusals.map((r) => ({ id: r.id, code: r.status.code })) });
+  try {
+    await session.add(ids[0], { policy: 'EVICTION_POLICY_STRICT', window });
+    emit({ kind: 'unexpected', message: 'a duplicate add was accepted' });
+  } catch (err) {
+    if (!(err instanceof Refusal)) throw err;
+    emit({ kind: 'refused', call: 'add', code: err.code, code_name: err.codeName, details: err.details });
+  }
+  await session.close();
+
+  const sorted = latencies.slice().sort((x, y) => x - y);
+  emit({ kind: 'summary', steps: latencies.length, p50_us: percentile(sorted, 50), p90_us: percentile(sorted, 90),
+    p99_us: percentile(sorted, 99) });
+}
+
 async function main() {
   if (args.help) {
-    process.stdout.write('usage: run.js --address HOST:PORT --mode info|examples|stream [--steps N --policy greedy ' +
-      '--window W --capacity C --layers L --prefill N --dtype float32 --seed S --probe-errors --restore-check]\n');
+    process.stdout.write('usage: run.js --address HOST:PORT --mode info|examples|stream|batch [--steps N --policy greedy ' +
+      '--window W --capacity C --layers L --prefill N --dtype float32 --seed S --probe-errors --restore-check ' +
+      '--sequences N]\n');
     return;
   }
   const client = new GqaClient(args.address);
@@ -280,7 +387,8 @@ async function main() {
     if (args.mode === 'info') await runInfo(client);
     else if (args.mode === 'examples') await runExamples(client);
     else if (args.mode === 'stream') await runStream(client);
-    else throw new RangeError(`--mode: expected info, examples or stream, got ${args.mode}`);
+    else if (args.mode === 'batch') await runBatch(client);
+    else throw new RangeError(`--mode: expected info, examples, stream or batch, got ${args.mode}`);
   } finally {
     client.close();
   }

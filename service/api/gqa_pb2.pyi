@@ -332,3 +332,215 @@ class Limits(_message.Message):
     cache_bytes_in_use: int
     active_streams: int
     def __init__(self, max_streams: _Optional[int] = ..., max_cache_bytes: _Optional[int] = ..., max_capacity: _Optional[int] = ..., max_layers: _Optional[int] = ..., max_heads: _Optional[int] = ..., max_head_dim: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_queued_steps: _Optional[int] = ..., cache_bytes_in_use: _Optional[int] = ..., active_streams: _Optional[int] = ...) -> None: ...
+
+class BatchRequest(_message.Message):
+    __slots__ = ("request_id", "open", "add", "step", "remove", "rollback", "snapshot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
+    ADD_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    open: BatchOpen
+    add: BatchAdd
+    step: BatchStep
+    remove: BatchRemove
+    rollback: BatchRollback
+    snapshot: BatchSnapshot
+    def __init__(self, request_id: _Optional[int] = ..., open: _Optional[_Union[BatchOpen, _Mapping]] = ..., add: _Optional[_Union[BatchAdd, _Mapping]] = ..., step: _Optional[_Union[BatchStep, _Mapping]] = ..., remove: _Optional[_Union[BatchRemove, _Mapping]] = ..., rollback: _Optional[_Union[BatchRollback, _Mapping]] = ..., snapshot: _Optional[_Union[BatchSnapshot, _Mapping]] = ...) -> None: ...
+
+class BatchOpen(_message.Message):
+    __slots__ = ("backend", "dtype", "num_query_heads", "num_kv_heads", "head_dim", "num_layers")
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    backend: str
+    dtype: DType
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_query_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class BatchAdd(_message.Message):
+    __slots__ = ("id", "policy", "window", "capacity", "sink_tokens", "prefill", "restore")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    policy: EvictionPolicy
+    window: int
+    capacity: int
+    sink_tokens: int
+    prefill: _containers.RepeatedCompositeFieldContainer[LayerCache]
+    restore: SnapshotChunk
+    def __init__(self, id: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[LayerCache, _Mapping]]] = ..., restore: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...
+
+class BatchStep(_message.Message):
+    __slots__ = ("layer", "ids", "query", "new_key", "new_value")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    NEW_KEY_FIELD_NUMBER: _ClassVar[int]
+    NEW_VALUE_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    query: Tensor
+    new_key: Tensor
+    new_value: Tensor
+    def __init__(self, layer: _Optional[int] = ..., ids: _Optional[_Iterable[int]] = ..., query: _Optional[_Union[Tensor, _Mapping]] = ..., new_key: _Optional[_Union[Tensor, _Mapping]] = ..., new_value: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
+class BatchRemove(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchRollback(_message.Message):
+    __slots__ = ("ids", "counts", "layer", "all_layers")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    ALL_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    counts: _containers.RepeatedScalarFieldContainer[int]
+    layer: int
+    all_layers: bool
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., counts: _Optional[_Iterable[int]] = ..., layer: _Optional[int] = ..., all_layers: _Optional[bool] = ...) -> None: ...
+
+class BatchSnapshot(_message.Message):
+    __slots__ = ("id", "max_chunk_bytes")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    max_chunk_bytes: int
+    def __init__(self, id: _Optional[int] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class BatchResponse(_message.Message):
+    __slots__ = ("request_id", "opened", "added", "step", "removed", "rollback", "snapshot")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    request_id: int
+    opened: BatchOpened
+    added: BatchAdded
+    step: BatchStepResult
+    removed: BatchRemoved
+    rollback: BatchRollbackResult
+    snapshot: BatchSnapshotChunk
+    def __init__(self, request_id: _Optional[int] = ..., opened: _Optional[_Union[BatchOpened, _Mapping]] = ..., added: _Optional[_Union[BatchAdded, _Mapping]] = ..., step: _Optional[_Union[BatchStepResult, _Mapping]] = ..., removed: _Optional[_Union[BatchRemoved, _Mapping]] = ..., rollback: _Optional[_Union[BatchRollbackResult, _Mapping]] = ..., snapshot: _Optional[_Union[BatchSnapshotChunk, _Mapping]] = ...) -> None: ...
+
+class BatchOpened(_message.Message):
+    __slots__ = ("session_id", "backend", "dtype", "num_query_heads", "num_kv_heads", "head_dim", "num_layers")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    NUM_QUERY_HEADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    backend: str
+    dtype: DType
+    num_query_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    def __init__(self, session_id: _Optional[str] = ..., backend: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_query_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
+
+class SequenceRefusal(_message.Message):
+    __slots__ = ("index", "id", "status")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: int
+    status: Status
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[int] = ..., status: _Optional[_Union[Status, _Mapping]] = ...) -> None: ...
+
+class BatchAdded(_message.Message):
+    __slots__ = ("status", "id", "policy", "window", "capacity", "sink_tokens", "bytes_reserved", "tokens_seen")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RESERVED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    id: int
+    policy: EvictionPolicy
+    window: int
+    capacity: int
+    sink_tokens: int
+    bytes_reserved: int
+    tokens_seen: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., id: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., bytes_reserved: _Optional[int] = ..., tokens_seen: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class BatchStepResult(_message.Message):
+    __slots__ = ("status", "layer", "output", "tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach", "refusals", "compute_ns")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    RESIDENT_FIELD_NUMBER: _ClassVar[int]
+    FIRST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    LAST_POSITION_FIELD_NUMBER: _ClassVar[int]
+    EVICTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_REACH_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_NS_FIELD_NUMBER: _ClassVar[int]
+    status: Status
+    layer: int
+    output: Tensor
+    tokens_seen: _containers.RepeatedScalarFieldContainer[int]
+    resident: _containers.RepeatedScalarFieldContainer[int]
+    first_position: _containers.RepeatedScalarFieldContainer[int]
+    last_position: _containers.RepeatedScalarFieldContainer[int]
+    evicted_tokens: _containers.RepeatedScalarFieldContainer[int]
+    rollback_reach: _containers.RepeatedScalarFieldContainer[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[SequenceRefusal]
+    compute_ns: int
+    def __init__(self, status: _Optional[_Union[Status, _Mapping]] = ..., layer: _Optional[int] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., tokens_seen: _Optional[_Iterable[int]] = ..., resident: _Optional[_Iterable[int]] = ..., first_position: _Optional[_Iterable[int]] = ..., last_position: _Optional[_Iterable[int]] = ..., evicted_tokens: _Optional[_Iterable[int]] = ..., rollback_reach: _Optional[_Iterable[int]] = ..., refusals: _Optional[_Iterable[_Union[SequenceRefusal, _Mapping]]] = ..., compute_ns: _Optional[int] = ...) -> None: ...
+
+class BatchRemoved(_message.Message):
+    __slots__ = ("ids", "refusals")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[SequenceRefusal]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ..., refusals: _Optional[_Iterable[_Union[SequenceRefusal, _Mapping]]] = ...) -> None: ...
+
+class BatchRollbackResult(_message.Message):
+    __slots__ = ("tokens_seen", "rollback_reach", "refusals")
+    TOKENS_SEEN_FIELD_NUMBER: _ClassVar[int]
+    ROLLBACK_REACH_FIELD_NUMBER: _ClassVar[int]
+    REFUSALS_FIELD_NUMBER: _ClassVar[int]
+    tokens_seen: _containers.RepeatedScalarFieldContainer[int]
+    rollback_reach: _containers.RepeatedScalarFieldContainer[int]
+    refusals: _containers.RepeatedCompositeFieldContainer[SequenceRefusal]
+    def __init__(self, tokens_seen: _Optional[_Iterable[int]] = ..., rollback_reach: _Optional[_Iterable[int]] = ..., refusals: _Optional[_Iterable[_Union[SequenceRefusal, _Mapping]]] = ...) -> None: ...
+
+class BatchSnapshotChunk(_message.Message):
+    __slots__ = ("id", "status", "chunk")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    status: Status
+    chunk: SnapshotChunk
+    def __init__(self, id: _Optional[int] = ..., status: _Optional[_Union[Status, _Mapping]] = ..., chunk: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class AttentionServiceStub:
                 request_serializer=gqa_dot_v1_dot_gqa__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=gqa_dot_v1_dot_gqa__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Batch = channel.stream_stream(
+                '/gqa.v1.AttentionService/Batch',
+                request_serializer=gqa_dot_v1_dot_gqa__pb2.BatchRequest.SerializeToString,
+                response_deserializer=gqa_dot_v1_dot_gqa__pb2.BatchResponse.FromString,
+                _registered_method=True)
         self.GetServerInfo = channel.unary_unary(
                 '/gqa.v1.AttentionService/GetServerInfo',
                 request_serializer=gqa_dot_v1_dot_gqa__pb2.GetServerInfoRequest.SerializeToString,
@@ -81,6 +86,28 @@ class AttentionServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Batch(self, request_iterator, context):
+        """Many sequences per message, for inference engines that offload attention: a session of
+        sequences of different lengths and policies sharing backend, dtype, heads, head width and
+        layer count; one `step` message carries one layer's token for any subset of them, packed.
+        The first request must be `open`; the server answers `opened` or ends the RPC with a
+        status (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAVAILABLE). Each later request gets
+        exactly one response, in order, with the same `request_id` (a snapshot gets one or more;
+        a restore's chunks before the one with `last` set get none). Refusals are per sequence
+        and in-band (unknown id, an id twice in one step, no room under EVICTION_POLICY_NONE, a
+        budget or stream limit reached by an `add`, an inexact rollback): a refused sequence is
+        exactly as before and the others in the same message are served. A step message whose
+        tensors do not fit the session (shapes, dtype, byte lengths, layer) is refused as a whole,
+        in-band, nothing changed. Only a broken protocol (a first request that is not `open`, a
+        second `open`, an empty request) ends the RPC with INVALID_ARGUMENT. Each sequence counts
+        as one stream against the server's limits and budget; closing the request side (or
+        cancelling, or the idle timeout: DEADLINE_EXCEEDED, or shutdown: UNAVAILABLE) ends the
+        session and frees every sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetServerInfo(self, request, context):
         """Version, backends with their capabilities (or the reasons they are unavailable here), and
         the limits in force.
@@ -101,6 +128,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=gqa_dot_v1_dot_gqa__pb2.DecodeRequest.FromString,
                     response_serializer=gqa_dot_v1_dot_gqa__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Batch': grpc.stream_stream_rpc_method_handler(
+                    servicer.Batch,
+                    request_deserializer=gqa_dot_v1_dot_gqa__pb2.BatchRequest.FromString,
+                    response_serializer=gqa_dot_v1_dot_gqa__pb2.BatchResponse.SerializeToString,
             ),
             'GetServerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetServerInfo,
@@ -164,6 +196,33 @@ class AttentionService:
             '/gqa.v1.AttentionService/Decode',
             gqa_dot_v1_dot_gqa__pb2.DecodeRequest.SerializeToString,
             gqa_dot_v1_dot_gqa__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Batch(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/gqa.v1.AttentionService/Batch',
+            gqa_dot_v1_dot_gqa__pb2.BatchRequest.SerializeToString,
+            gqa_dot_v1_dot_gqa__pb2.BatchResponse.FromString,
             options,
             channel_credentials,
             insecure,

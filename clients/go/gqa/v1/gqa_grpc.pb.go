@@ -30,6 +30,23 @@ type AttentionServiceClient interface {
 	// Closing the request side ends the stream and frees its caches; so does cancelling the RPC
 	// and, on the server's idle timeout, silence.
 	Decode(ctx context.Context, opts ...grpc.CallOption) (AttentionService_DecodeClient, error)
+	// Many sequences per message, for inference engines that offload attention: a session of
+	// sequences of different lengths and policies sharing backend, dtype, heads, head width and
+	// layer count; one `step` message carries one layer's token for any subset of them, packed.
+	// The first request must be `open`; the server answers `opened` or ends the RPC with a
+	// status (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAVAILABLE). Each later request gets
+	// exactly one response, in order, with the same `request_id` (a snapshot gets one or more;
+	// a restore's chunks before the one with `last` set get none). Refusals are per sequence
+	// and in-band (unknown id, an id twice in one step, no room under EVICTION_POLICY_NONE, a
+	// budget or stream limit reached by an `add`, an inexact rollback): a refused sequence is
+	// exactly as before and the others in the same message are served. A step message whose
+	// tensors do not fit the session (shapes, dtype, byte lengths, layer) is refused as a whole,
+	// in-band, nothing changed. Only a broken protocol (a first request that is not `open`, a
+	// second `open`, an empty request) ends the RPC with INVALID_ARGUMENT. Each sequence counts
+	// as one stream against the server's limits and budget; closing the request side (or
+	// cancelling, or the idle timeout: DEADLINE_EXCEEDED, or shutdown: UNAVAILABLE) ends the
+	// session and frees every sequence.
+	Batch(ctx context.Context, opts ...grpc.CallOption) (AttentionService_BatchClient, error)
 	// Version, backends with their capabilities (or the reasons they are unavailable here), and
 	// the limits in force.
 	GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*GetServerInfoResponse, error)
@@ -83,6 +100,37 @@ func (x *attentionServiceDecodeClient) Recv() (*DecodeResponse, error) {
 	return m, nil
 }
 
+func (c *attentionServiceClient) Batch(ctx context.Context, opts ...grpc.CallOption) (AttentionService_BatchClient, error) {
+	stream, err := c.cc.NewStream(ctx, &_AttentionService_serviceDesc.Streams[1], "/gqa.v1.AttentionService/Batch", opts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &attentionServiceBatchClient{stream}
+	return x, nil
+}
+
+type AttentionService_BatchClient interface {
+	Send(*BatchRequest) error
+	Recv() (*BatchResponse, error)
+	grpc.ClientStream
+}
+
+type attentionServiceBatchClient struct {
+	grpc.ClientStream
+}
+
+func (x *attentionServiceBatchClient) Send(m *BatchRequest) error {
+	return x.ClientStream.SendMsg(m)
+}
+
+func (x *attentionServiceBatchClient) Recv() (*BatchResponse, error) {
+	m := new(BatchResponse)
+	if err := x.ClientStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func (c *attentionServiceClient) GetServerInfo(ctx context.Context, in *GetServerInfoRequest, opts ...grpc.CallOption) (*GetServerInfoResponse, error) {
 	out := new(GetServerInfoResponse)
 	err := c.cc.Invoke(ctx, "/gqa.v1.AttentionService/GetServerInfo", in, out, opts...)
@@ -109,6 +157,23 @@ type AttentionServiceServer interface {
 	// Closing the request side ends the stream and frees its caches; so does cancelling the RPC
 	// and, on the server's idle timeout, silence.
 	Decode(AttentionService_DecodeServer) error
+	// Many sequences per message, for inference engines that offload attention: a session of
+	// sequences of different lengths and policies sharing backend, dtype, heads, head width and
+	// layer count; one `step` message carries one layer's token for any subset of them, packed.
+	// The first request must be `open`; the server answers `opened` or ends the RPC with a
+	// status (INVALID_ARGUMENT, FAILED_PRECONDITION, UNAVAILABLE). Each later request gets
+	// exactly one response, in order, with the same `request_id` (a snapshot gets one or more;
+	// a restore's chunks before the one with `last` set get none). Refusals are per sequence
+	// and in-band (unknown id, an id twice in one step, no room under EVICTION_POLICY_NONE, a
+	// budget or stream limit reached by an `add`, an inexact rollback): a refused sequence is
+	// exactly as before and the others in the same message are served. A step message whose
+	// tensors do not fit the session (shapes, dtype, byte lengths, layer) is refused as a whole,
+	// in-band, nothing changed. Only a broken protocol (a first request that is not `open`, a
+	// second `open`, an empty request) ends the RPC with INVALID_ARGUMENT. Each sequence counts
+	// as one stream against the server's limits and budget; closing the request side (or
+	// cancelling, or the idle timeout: DEADLINE_EXCEEDED, or shutdown: UNAVAILABLE) ends the
+	// session and frees every sequence.
+	Batch(AttentionService_BatchServer) error
 	// Version, backends with their capabilities (or the reasons they are unavailable here), and
 	// the limits in force.
 	GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error)
@@ -124,6 +189,9 @@ func (UnimplementedAttentionServiceServer) DecodeStep(context.Context, *DecodeSt
 }
 func (UnimplementedAttentionServiceServer) Decode(AttentionService_DecodeServer) error {
 	return status.Errorf(codes.Unimplemented, "method Decode not implemented")
+}
+func (UnimplementedAttentionServiceServer) Batch(AttentionService_BatchServer) error {
+	return status.Errorf(codes.Unimplemented, "method Batch not implemented")
 }
 func (UnimplementedAttentionServiceServer) GetServerInfo(context.Context, *GetServerInfoRequest) (*GetServerInfoResponse, error) {
 	return nil, status.Errorf(codes.Unimplemented, "method GetServerInfo not implemented")
@@ -185,6 +253,32 @@ func (x *attentionServiceDecodeServer) Recv() (*DecodeRequest, error) {
 	return m, nil
 }
 
+func _AttentionService_Batch_Handler(srv interface{}, stream grpc.ServerStream) error {
+	return srv.(AttentionServiceServer).Batch(&attentionServiceBatchServer{stream})
+}
+
+type AttentionService_BatchServer interface {
+	Send(*BatchResponse) error
+	Recv() (*BatchRequest, error)
+	grpc.ServerStream
+}
+
+type attentionServiceBatchServer struct {
+	grpc.ServerStream
+}
+
+func (x *attentionServiceBatchServer) Send(m *BatchResponse) error {
+	return x.ServerStream.SendMsg(m)
+}
+
+func (x *attentionServiceBatchServer) Recv() (*BatchRequest, error) {
+	m := new(BatchRequest)
+	if err := x.ServerStream.RecvMsg(m); err != nil {
+		return nil, err
+	}
+	return m, nil
+}
+
 func _AttentionService_GetServerInfo_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetServerInfoRequest)
 	if err := dec(in); err != nil {
@@ -220,6 +314,12 @@ var _AttentionService_serviceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "Decode",
 			Handler:       _AttentionService_Decode_Handler,
+			ServerStreams: true,
+			ClientStreams: true,
+		},
+		{
+			StreamName:    "Batch",
+			Handler:       _AttentionService_Batch_Handler,
 			ServerStreams: true,
 			ClientStreams: true,
 		},

@@ -1,0 +1,570 @@
+"""The Batch stream as a client sees it: bit-identical to Decode streams, equal to the oracle,
+per-sequence refusals that touch nothing else, snapshots both ways, the session's lifecycle,
+and a fuzz of random interleavings against a model made of plain caches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends.base import CacheSpec
+from backends.cpu import CPUBackend
+from backends.policy import EvictionPolicy
+from service.api import gqa_pb2, gqa_pb2_grpc
+from service.client_batch import BatchSession, Refused
+from service.config import ServerConfig
+from service.engine import EngineObserver
+from service.server import ServerThread
+from service.tensors import from_proto, to_proto
+from tests.client import CHANNEL_OPTIONS, Session, open_message
+from tests.conftest import assert_close_to_oracle
+from tests.oracle import attended_positions, attention_ref
+
+HQ, HKV, D, LAYERS = 4, 2, 8, 2
+NOT_FOUND, INVALID, EXHAUSTED, PRECONDITION = 5, 3, 8, 9
+
+# id -> (policy, prefill length per layer): mixed policies and lengths in one session.
+SEQUENCES = {
+    11: (dict(policy="none", capacity=40), (0, 3)),
+    12: (dict(policy="strict", window=5), (7, 0)),
+    13: (dict(policy="greedy", window=4, capacity=7), (2, 9)),
+    14: (dict(policy="sink", window=4, sinks=2), (10, 1)),
+    15: (dict(policy="strict", window=64), (30, 30)),
+}
+
+
+class Recorder(EngineObserver):
+    def __init__(self):
+        self.messages: list[tuple[str, str, int]] = []
+
+    def batch_message(self, backend, dtype, sequences):
+        self.messages.append((backend, dtype, sequences))
+
+    def batch_done(self, backend, dtype, size):
+        self.messages.append(("computed", size))
+
+
+RECORDER = Recorder()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(ServerConfig(address="127.0.0.1:0", metrics_port=0), observer=RECORDER) as thread:
+        yield thread
+
+
+@pytest.fixture(scope="module")
+def channel(server):
+    with grpc.insecure_channel(server.address, options=CHANNEL_OPTIONS) as ch:
+        yield ch
+
+
+def session(channel, dtype=torch.float32, **kw) -> BatchSession:
+    shape = dict(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=LAYERS) | kw
+    return BatchSession(channel, dtype=dtype, **shape)
+
+
+def rand(g, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def packed(g, n, dtype=torch.float32):
+    return rand(g, n, HQ, D, dtype=dtype), rand(g, n, HKV, D, dtype=dtype), rand(g, n, HKV, D, dtype=dtype)
+
+
+def state(s: BatchSession, sid: int) -> list[bytes]:
+    """A sequence's complete cache state, comparable across sessions."""
+    chunks = s.snapshot(sid)
+    return [c.SerializeToString(deterministic=True) for c in chunks]
+
+
+def prefills(g, lengths, dtype):
+    return {layer: (rand(g, 1, HKV, n, D, dtype=dtype), rand(g, 1, HKV, n, D, dtype=dtype))
+            for layer, n in enumerate(lengths) if n}
+
+
+# -- Batch == Decode == oracle ---------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
+    g = torch.Generator().manual_seed(3)
+    batch = session(channel, dtype)
+    decode: dict[int, Session] = {}
+    history: dict[tuple[int, int], tuple[list, list]] = {}  # (id, layer) -> keys, values per position
+    for sid, (policy, lengths) in SEQUENCES.items():
+        pre = prefills(g, lengths, dtype)
+        added = batch.add(sid, prefill=pre, **policy)
+        assert list(added.tokens_seen) == list(lengths)
+        decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, dtype=dtype, prefill=pre,
+                                                     **policy))
+        for layer in range(LAYERS):
+            k, v = pre.get(layer, (torch.empty(1, HKV, 0, D), torch.empty(1, HKV, 0, D)))
+            history[sid, layer] = ([k[:, :, i] for i in range(k.shape[2])], [v[:, :, i] for i in range(v.shape[2])])
+
+    ids_all = list(SEQUENCES)
+    for step in range(24):
+        layer = step % LAYERS
+        # a changing subset in a changing order: lengths drift apart
+        ids = [sid for i, sid in enumerate(ids_all) if (step + i) % 3] if step % 4 else ids_all[::-1]
+        q, k, v = packed(g, len(ids), dtype)
+        result = batch.step(layer, ids, q, k, v)
+        assert not result.refusals
+        for i, sid in enumerate(ids):
+            reply = decode[sid].step(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1])
+            expected = decode[sid].output(reply)
+            assert torch.equal(result.output[i:i + 1], expected), (step, sid)
+            r = reply.step
+            assert (result.tokens_seen[i], result.resident[i], result.first_position[i], result.last_position[i],
+                    result.evicted_tokens[i], result.rollback_reach[i]) == (
+                r.tokens_seen, r.resident, r.first_position, r.last_position, r.evicted_tokens, r.rollback_reach)
+            keys, values = history[sid, layer]
+            keys.append(k[i:i + 1])
+            values.append(v[i:i + 1])
+            policy = SEQUENCES[sid][0]
+            positions = attended_positions(policy["policy"], len(keys), policy.get("window", 0), policy.get("sinks", 0))
+            kk = torch.stack([keys[p] for p in positions], dim=2)
+            vv = torch.stack([values[p] for p in positions], dim=2)
+            oracle = attention_ref(q[i:i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+            assert_close_to_oracle(result.output[i:i + 1], oracle, dtype, f"step {step} sequence {sid}")
+    for stream in decode.values():
+        stream.close()
+    batch.close()
+
+
+def test_step_messages_feed_the_observer_and_the_open_count(channel, server):
+    RECORDER.messages.clear()
+    g = torch.Generator().manual_seed(4)
+    stub = gqa_pb2_grpc.AttentionServiceStub(channel)  # BatchSession takes a stub as well as a channel
+    with session(stub) as s:
+        for sid in (1, 2, 3):
+            s.add(sid, window=4)
+        assert server.engine.batch_sequences_open == 3
+        s.step(0, [1, 2, 3], *packed(g, 3))
+        s.step(1, [2, 4], *packed(g, 2))  # 4 is unknown: one step computed, a message of two
+        s.remove([2])
+        assert server.engine.batch_sequences_open == 2
+    assert RECORDER.messages == [("computed", 3), ("cpu", "float32", 3), ("computed", 1), ("cpu", "float32", 2)]
+    assert server.engine.batch_sequences_open == 0 and server.engine.bytes_reserved == 0
+
+
+# -- per-sequence refusals ---------------------------------------------------------------------
+def twin_sessions(channel, g):
+    """Two sessions holding the same sequences 1, 2 (strict) and 3 (none, one slot left)."""
+    pair = []
+    pre = {0: (rand(g, 1, HKV, 5, D), rand(g, 1, HKV, 5, D))}
+    for _ in range(2):
+        s = session(channel)
+        s.add(1, window=4, prefill=pre)
+        s.add(2, policy="greedy", window=3, capacity=5)
+        s.add(3, policy="none", capacity=6, prefill=pre)
+        pair.append(s)
+    return pair
+
+
+def assert_same_states(a: BatchSession, b: BatchSession, ids):
+    for sid in ids:
+        assert state(a, sid) == state(b, sid), f"sequence {sid} differs"
+
+
+@pytest.mark.parametrize("case", ["unknown", "duplicate", "full"])
+def test_refused_sequences_leave_the_others_as_if_not_sent(channel, case):
+    g = torch.Generator().manual_seed(5)
+    tested, reference = twin_sessions(channel, g)
+    q, k, v = packed(g, 3)
+    reference.step(0, [3], q[2:], k[2:], v[2:])  # 3 is full after this one ...
+    tested.step(0, [3], q[2:], k[2:], v[2:])
+    q, k, v = packed(g, 3)
+    if case == "unknown":
+        ids, refused, code = [1, 99, 2], {99}, NOT_FOUND
+    elif case == "duplicate":
+        ids, refused, code = [2, 1, 2], {2}, INVALID
+    else:
+        ids, refused, code = [1, 3, 2], {3}, EXHAUSTED  # ... so this step of 3 has no room
+    result = tested.step(0, ids, q, k, v)
+    assert set(result.refusals) == refused and {c for c, _ in result.refusals.values()} == {code}
+    kept = [i for i, sid in enumerate(ids) if sid not in refused]
+    alone = reference.step(0, [ids[i] for i in kept], q[kept], k[kept], v[kept])
+    assert torch.equal(result.output[kept], alone.output)
+    for i, sid in enumerate(ids):
+        if sid in refused:
+            assert not result.output[i].any() and result.tokens_seen[i] == 0
+    assert_same_states(tested, reference, [1, 2, 3])
+    # and the next step over everyone agrees too
+    q, k, v = packed(g, 2)
+    assert torch.equal(tested.step(1, [2, 1], q, k, v).output, reference.step(1, [2, 1], q, k, v).output)
+    tested.close()
+    reference.close()
+
+
+@pytest.mark.parametrize("mangle", ["layer", "n", "heads", "dtype", "bytes"])
+def test_a_step_message_that_does_not_fit_is_refused_whole(channel, mangle):
+    g = torch.Generator().manual_seed(6)
+    tested, reference = twin_sessions(channel, g)
+    q, k, v = packed(g, 2)
+    layer, ids = 0, [1, 2]
+    message = gqa_pb2.BatchStep(layer=layer, ids=ids, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v))
+    if mangle == "layer":
+        message.layer = LAYERS
+    elif mangle == "n":
+        message.ids.append(3)
+    elif mangle == "heads":
+        message.new_key.CopyFrom(to_proto(rand(g, 2, HQ, D)))
+    elif mangle == "dtype":
+        message.query.CopyFrom(to_proto(q.to(torch.float16)))
+    else:
+        message.new_value.data = message.new_value.data[:-4]
+    rid = tested._send(step=message)
+    answer = tested._recv(rid).step
+    assert answer.status.code == INVALID and not answer.output.data and not answer.tokens_seen
+    assert_same_states(tested, reference, [1, 2, 3])
+    tested.close()
+    reference.close()
+
+
+def test_add_refusals_are_in_band(channel):
+    g = torch.Generator().manual_seed(7)
+    s = session(channel)
+    s.add(1, window=4)
+    with pytest.raises(Refused) as dup:
+        s.add(1, window=8)
+    assert dup.value.code == INVALID and "already" in dup.value.message
+    with pytest.raises(Refused) as bad:
+        s.add(2, policy="none")  # no capacity
+    assert bad.value.code == INVALID
+    with pytest.raises(Refused) as shape:
+        s.add(3, window=4, prefill={0: (rand(g, 2, HKV, 3, D), rand(g, 2, HKV, 3, D))})  # batch 2
+    assert shape.value.code == INVALID
+    out = s.step(0, [1], *packed(g, 1))
+    assert not out.refusals and out.tokens_seen == [1]
+    s.close()
+
+
+def test_budget_and_stream_limit_refuse_adds_in_band():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_cache_bytes=3 * 4096 + 256,
+                          max_streams=4)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        g = torch.Generator().manual_seed(8)
+        s = session(ch)
+        for sid in (1, 2, 3):
+            s.add(sid, window=16)  # 2 layers x (keys, values) x Hkv x 16 x D x 4 = 4096 bytes each
+        with pytest.raises(Refused) as full:
+            s.add(4, window=16)
+        assert full.value.code == EXHAUSTED and "cache bytes" in full.value.message
+        s.add(4, window=1)  # 256 bytes: the rest of the budget
+        with pytest.raises(Refused) as streams:
+            s.add(5, window=1)
+        assert streams.value.code == EXHAUSTED and "streams" in streams.value.message
+        out = s.step(0, [1, 2, 3, 4], *packed(g, 4))
+        assert not out.refusals
+        s.remove([1])
+        s.add(6, window=16)  # the bytes of 1 came back
+        assert srv.engine.batch_sequences_open == 4
+        s.close()
+        assert wait_for(lambda: srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0)
+
+
+def test_rollback_remove_and_snapshot_refusals(channel):
+    g = torch.Generator().manual_seed(9)
+    s = session(channel)
+    s.add(1, window=4)  # strict: nothing can be rolled back once the window is full
+    s.add(2, policy="none", capacity=20)
+    for layer in (0, 1, 0, 1, 0, 1, 0, 1, 0, 1):
+        s.step(layer, [1, 2], *packed(g, 2))
+    before = state(s, 1)
+    result = s.rollback([1, 2, 77], [2, 2, 1])
+    codes = {r.id: r.status.code for r in result.refusals}
+    assert codes == {1: PRECONDITION, 77: NOT_FOUND}
+    assert list(result.tokens_seen) == [0, 0, 3, 3, 0, 0]  # sequence-major: 2's layers are 3 and 3
+    assert state(s, 1) == before
+    one = s.rollback([2], [1], layer=1)
+    assert not one.refusals and list(one.tokens_seen) == [3, 2]
+    assert s.remove([5, 2]) == {5: (NOT_FOUND, "remove.ids: sequence 5 is not in the session")}
+    with pytest.raises(Refused) as missing:
+        s.snapshot(2)
+    assert missing.value.code == NOT_FOUND
+    assert s.step(0, [1], *packed(g, 1)).tokens_seen == [6]
+    s.close()
+
+
+# -- snapshots both ways -----------------------------------------------------------------------
+@pytest.mark.parametrize("policy", ["strict", "greedy", "sink", "none"])
+def test_snapshot_from_decode_restores_into_batch_and_back(channel, policy):
+    cfg = {"strict": dict(policy="strict", window=5), "greedy": dict(policy="greedy", window=4, capacity=7),
+           "sink": dict(policy="sink", window=4, sinks=2), "none": dict(policy="none", capacity=30)}[policy]
+    g = torch.Generator().manual_seed(10)
+    dec = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, **cfg))
+    for i in range(9):
+        dec.step(i % LAYERS, *packed(g, 1))
+    batch = session(channel)
+    batch.add(1, window=3)
+    added = batch.restore(7, dec.snapshot())
+    assert list(added.tokens_seen) == [5, 4]
+    for i in range(6):  # the restored sequence continues exactly as the original stream
+        layer = i % LAYERS
+        q, k, v = packed(g, 2)
+        out = batch.step(layer, [7, 1], q, k, v)
+        assert torch.equal(out.output[:1], dec.output(dec.step(layer, q[:1], k[:1], v[:1])))
+    # and back: the Batch sequence's snapshot opens a Decode stream that continues the same
+    back = Session(channel, restore=batch.snapshot(7))
+    assert list(back.opened.tokens_seen) == [8, 7]
+    for i in range(4):
+        q, k, v = packed(g, 1)
+        out = batch.step(i % LAYERS, [7], q, k, v)
+        assert torch.equal(out.output, back.output(back.step(i % LAYERS, q, k, v)))
+        dec.step(i % LAYERS, q, k, v)
+    assert state(batch, 7) == [c.SerializeToString(deterministic=True) for c in back.snapshot()]
+    for closing in (dec, back, batch):
+        closing.close()
+
+
+def test_multi_chunk_snapshot_restores_in_batch_and_mismatches_are_refused():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_message_bytes=64 << 10)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        g = torch.Generator().manual_seed(12)
+        s = session(ch)
+        s.add(1, policy="none", capacity=700, prefill={0: (rand(g, 1, HKV, 400, D), rand(g, 1, HKV, 400, D))})
+        chunks = s.snapshot(1)
+        assert len(chunks) >= 3  # the configuration, then layer 0 in two slices or more
+        s.restore(2, chunks)
+        q, k, v = packed(g, 1)
+        assert torch.equal(s.step(0, [1], q, k, v).output, s.step(0, [2], q, k, v).output)
+        other = session(ch, num_layers=3)
+        with pytest.raises(Refused) as mismatch:
+            other.restore(1, chunks)
+        assert mismatch.value.code == INVALID and "num_layers 2 (session: 3)" in mismatch.value.message
+        with pytest.raises(Refused) as in_use:
+            s.restore(1, chunks)
+        assert in_use.value.code == INVALID
+        tampered = [gqa_pb2.SnapshotChunk.FromString(c.SerializeToString()) for c in chunks]
+        tampered[2].key.data = bytes(len(tampered[2].key.data))
+        with pytest.raises(Refused) as crc:
+            s.restore(3, tampered)
+        assert crc.value.code == INVALID and "checksum" in crc.value.message
+        assert s.step(0, [1, 2], *packed(g, 2)).tokens_seen == [402, 402]
+        other.close()
+        s.close()
+
+
+# -- the session's lifecycle -----------------------------------------------------------------------
+def raw_call(channel, *requests):
+    stub = gqa_pb2_grpc.AttentionServiceStub(channel)
+    return list(stub.Batch(iter(requests), timeout=30))
+
+
+def open_request(**kw):
+    fields = dict(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=LAYERS) | kw
+    return gqa_pb2.BatchRequest(request_id=0, open=gqa_pb2.BatchOpen(**fields))
+
+
+@pytest.mark.parametrize("requests, code, words", [
+    ([gqa_pb2.BatchRequest(request_id=0, add=gqa_pb2.BatchAdd(id=1))], grpc.StatusCode.INVALID_ARGUMENT, "first"),
+    ([open_request(), open_request()], grpc.StatusCode.INVALID_ARGUMENT, "only begin"),
+    ([open_request(), gqa_pb2.BatchRequest(request_id=1)], grpc.StatusCode.INVALID_ARGUMENT, "must set"),
+    ([open_request(num_query_heads=3)], grpc.StatusCode.INVALID_ARGUMENT, "multiple"),
+    ([open_request(head_dim=0)], grpc.StatusCode.INVALID_ARGUMENT, "head_dim"),
+    ([open_request(backend="cuda")], grpc.StatusCode.FAILED_PRECONDITION, "cuda"),
+], ids=["no-open", "second-open", "empty", "heads", "head-dim", "backend"])
+def test_protocol_errors_and_refused_opens_end_the_rpc(channel, server, requests, code, words):
+    if words == "cuda" and torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    with pytest.raises(grpc.RpcError) as ended:
+        raw_call(channel, *requests)
+    assert ended.value.code() == code and words in ended.value.details()
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
+
+
+def test_idle_session_is_ended_and_freed():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=0.3)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        s = session(ch)
+        s.add(1, window=4)
+        s.add(2, window=4)
+        assert srv.engine.bytes_reserved > 0
+        assert wait_for(lambda: srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0)
+        with pytest.raises(grpc.RpcError) as ended:
+            s.step(0, [1], *packed(torch.Generator().manual_seed(1), 1))
+        assert ended.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_a_busy_session_is_not_reaped():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=0.5)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        g = torch.Generator().manual_seed(2)
+        s = session(ch)
+        s.add(1, window=4)
+        s.add(2, window=4)  # never stepped, but its session is busy
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            s.step(0, [1], *packed(g, 1))
+            time.sleep(0.05)
+        assert not s.step(1, [2], *packed(g, 1)).refusals
+        s.close()
+
+
+def test_drain_ends_sessions_with_unavailable():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, grace_period_s=0.3)
+    srv = ServerThread(config).start()
+    with grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        s = session(ch)
+        s.add(1, window=4)
+        # Not waited on: the drain ends with the server's loop, which may close before it answers.
+        asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
+        assert wait_for(lambda: srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0)
+        with pytest.raises(grpc.RpcError) as ended:
+            s.step(0, [1], *packed(torch.Generator().manual_seed(1), 1))
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in ended.value.details()
+    srv._thread.join(15)  # the drained server stops by itself
+    assert not srv._thread.is_alive()
+
+
+# -- fuzz ---------------------------------------------------------------------------------------
+IDS = st.integers(0, 5)
+FUZZ_POLICIES = [dict(policy="none", capacity=6), dict(policy="strict", window=3),
+                 dict(policy="greedy", window=3, capacity=5), dict(policy="sink", window=3, sinks=1)]
+OPS = st.one_of(
+    st.tuples(st.just("add"), IDS, st.integers(0, len(FUZZ_POLICIES) - 1), st.integers(0, 4)),
+    st.tuples(st.just("step"), st.integers(0, LAYERS - 1), st.lists(IDS, max_size=5)),
+    st.tuples(st.just("step"), st.integers(0, LAYERS - 1), st.lists(IDS, max_size=5)),
+    st.tuples(st.just("remove"), st.lists(IDS, max_size=2)),
+    st.tuples(st.just("rollback"), IDS, st.integers(0, 3), st.sampled_from([None, 0, 1])),
+    st.tuples(st.just("snapshot"), IDS, IDS),
+)
+
+
+def model_caches(policy: dict, lengths: int, g) -> tuple[list, dict]:
+    pol = EvictionPolicy.create(policy["policy"], window=policy.get("window", 0), capacity=policy.get("capacity", 0),
+                                sinks=policy.get("sinks", 0))
+    caches = [CPUBackend().create_cache(CacheSpec(1, HQ, HKV, D, torch.float32, pol)) for _ in range(LAYERS)]
+    pre = {}
+    if lengths:
+        pre[0] = (rand(g, 1, HKV, lengths, D), rand(g, 1, HKV, lengths, D))
+        caches[0].prefill(*pre[0])
+    return caches, pre
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(ops=st.lists(OPS, min_size=1, max_size=25))
+def test_fuzz_interleavings_never_lose_or_mix_sequences(channel, server, ops):
+    g = torch.Generator().manual_seed(len(ops))
+    model: dict[int, list] = {}  # id -> one plain cache per layer, fed the same tokens
+    s = session(channel)
+    try:
+        for op in ops:
+            if op[0] == "add":
+                _, sid, which, n = op
+                policy = FUZZ_POLICIES[which]
+                caches, pre = model_caches(policy, n, g)
+                if sid in model:
+                    with pytest.raises(Refused):
+                        s.add(sid, prefill=pre, **policy)
+                else:
+                    s.add(sid, prefill=pre, **policy)
+                    model[sid] = caches
+            elif op[0] == "step":
+                _, layer, ids = op
+                q, k, v = packed(g, len(ids))
+                result = s.step(layer, ids, q, k, v)
+                for i, sid in enumerate(ids):
+                    if ids.count(sid) > 1:
+                        assert result.refusals[sid][0] == INVALID
+                    elif sid not in model:
+                        assert result.refusals[sid][0] == NOT_FOUND
+                    elif not model[sid][layer].policy.has_room(model[sid][layer].tokens_seen):
+                        assert result.refusals[sid][0] == EXHAUSTED
+                    else:
+                        expected = model[sid][layer].step(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                        assert sid not in result.refusals
+                        assert torch.equal(result.output[i:i + 1], expected.output)
+                        assert result.tokens_seen[i] == expected.tokens_seen
+            elif op[0] == "remove":
+                refusals = s.remove(op[1])
+                for sid in op[1]:
+                    if sid in model:
+                        del model[sid]
+                    else:
+                        assert refusals[sid][0] == NOT_FOUND
+            elif op[0] == "rollback":
+                _, sid, count, layer = op
+                result = s.rollback([sid], [count], layer=layer)
+                codes = [r.status.code for r in result.refusals]
+                if sid not in model:
+                    assert codes == [NOT_FOUND]
+                    continue
+                targets = model[sid] if layer is None else [model[sid][layer]]
+                exact = all(count <= c.policy.rollback_reach(c.tokens_seen) for c in targets)
+                assert codes == ([] if exact else [PRECONDITION])
+                if exact:
+                    for c in targets:
+                        c.rollback(count)
+                    assert list(result.tokens_seen) == [c.tokens_seen for c in model[sid]]
+            else:
+                _, sid, new = op
+                if sid not in model:
+                    with pytest.raises(Refused):
+                        s.snapshot(sid)
+                    continue
+                chunks = s.snapshot(sid)
+                assert list(chunks[0].tokens_seen) == [c.tokens_seen for c in model[sid]]
+                if new not in model:  # the copy is a new, independent sequence
+                    s.restore(new, chunks)
+                    copies = []
+                    for c in model[sid]:
+                        copy = CPUBackend().create_cache(c.spec)
+                        copy.load_state(c.tokens_seen, c.export_state())
+                        copies.append(copy)
+                    model[new] = copies
+        # every sequence the model holds is still there, with its own history
+        ids = sorted(model)
+        for layer in range(LAYERS):
+            q, k, v = packed(g, len(ids))
+            result = s.step(layer, ids, q, k, v)
+            for i, sid in enumerate(ids):
+                cache = model[sid][layer]
+                if cache.policy.has_room(cache.tokens_seen):
+                    assert torch.equal(result.output[i:i + 1], cache.step(q[i:i + 1], k[i:i + 1], v[i:i + 1]).output)
+        assert server.engine.batch_sequences_open == len(model)
+    finally:
+        s.close()
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
+
+# -- other backends --------------------------------------------------------------------------------
+def test_int8_sequences_match_decode_streams_and_move_between_them(channel):
+    """int8 caches (codes, scales, outlier channels) through Batch: bit-identical to int8 Decode
+    streams, across the calibration of the first 16 tokens, and snapshots both ways."""
+    g = torch.Generator().manual_seed(13)
+    batch = session(channel, backend="int8")
+    decode = {}
+    for sid, cfg in ((1, dict(policy="strict", window=6)), (2, dict(policy="sink", window=5, sinks=2))):
+        pre = {0: (rand(g, 1, HKV, 3, D), rand(g, 1, HKV, 3, D))}
+        batch.add(sid, prefill=pre, **cfg)
+        decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, backend="int8", prefill=pre, **cfg))
+    for step in range(24):
+        q, k, v = packed(g, 2)
+        out = batch.step(step % LAYERS, [1, 2], q, k, v)
+        for i, sid in enumerate((1, 2)):
+            expected = decode[sid].output(decode[sid].step(step % LAYERS, q[i:i + 1], k[i:i + 1], v[i:i + 1]))
+            assert torch.equal(out.output[i:i + 1], expected), (step, sid)
+    batch.restore(3, decode[1].snapshot())
+    back = Session(channel, restore=batch.snapshot(2))
+    q, k, v = packed(g, 2)
+    out = batch.step(0, [3, 2], q, k, v)
+    assert torch.equal(out.output[:1], decode[1].output(decode[1].step(0, q[:1], k[:1], v[:1])))
+    assert torch.equal(out.output[1:], back.output(back.step(0, q[1:], k[1:], v[1:])))
+    for closing in (*decode.values(), back, batch):
+        closing.close()
