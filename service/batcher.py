@@ -132,6 +132,31 @@ class Batcher:
             self._queue.append(step)
             self._cond.notify()
 
+    def run_inline(self, step: PendingStep) -> bool:
+        """Computes ``step`` on the calling thread if no step is queued or computing (then a
+        thread hop would cost more than a small step); False, and nothing done, otherwise."""
+        with self._cond:
+            if self._queue or self._in_flight or self._stopped:
+                return False
+            self._in_flight = 1
+            self._running.add(id(step.stream))
+        t0 = time.perf_counter_ns()
+        try:
+            self._compute([step], t0)
+        except BaseException:
+            log.exception("an inline step failed as a whole")
+            if step.result is None:
+                step.result = self._reply(step, Internal(), 0.0)
+        finally:
+            elapsed = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in_flight -= 1
+                self._busy_ns += elapsed
+                self._running.discard(id(step.stream))
+                if self._queue:
+                    self._cond.notify()
+        return True
+
     def stop(self) -> None:
         """Workers finish the batch they compute and the queued steps, then exit."""
         with self._cond:

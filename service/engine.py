@@ -415,8 +415,14 @@ class Engine:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
         future = asyncio.get_running_loop().create_future()
-        self.batcher.submit(PendingStep(stream, layer, cache, query, new_key, new_value,
-                                        time.perf_counter() if received is None else received, future, reply))
+        pending = PendingStep(stream, layer, cache, query, new_key, new_value,
+                              time.perf_counter() if received is None else received, future, reply)
+        # A small step while no other is queued or computing runs right here: the hop to a
+        # worker and back would cost more than the step (--inline-step-bytes, 0 turns it off).
+        if (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes and self.batcher.run_inline(pending):
+            future.set_result(pending.result)
+            return future
+        self.batcher.submit(pending)
         return future
 
     def close(self, stream: Stream, reason: str = "closed") -> bool:
