@@ -163,7 +163,8 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
 
     monkeypatch.setattr(batch, "step_many", slow_step)
     monkeypatch.setattr(Stream, "touch", counting_touch)
-    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_queued_steps=2)
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_queued_steps=2,
+                          inline_step_bytes=0)  # steps on a worker, so the loop stays free to read
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as channel:
         session = Session(channel, open_message())
         for rid in range(1, 11):
