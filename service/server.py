@@ -165,6 +165,10 @@ class Server:
             self.metrics.stop_http()
         self._stopped.set()
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
     async def wait(self) -> None:
         await self._stopped.wait()
 
@@ -243,7 +247,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        if self.server is not None and self._thread.is_alive():
+        # A server that drained has stopped itself; its loop may be closing already.
+        if self.server is not None and self._thread.is_alive() and not self.server.stopped:
             self.call(self.server.stop(0))
         self._thread.join(10)
 
