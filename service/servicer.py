@@ -198,6 +198,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 request = await session.next()
                 if request is EOF:
                     break
+                if request.HasField("step"):  # the hot path, without a generator per request
+                    response = await self._step(stream, shape, request.step, request.request_id)
+                    session.begin_write()
+                    yield response
+                    session.end_write()
+                    continue
                 async for response in self._handle(stream, shape, request, context):
                     session.begin_write()
                     yield response
