@@ -205,6 +205,7 @@ class Engine:
         self.draining = False
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0
+        self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
         self.batcher = Batcher(config.compute_workers, observer=self.observer,
                                max_delay_s=config.batch_max_delay_us * 1e-6, max_steps=config.batch_max_steps)
 
@@ -385,15 +386,21 @@ class Engine:
         now = self.clock()
         stream = Stream(admission.id, config, caches, admission.need, now, now)
         with self._lock:
+            late = self._closed_all  # shutdown ended every stream while this one was built
             if admission.released:  # abandoned while it was being built; already released
                 abandoned = True
+            elif late is not None:
+                abandoned = True
+                admission.released = True
+                self._reserved -= admission.need
+                self._admitting -= 1
             else:
                 abandoned = False
                 self._admitting -= 1
                 self._streams[stream.id] = stream
                 admission.stream = stream
         if abandoned:
-            raise Unavailable("the open was cancelled")
+            raise late if late is not None else Unavailable("the open was cancelled")
         self.observer.stream_opened(stream)
         return stream
 
@@ -461,7 +468,10 @@ class Engine:
             self.draining = True
 
     def close_all(self, error: ServiceError, reason: str) -> int:
-        """Ends every stream (shutdown); their handlers get ``error``."""
+        """Ends every stream (shutdown); their handlers get ``error``, and so do opens still
+        being built when they finish."""
+        with self._lock:
+            self._closed_all = error
         closed = 0
         for stream in self.streams():
             if self.close(stream, reason):

@@ -236,6 +236,25 @@ def test_6_drain_lets_a_step_in_flight_finish(monkeypatch):
         drain.result(20)
 
 
+def test_6_drain_ends_an_open_still_being_built(monkeypatch):
+    """An open admitted before the drain and built after every stream was ended does not
+    register a stream nobody would end (the drain would wait for it): its client gets
+    UNAVAILABLE, and nothing stays reserved."""
+    held = HeldBuild(monkeypatch)
+    config = dataclasses.replace(BASE, grace_period_s=1.0)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as ch:
+        rpc = RawCall(ch, [gqa_pb2.DecodeRequest(open=open_message())])
+        assert held.entered.acquire(timeout=10)
+        drain = asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
+        assert wait_until(lambda: srv.engine._closed_all is not None)
+        held.release.set()
+        with pytest.raises(grpc.RpcError) as info:
+            next(rpc.call)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
+        drain.result(20)
+        assert srv.engine.bytes_reserved == 0 and srv.engine.active_streams == 0
+
+
 # -- item 7 ---------------------------------------------------------------------------------------
 def test_7_max_streams_holds_against_concurrent_opens(monkeypatch):
     """Before: opens still being admitted were not counted (--max-streams 2: 3 streams from
