@@ -59,6 +59,9 @@ __all__ = [
 
 log = logging.getLogger("gqa.engine")
 
+# Steps of different streams submitted closer together than this count as concurrent.
+_CONCURRENT_WINDOW_S = 1e-3
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -206,6 +209,8 @@ class Engine:
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0
         self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
+        self._last_stream: Stream | None = None  # the stream of the last step submitted, and when
+        self._last_step_at = 0.0
         self.batcher = Batcher(config.compute_workers, observer=self.observer,
                                max_delay_s=config.batch_max_delay_us * 1e-6, max_steps=config.batch_max_steps)
 
@@ -424,9 +429,15 @@ class Engine:
         future = asyncio.get_running_loop().create_future()
         pending = PendingStep(stream, layer, cache, query, new_key, new_value,
                               time.perf_counter() if received is None else received, future, reply)
-        # A small step while no other is queued or computing runs right here: the hop to a
-        # worker and back would cost more than the step (--inline-step-bytes, 0 turns it off).
-        if (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes and self.batcher.run_inline(pending):
+        # A small step of a stream stepping alone runs right here: the hop to a worker and back
+        # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
+        # other step queued or computing, and no other stream's step submitted within the last
+        # millisecond: when several streams step, their steps go to the batcher together.
+        now = pending.received
+        alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
+        self._last_stream, self._last_step_at = stream, now
+        if (alone and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
+                and self.batcher.run_inline(pending)):
             future.set_result(pending.result)
             return future
         self.batcher.submit(pending)
