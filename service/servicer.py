@@ -2,8 +2,15 @@
 
 Errors: ``ServiceError`` carries its code; in a stream, a refused step/rollback/snapshot is
 answered in-band and the stream goes on; a broken protocol, a refused open, the idle timeout
-and shutdown end the RPC with a status. Any other exception becomes INTERNAL with a fixed
-message (the traceback goes to the log, never to the client).
+and shutdown end the RPC with a status (``_abort``, the one place exceptions become statuses).
+Any other exception becomes INTERNAL with a fixed message (the traceback goes to the log, never
+to the client). Only validation says INVALID_ARGUMENT: what a backend raises while computing
+is INTERNAL (``service.batcher.classify_step_error``).
+
+A Decode stream's session (read-ahead, back-pressure, forced close) is ``service.session``;
+its steps go to the engine's batcher (``service.batcher``) after integer checks against the
+stream's shapes, and come back as reply messages built on the compute worker. Opens and
+restores are admitted here (cheap) and built on the pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ from .api import gqa_pb2, gqa_pb2_grpc
 from .batcher import classify_step_error
 from .config import ServerConfig
 from .engine import Admission, Engine, StepReport, Stream
-from .errors import CODE_NUMBERS, Internal, InvalidArgument, ServiceError, Unavailable
+from .errors import Internal, InvalidArgument, ServiceError
 from .session import EOF, StreamClosed, StreamSession
 from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import queue
 import random
 import threading
 
@@ -18,7 +17,6 @@ from backends import batch
 from backends.base import CacheSpec
 from backends.registry import get_backend
 from backends.policy import EvictionPolicy
-from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
 from service.engine import Engine, EngineObserver
 from service.errors import ServiceError
