@@ -9,9 +9,9 @@ Forced close (idle reaper, drain) is signalled, not done by cancelling the handl
 engine calls ``stream.on_forced_close`` from any thread; the session records the error and
 wakes the handler, whose next ``next`` raises ``StreamClosed`` (a step being computed finishes
 and its reply goes out first). One case cannot be woken: a handler blocked writing a reply to
-a client that does not read. If it is still in that same write ``write_grace_s`` after the
-forced close, the session cancels the handler task, so the RPC ends and everything it holds
-is freed whatever the client does.
+a client that does not read. After a forced close the session looks every ``write_grace_s``:
+a handler found in the same write as at the previous look is cancelled, so the RPC ends and
+everything it holds is freed whatever the client does.
 
 Every request byte buffered is also counted on the engine (``read_ahead_bytes``).
 """
@@ -123,15 +123,22 @@ class StreamSession:
             pass
 
     def _force(self, error: ServiceError) -> None:
-        if self.forced is None:
+        first = self.forced is None
+        if first:
             self.forced = error
         self._wake.set()
-        if self.writing and not self._closed:
-            self._loop.call_later(self._write_grace_s, self._cut_stuck_write, self._writes)
+        if first and not self._closed:
+            self._loop.call_later(self._write_grace_s, self._watch, self._writes)
 
-    def _cut_stuck_write(self, write: int) -> None:
-        if not self._closed and self.writing and self._writes == write and self._task is not None:
+    def _watch(self, writes: int) -> None:
+        """After a forced close: a handler in the same write as ``write_grace_s`` ago is stuck
+        (its client does not read); cut it. A handler still finishing a step is looked at again."""
+        if self._closed or self._task is None:
+            return
+        if self.writing and self._writes == writes:
             self._task.cancel()
+            return
+        self._loop.call_later(self._write_grace_s, self._watch, self._writes)
 
     # -- the reader ----------------------------------------------------------------------------------
     async def _read_ahead(self) -> None:
