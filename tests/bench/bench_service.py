@@ -14,6 +14,9 @@ in-process step time of the CPU backend at the same shape with the server's torc
 machine's read floor (a sum over as many bytes as the 64-stream S=2048 cell's steps read, with
 as many threads as the server has compute workers).
 
+An ablation in the same run: the service with every step's computation replaced by a stored
+result (S=1, 1 and 64 streams), so the servicer's own per-message cost shows beside the echo's.
+
 Targets (issue 15), printed PASS/FAIL: 1 stream at S=1 round trip <= 1.25 x (echo round trip
 + in-process step); 64 streams at S=1 >= 0.8 x the echo server's steps/s; 64 streams at S=2048
 the server reads cache at >= 0.6 x the read floor.
@@ -109,6 +112,18 @@ from service.server import Server
 STATS = sys.argv[1]
 counts = [0, 0]  # batches, steps
 
+if sys.argv[2:] == ["stub"]:  # the ablation: every step's computation replaced by a stored result
+    import backends.batch
+    computed = {}
+    real = backends.batch.step_many
+
+    def stub(steps):
+        if len(steps) not in computed:
+            computed[len(steps)] = real(steps)
+        return computed[len(steps)]
+
+    backends.batch.step_many = stub
+
 class Counting(EngineObserver):
     def batch_done(self, backend, dtype, size):
         counts[0] += 1
@@ -144,8 +159,9 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, address, reply], stdout=subprocess.DEVNULL)
     else:
         env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
-        proc = subprocess.Popen([sys.executable, "-c", SERVICE_SERVER, os.path.join(tmpdir, "stats")], env=env,
-                                stdout=subprocess.DEVNULL)
+        os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
+        proc = subprocess.Popen([sys.executable, "-c", SERVICE_SERVER, os.path.join(tmpdir, kind, "stats"),
+                                 *(["stub"] if kind == "stub" else [])], env=env, stdout=subprocess.DEVNULL)
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=60)
     channel.close()
@@ -200,7 +216,7 @@ def batch_counts(tmpdir: str) -> tuple[int, int]:
     """(batches, steps) the service has computed so far (its stats file, 100 ms fresh)."""
     time.sleep(0.25)
     try:
-        with open(os.path.join(tmpdir, "stats")) as f:
+        with open(os.path.join(tmpdir, "service", "stats")) as f:
             batches, steps = f.read().split()
         return int(batches), int(steps)
     except (OSError, ValueError):
@@ -257,14 +273,15 @@ def run(report) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         try:
-            for kind in ("echo", "service"):
+            for kind in ("echo", "service", "stub"):
                 procs[kind] = start(kind, tmp)
             local = {}
             for s in SEQ:
                 local[s] = in_process_step_seconds(s, ServerConfig().torch_threads)
                 report.add(S=s, in_process_step_us=local[s] * 1e6)
                 for c in CONCURRENCY:
-                    for kind in ("echo", "service"):
+                    kinds = ("echo", "service", "stub") if s == 1 and c in (1, 64) else ("echo", "service")
+                    for kind in kinds:
                         before = batch_counts(tmp) if kind == "service" else None
                         r = loop.run_until_complete(drive(procs[kind][1], s, c))
                         if before is not None:
@@ -295,6 +312,11 @@ def run(report) -> None:
                  "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo", "mean batch"], rows))
     print(f"read floor: {floor_gbps:.2f} GB/s ({read_bytes / 1e9:.2f} GB, {workers} threads); "
           f"service at S=2048 x 64 streams: {service_gbps:.2f} GB/s of cache")
+    for c in (1, 64):
+        e, v, stub = (results[(k, 1, c)] for k in ("echo", "service", "stub"))
+        print(f"ablation, S=1, {c} stream(s): step computation stubbed out, the service answers "
+              f"{stub['steps_per_s'] / e['steps_per_s']:.2f}x the echo server's steps/s at p50 {stub['p50_us']:.0f} us "
+              f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us)")
     one = [r for r in rows if r[0] == 1 and r[1] == 1][0]
     many = [r for r in rows if r[0] == 1 and r[1] == 64][0]
     print(verdict("1 stream S=1 round trip / (echo + step)", one[5], 1.25))
