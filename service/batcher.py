@@ -7,7 +7,8 @@ none of a stream whose previous step is still computing), runs them with ONE
 ``call_soon_threadsafe`` per loop and batch). By default nothing waits for batch-mates: a free
 worker takes whatever is queued, so a lone stream pays only the thread hop. With
 ``max_delay_s`` the oldest queued step may be held that long for others to join (unless the
-batch is already ``max_steps`` long).
+batch is already ``max_steps`` long). Steps of every backend, dtype and head shape share the
+queue: ``step_many`` groups same-encoding caches into one native call (Contract 1).
 
 Per step the worker turns the message bytes into read-only tensors (``torch.frombuffer``, no
 copy; the cache copies the token in), computes, maps the outcome to a ``StepReport`` or a
@@ -106,10 +107,8 @@ class Batcher:
         self._in_flight = 0
         self._busy_ns = 0
         self._stopped = False
-        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(self.workers)]
-        for t in self._threads:
-            t.start()
+        self._name = name
+        self._threads: list[threading.Thread] = []  # started with the first queued step
 
     # -- views (Contract 3) -------------------------------------------------------------------
     @property
@@ -129,6 +128,11 @@ class Batcher:
         with self._cond:
             if self._stopped:
                 raise Unavailable("the server is shutting down")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+                                 for i in range(self.workers)]
+                for t in self._threads:
+                    t.start()
             self._queue.append(step)
             self._cond.notify()
 
