@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args", "parse_size", "format_size"]
+__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args", "parse_size", "format_size", "load_snapshot_key"]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -91,6 +91,20 @@ class ServerConfig:
 
     workers: int = field(default=0, metadata={"help": "compute threads (0: one per core)"})
     """Threads that run steps; streams run in parallel on them."""
+
+    max_queued_bytes: int = field(default=16 * MiB, metadata={"help": "request bytes read ahead per stream", "size": True})
+    """Bytes of one stream's requests read ahead and not yet handled: the reader stops while
+    this many are buffered, so a stream holds at most this plus one message (``max_message_bytes``)."""
+
+    batch_max_delay_us: int = field(default=0, metadata={"help": "microseconds a step may wait for batch-mates"})
+    """How long the oldest waiting step may be held back so that more streams' steps join its
+    batch. 0 (the default) adds no delay: a free compute worker takes whatever is queued."""
+
+    batch_max_steps: int = field(default=0, metadata={"help": "steps per batched computation (0: no limit)"})
+    """Largest batch; 0 means no limit beyond one step per stream."""
+
+    kernel_threads: int = field(default=0, metadata={"help": "threads of the compiled kernels' pool (0: one per core)"})
+    """Size of the process-wide pool the compiled kernels run on (``backends.native.set_threads``)."""
 
     torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads per step"})
     """torch's intra-op threads (``torch.set_num_threads``, process-wide). One by default:
@@ -183,6 +197,11 @@ class ServerConfig:
             raise ConfigError(f"--max-connection-age-s: must be >= 0, got {self.max_connection_age_s}")
         if self.grace_period_s < 0:
             raise ConfigError(f"--grace-period-s: must be >= 0, got {self.grace_period_s}")
+        for name in ("batch_max_delay_us", "batch_max_steps", "kernel_threads"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{_flag(name)}: must be >= 0, got {getattr(self, name)}")
+        if self.max_queued_bytes <= 0:
+            raise ConfigError(f"--max-queued-bytes: must be positive, got {self.max_queued_bytes}")
         if self.workers < 0:
             raise ConfigError(f"--workers: must be >= 0, got {self.workers}")
         if self.torch_threads < 1:
@@ -228,6 +247,10 @@ class ServerConfig:
     @property
     def compute_workers(self) -> int:
         return self.workers or (os.cpu_count() or 1)
+
+    @property
+    def kernel_pool_threads(self) -> int:
+        return self.kernel_threads or (os.cpu_count() or 1)
 
 
 MIN_SNAPSHOT_KEY_BYTES = 16

@@ -5,13 +5,22 @@ back to statuses, and the engine is tested without a server. Stats go to one obs
 (``service.metrics`` turns them into Prometheus updates), so nothing here imports
 ``prometheus_client`` either.
 
-Threading: ``open``/``close``/``reap_idle`` take the engine lock; a stream's steps are issued
-one at a time by its own handler, so a ``Stream`` needs no lock of its own. Steps of different
-streams run concurrently on the compute pool (torch releases the GIL).
+Admission and allocation are separate: ``admit`` checks the limits and reserves the bytes
+and the stream slot at once, under the engine lock, on the caller's thread (cheap: integers
+only); ``build`` allocates, zero-fills and prefills or restores, on a worker thread (its cost
+is proportional to the stream's size, so it never runs on the event loop). An admission
+abandoned while it builds (its RPC was cancelled) is released at once by ``abandon``; the
+build then drops what it allocated instead of registering the stream. ``active_streams``
+counts admissions being built, so ``max_streams`` holds against concurrent opens.
+
+Steps go through the batcher (``service.batcher``): ``submit_step`` queues one and returns an
+asyncio future; a compute worker runs the steps of many streams in one ``step_many`` call.
+A stream's steps are submitted one at a time by its own handler, so a ``Stream`` needs no lock.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import threading
@@ -26,6 +35,7 @@ from backends.base import CacheSpec, LayerCache, StepOutcome
 from backends.errors import BackendUnavailable, CacheFullError, RollbackError
 from backends.policy import EvictionPolicy, PolicyError
 
+from .batcher import Batcher, PendingStep, classify_step_error
 from .config import ServerConfig, load_snapshot_key
 from .errors import (
     DeadlineExceeded,
@@ -43,10 +53,14 @@ __all__ = [
     "StreamConfig",
     "StepReport",
     "EngineObserver",
+    "Admission",
     "DTYPES",
 ]
 
 log = logging.getLogger("gqa.engine")
+
+# Steps of different streams submitted closer together than this count as concurrent.
+_CONCURRENT_WINDOW_S = 1e-3
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -139,25 +153,10 @@ class Stream:
         t0 = time.perf_counter_ns()
         try:
             outcome = cache.step(query, new_key, new_value)
-        except CacheFullError as exc:
-            raise ResourceExhausted(str(exc)) from None
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(str(exc)) from None
-        except ServiceError:
-            raise
-        except Exception:
-            log.exception("stream %s: step on layer %d failed", self.id, layer)
-            raise Internal() from None
+        except Exception as exc:
+            raise classify_step_error(exc, f"stream {self.id}: step on layer {layer}") from None
         compute_ns = time.perf_counter_ns() - t0
         return StepReport(outcome, compute_ns, cache.policy.rollback_reach(outcome.tokens_seen))
-
-    def step_cost_bytes(self, layer: int) -> int:
-        """Cache bytes the next step on ``layer`` will read (to pick inline or pooled compute)."""
-        if not 0 <= layer < len(self.caches):
-            return 0
-        cache = self.caches[layer]
-        attended = sum(len(r) for r in cache.policy.attended(cache.tokens_seen + 1))
-        return attended * cache.row_bytes
 
     def rollback(self, count: int, layer: int | None) -> None:
         """Drops the last ``count`` tokens of one layer or all; all-or-nothing."""
@@ -180,6 +179,19 @@ class Stream:
         self.last_active = now
 
 
+@dataclass(eq=False)
+class Admission:
+    """A stream admitted and counted but not yet built: its id, slot and reserved bytes."""
+
+    id: str
+    config: StreamConfig
+    need: int
+    backend: object = field(repr=False)
+    spec: CacheSpec = field(repr=False)
+    stream: Stream | None = None
+    released: bool = False
+
+
 class Engine:
     """All open streams of one server, with their admission and limits."""
 
@@ -190,6 +202,7 @@ class Engine:
         self.observer = observer or EngineObserver()
         self._lock = threading.Lock()
         self._streams: dict[str, Stream] = {}
+        self._admitting = 0  # admissions counted and reserved, still being built
         self._reserved = 0
         self._ids = itertools.count(1)
         self.draining = False
@@ -197,31 +210,39 @@ class Engine:
         self.snapshot_key: bytes | None = load_snapshot_key(config)
         # Kept by service.batch_rpc on the event loop: sequences open in Batch sessions.
         self.batch_sequences = 0
+        # Request bytes the stream sessions hold read ahead, all streams together.
+        self.read_ahead_bytes = 0
+        self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
+        self._last_stream: Stream | None = None  # the stream of the last step submitted, and when
+        self._last_step_at = 0.0
+        self.batcher = Batcher(config.compute_workers, observer=self.observer,
+                               max_delay_s=config.batch_max_delay_us * 1e-6, max_steps=config.batch_max_steps)
 
     # -- views ----------------------------------------------------------------------------
     @property
     def active_streams(self) -> int:
-        return len(self._streams)
+        """Open streams, and streams admitted and still being allocated."""
+        return len(self._streams) + self._admitting
 
     # Saturation, read at scrape time by ``service.metrics``; the batcher keeps them.
     @property
     def steps_waiting(self) -> int:
         """Steps accepted and waiting for a compute worker."""
-        return 0
+        return self.batcher.waiting
 
     @property
     def steps_in_flight(self) -> int:
         """Steps being computed right now."""
-        return 0
+        return self.batcher.in_flight
 
     @property
     def compute_busy_seconds(self) -> float:
         """Seconds the compute workers have spent computing, summed over workers, since start."""
-        return 0.0
+        return self.batcher.busy_seconds
 
     @property
     def compute_workers(self) -> int:
-        return self.config.compute_workers
+        return self.batcher.workers
 
     @property
     def batch_sequences_open(self) -> int:
@@ -275,18 +296,15 @@ class Engine:
         return StreamConfig(backend, dtype, batch_size, num_query_heads, num_kv_heads, head_dim, num_layers, pol)
 
     # -- lifecycle ----------------------------------------------------------------------------
-    def open(self, config: StreamConfig,
-             prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-             restore: list[tuple[int, dict]] | None = None) -> Stream:
-        """Admits, allocates and prefills (or restores) a stream; on failure nothing stays reserved.
+    def admit(self, config: StreamConfig, *, restore_layers: int | None = None) -> Admission:
+        """Checks the backend and the limits, and reserves the stream's bytes and slot at once.
 
-        ``restore`` holds, per layer, ``(tokens_seen, state)`` as ``LayerCache.export_state``
-        returns it (a snapshot).
+        Cheap (integer arithmetic), so it runs on the event loop; nothing is allocated. Refusals
+        are counted by the observer with their reason.
         """
-        prefill = prefill or {}
-        if restore is not None and len(restore) != config.num_layers:
+        if restore_layers is not None and restore_layers != config.num_layers:
             self.observer.open_refused("invalid")
-            raise InvalidArgument(f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}")
+            raise InvalidArgument(f"restore: the snapshot has {restore_layers} layers, its configuration {config.num_layers}")
         try:
             backend = registry.get_backend(config.backend)
             spec = config.spec(backend.default_device)
@@ -294,16 +312,12 @@ class Engine:
         except BackendUnavailable as exc:
             self.observer.open_refused("backend")
             raise FailedPrecondition(f"backend {config.backend!r} cannot serve this stream: {exc}") from None
-        for layer in prefill:
-            if not 0 <= layer < config.num_layers:
-                self.observer.open_refused("invalid")
-                raise InvalidArgument(f"prefill.layer: {layer} is out of range; num_layers={config.num_layers}")
         need = backend.cache_nbytes(spec) * config.num_layers
         with self._lock:
             if self.draining:
                 self.observer.open_refused("draining")
                 raise Unavailable("the server is shutting down; open the stream on another replica")
-            if len(self._streams) >= self.config.max_streams:
+            if len(self._streams) + self._admitting >= self.config.max_streams:
                 self.observer.open_refused("streams")
                 raise ResourceExhausted(f"the server holds its limit of {self.config.max_streams} streams")
             if self._reserved + need > self.config.max_cache_bytes:
@@ -313,8 +327,42 @@ class Engine:
                     f"{self.config.max_cache_bytes - self._reserved} of the server's {self.config.max_cache_bytes} are free"
                 )
             self._reserved += need
+            self._admitting += 1
             stream_id = f"s{next(self._ids)}"
+        return Admission(stream_id, config, need, backend, spec)
+
+    def abandon(self, admission: Admission) -> None:
+        """Releases an admission whose RPC ended: at once, whether or not it is still being
+        built (a build that finishes later drops its caches). Idempotent."""
+        with self._lock:
+            stream = admission.stream
+            if stream is None and not admission.released:
+                admission.released = True
+                self._reserved -= admission.need
+                self._admitting -= 1
+        if stream is not None:
+            self.close(stream, "cancelled")
+
+    def build(self, admission: Admission,
+              prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+              restore: list[tuple[int, dict]] | None = None) -> Stream:
+        """Allocates and prefills (or restores) an admitted stream and registers it.
+
+        Runs on a worker thread: allocation and zero-fill cost time proportional to the stream.
+        On failure, or when the admission was abandoned meanwhile, nothing stays reserved.
+        ``restore`` holds, per layer, ``(tokens_seen, state)`` as ``LayerCache.export_state``
+        returns it (a snapshot).
+        """
+        config, backend, spec = admission.config, admission.backend, admission.spec
+        prefill = prefill or {}
         try:
+            if admission.released:
+                raise Unavailable("the open was cancelled")
+            for layer in prefill:
+                if not 0 <= layer < config.num_layers:
+                    raise InvalidArgument(f"prefill.layer: {layer} is out of range; num_layers={config.num_layers}")
+            if restore is not None and len(restore) != config.num_layers:
+                raise InvalidArgument(f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}")
             caches = [backend.create_cache(spec) for _ in range(config.num_layers)]
             for layer, (keys, values) in prefill.items():
                 try:
@@ -330,7 +378,12 @@ class Engine:
                     raise InvalidArgument(f"restore: layer {layer}: {exc}") from None
         except BaseException as exc:
             with self._lock:
-                self._reserved -= need
+                if not admission.released:
+                    admission.released = True
+                    self._reserved -= admission.need
+                    self._admitting -= 1
+            if isinstance(exc, Unavailable):
+                raise
             if isinstance(exc, ServiceError):
                 self.observer.open_refused("invalid")
                 raise
@@ -340,11 +393,59 @@ class Engine:
             log.exception("opening a stream failed")
             raise Internal("opening the stream failed") from None
         now = self.clock()
-        stream = Stream(stream_id, config, caches, need, now, now)
+        stream = Stream(admission.id, config, caches, admission.need, now, now)
         with self._lock:
-            self._streams[stream_id] = stream
+            late = self._closed_all  # shutdown ended every stream while this one was built
+            if admission.released:  # abandoned while it was being built; already released
+                abandoned = True
+            elif late is not None:
+                abandoned = True
+                admission.released = True
+                self._reserved -= admission.need
+                self._admitting -= 1
+            else:
+                abandoned = False
+                self._admitting -= 1
+                self._streams[stream.id] = stream
+                admission.stream = stream
+        if abandoned:
+            raise late if late is not None else Unavailable("the open was cancelled")
         self.observer.stream_opened(stream)
         return stream
+
+    def open(self, config: StreamConfig,
+             prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+             restore: list[tuple[int, dict]] | None = None) -> Stream:
+        """``admit`` then ``build``, on the calling thread (tests and in-process use)."""
+        admission = self.admit(config, restore_layers=None if restore is None else len(restore))
+        return self.build(admission, prefill, restore)
+
+    # -- steps ------------------------------------------------------------------------------------
+    def submit_step(self, stream: Stream, layer: int, query, new_key, new_value, *,
+                    received: float | None = None, reply=None) -> "asyncio.Future":
+        """Queues one step for the batcher; call on the event loop. Returns a future of
+        ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
+        itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
+        (checked by the caller); a closed stream or a layer out of range raise at once."""
+        if stream.closed:
+            raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
+        cache = stream._layer(layer)
+        future = asyncio.get_running_loop().create_future()
+        pending = PendingStep(stream, layer, cache, query, new_key, new_value,
+                              time.perf_counter() if received is None else received, future, reply)
+        # A small step of a stream stepping alone runs right here: the hop to a worker and back
+        # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
+        # other step queued or computing, and no other stream's step submitted within the last
+        # millisecond: when several streams step, their steps go to the batcher together.
+        now = pending.received
+        alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
+        self._last_stream, self._last_step_at = stream, now
+        if (alone and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
+                and self.batcher.run_inline(pending)):
+            future.set_result(pending.result)
+            return future
+        self.batcher.submit(pending)
+        return future
 
     def close(self, stream: Stream, reason: str = "closed") -> bool:
         """Frees a stream's caches and reservation; idempotent."""
@@ -373,12 +474,19 @@ class Engine:
                     ))
         return reaped
 
+    def stop(self) -> None:
+        """Stops the compute workers once the queued steps are answered."""
+        self.batcher.stop()
+
     def start_draining(self) -> None:
         with self._lock:
             self.draining = True
 
     def close_all(self, error: ServiceError, reason: str) -> int:
-        """Ends every stream (shutdown); their handlers get ``error``."""
+        """Ends every stream (shutdown); their handlers get ``error``, and so do opens still
+        being built when they finish."""
+        with self._lock:
+            self._closed_all = error
         closed = 0
         for stream in self.streams():
             if self.close(stream, reason):

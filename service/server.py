@@ -23,6 +23,8 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from backends import native
+
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, EngineObserver
@@ -62,6 +64,7 @@ class Server:
         if self.metrics is not None:
             self.metrics.bind(self.engine)
         torch.set_num_threads(config.torch_threads)
+        native.set_threads(config.kernel_pool_threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
         self.health = health.aio.HealthServicer()
         options = [
@@ -145,6 +148,9 @@ class Server:
             await asyncio.sleep(0.05)
         self.engine.close_all(Unavailable("the server is shutting down; reopen the stream on another replica"),
                               "shutdown")
+        # A step being computed finishes and its reply goes out before its RPC ends (a stuck
+        # write is cut by the session after its grace), so no RPC is left for stop to cancel.
+        await self.servicer.sessions_ended()
         await self.stop(grace=min(1.0, self.config.grace_period_s) or None)
 
     async def stop(self, grace: float | None = None) -> None:
@@ -154,9 +160,14 @@ class Server:
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
         self.pool.shutdown(wait=False, cancel_futures=True)
+        self.engine.stop()
         if self.metrics is not None:
             self.metrics.stop_http()
         self._stopped.set()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
 
     async def wait(self) -> None:
         await self._stopped.wait()
@@ -239,7 +250,8 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
-        if self.server is not None and self._thread.is_alive():
+        # A server that drained has stopped itself; its loop may be closing already.
+        if self.server is not None and self._thread.is_alive() and not self.server.stopped:
             self.call(self.server.stop(0))
         self._thread.join(10)
 

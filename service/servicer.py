@@ -2,8 +2,15 @@
 
 Errors: ``ServiceError`` carries its code; in a stream, a refused step/rollback/snapshot is
 answered in-band and the stream goes on; a broken protocol, a refused open, the idle timeout
-and shutdown end the RPC with a status. Any other exception becomes INTERNAL with a fixed
-message (the traceback goes to the log, never to the client).
+and shutdown end the RPC with a status (``_abort``, the one place exceptions become statuses).
+Any other exception becomes INTERNAL with a fixed message (the traceback goes to the log, never
+to the client). Only validation says INVALID_ARGUMENT: what a backend raises while computing
+is INTERNAL (``service.batcher.classify_step_error``).
+
+A Decode stream's session (read-ahead, back-pressure, forced close) is ``service.session``;
+its steps go to the engine's batcher (``service.batcher``) after integer checks against the
+stream's shapes, and come back as reply messages built on the compute worker. Opens and
+restores are admitted here (cheap) and built on the pool, never on the event loop.
 """
 
 from __future__ import annotations
@@ -19,14 +26,17 @@ import torch
 
 from backends import registry
 from backends.reference import gqa_decode_step
+from backends.validation import check_cache_tensors, check_heads, check_step_tensors
 
 from . import __version__, snapshot
 from . import batch_rpc
 from .api import gqa_pb2, gqa_pb2_grpc
+from .batcher import classify_step_error
 from .config import ServerConfig
-from .engine import Engine, Stream
-from .errors import CODE_NUMBERS, Internal, InvalidArgument, ServiceError, Unavailable
-from .tensors import DTYPE_NAMES, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto
+from .engine import Admission, Engine, StepReport, Stream
+from .errors import Internal, InvalidArgument, ServiceError
+from .session import EOF, StreamClosed, StreamSession
+from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
@@ -40,17 +50,48 @@ POLICY_NAMES = {
 }
 POLICY_ENUMS = {v: k for k, v in POLICY_NAMES.items()}
 _OK = gqa_pb2.Status(code=0)
+DTYPES_TORCH = {name: DTYPE_TO_TORCH[enum] for enum, name in DTYPE_NAMES.items()}
 
 
 def _status(code: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, code)
 
 
-class _StreamClosed(Exception):
-    """Raised inside a handler whose stream the server closed (idle, shutdown)."""
+async def _abort(context, exc: BaseException, what: str, internal: str = "internal error; the stream was closed"):
+    """The one place an exception becomes an RPC's status: a ``ServiceError`` its own code and
+    message; anything else INTERNAL with a fixed message, the traceback to the log only."""
+    if isinstance(exc, ServiceError):
+        await context.abort(_status(exc.code), exc.message)
+    log.error("%s: unexpected failure", what, exc_info=(type(exc), exc, exc.__traceback__))
+    await context.abort(grpc.StatusCode.INTERNAL, internal)
 
-    def __init__(self, error: ServiceError):
-        self.error = error
+
+class _StepShape:
+    """What a stream's step tensors must be, as the integers the wire carries: checked with
+    integer comparisons, no tensor built on the event loop."""
+
+    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers")
+
+    def __init__(self, stream: Stream):
+        c = stream.config
+        itemsize = torch.empty((), dtype=DTYPES_TORCH[c.dtype]).element_size()
+        self.dtype = NAME_TO_DTYPE[c.dtype]
+        self.q_shape = [c.batch_size, c.num_query_heads, c.head_dim]
+        self.kv_shape = [c.batch_size, c.num_kv_heads, c.head_dim]
+        self.q_bytes = c.batch_size * c.num_query_heads * c.head_dim * itemsize
+        self.kv_bytes = c.batch_size * c.num_kv_heads * c.head_dim * itemsize
+        self.out_shape = self.q_shape
+        self.layers = c.num_layers
+
+    def matches(self, step) -> bool:
+        q, k, v = step.query, step.new_key, step.new_value
+        return (q.dtype == self.dtype and k.dtype == self.dtype and v.dtype == self.dtype
+                and len(q.data) == self.q_bytes and len(k.data) == self.kv_bytes and len(v.data) == self.kv_bytes
+                and q.shape == self.q_shape and k.shape == self.kv_shape and v.shape == self.kv_shape)
+
+
+def _request_bytes(request) -> int:
+    return request.ByteSize()
 
 
 class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
@@ -59,6 +100,13 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         self.config = config
         self.pool = pool
         self._backend_infos = None
+        self.sessions = 0  # Decode RPCs past their open, not yet ended
+        self._no_sessions = asyncio.Event()
+        self._no_sessions.set()
+
+    async def sessions_ended(self) -> None:
+        """Returns once no Decode RPC is running (drain waits for steps in flight)."""
+        await self._no_sessions.wait()
 
     async def _compute(self, cost_bytes: int, fn, *args):
         """Small work inline (a thread hop costs more); the rest on the compute pool."""
@@ -69,24 +117,18 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     # -- DecodeStep -------------------------------------------------------------------------
     async def DecodeStep(self, request, context):
         try:
-            args = (
-                from_proto(request.query, "query", rank=3),
-                from_proto(request.new_key, "new_key", rank=3),
-                from_proto(request.new_value, "new_value", rank=3),
-                from_proto(request.key_cache, "key_cache", rank=4),
-                from_proto(request.value_cache, "value_cache", rank=4),
-                int(request.num_query_heads),
-                int(request.num_kv_heads),
-            )
+            args = _stateless_args(request)
             cost = len(request.key_cache.data) + len(request.value_cache.data)
             result = await self._compute(cost, _stateless_step, *args)
-        except ServiceError as exc:
-            await context.abort(_status(exc.code), exc.message)
-        return gqa_pb2.DecodeStepResponse(
-            output=to_proto(result["output"]),
-            new_key_cache=to_proto(result["new_key_cache"]),
-            new_value_cache=to_proto(result["new_value_cache"]),
-        )
+            return gqa_pb2.DecodeStepResponse(
+                output=to_proto(result["output"]),
+                new_key_cache=to_proto(result["new_key_cache"]),
+                new_value_cache=to_proto(result["new_value_cache"]),
+            )
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, "DecodeStep", "internal error")
 
     # -- GetServerInfo ----------------------------------------------------------------------
     async def backend_infos(self) -> list:
@@ -148,80 +190,50 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 stream = await self._open(first.open)
             else:
                 stream = await self._restore(first, context)
-        except ServiceError as exc:
-            await context.abort(_status(exc.code), exc.message)
+        except (grpc.aio.AbortError, asyncio.CancelledError):
+            raise
+        except Exception as exc:
+            await _abort(context, exc, "Decode open")
 
-        task = asyncio.current_task()
-        loop = asyncio.get_running_loop()
-        forced: list[ServiceError] = []
-        state = {"waiting": False}
-
-        def on_forced_close(error: ServiceError) -> None:
-            # Called from the reaper or the drain, on any thread: end the handler only while it
-            # waits for the client, so a step in flight always finishes.
-            def wake():
-                forced.append(error)
-                if state["waiting"] and task is not None:
-                    task.cancel()
-            loop.call_soon_threadsafe(wake)
-
-        stream.on_forced_close = on_forced_close
-        # Read-ahead: a reader task takes up to max_queued_steps requests off the wire while
-        # earlier ones compute; past that it stops reading and HTTP/2 flow control holds the
-        # client back. This loop is the only consumer, so responses keep request order.
-        slots = asyncio.Semaphore(self.config.max_queued_steps)
-        queue: asyncio.Queue = asyncio.Queue()
-        reader = asyncio.ensure_future(self._read_ahead(context, stream, slots, queue))
+        session = StreamSession(self.engine, stream, context.read, grpc.aio.EOF, _request_bytes,
+                                max_steps=self.config.max_queued_steps, max_bytes=self.config.max_queued_bytes)
+        shape = _StepShape(stream)
+        self.sessions += 1
+        self._no_sessions.clear()
+        reason = "client"
         try:
+            session.start()
+            session.begin_write()
             yield gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))
+            session.end_write()
             while True:
-                if forced:
-                    raise _StreamClosed(forced[0])
-                state["waiting"] = True
-                try:
-                    request = await queue.get()
-                except asyncio.CancelledError:
-                    if forced:
-                        raise _StreamClosed(forced[0]) from None
-                    raise
-                finally:
-                    state["waiting"] = False
-                slots.release()
-                if isinstance(request, BaseException):
-                    raise request
-                if request is grpc.aio.EOF:
+                request = await session.next()
+                if request is EOF:
                     break
-                async for response in self._handle(stream, request, context):
+                if request.HasField("step"):  # the hot path, without a generator per request
+                    response = await self._step(stream, shape, request.step, request.request_id)
+                    session.begin_write()
                     yield response
-        except _StreamClosed as closed:
-            self.engine.close(stream, "forced")
+                    session.end_write()
+                    continue
+                async for response in self._handle(stream, shape, request, context):
+                    session.begin_write()
+                    yield response
+                    session.end_write()
+        except StreamClosed as closed:
+            reason = "forced"
+            self.engine.close(stream, reason)
             await context.abort(_status(closed.error.code), closed.error.message)
         except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
             raise
-        except ServiceError as exc:  # a request that does not parse, found by the read-ahead
-            await context.abort(_status(exc.code), exc.message)
-        except Exception:
-            log.exception("stream %s: unexpected failure", stream.id)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error; the stream was closed")
+        except Exception as exc:  # a request that does not parse, found by the read-ahead; or a fault
+            await _abort(context, exc, f"stream {stream.id}")
         finally:
-            reader.cancel()
-            self.engine.close(stream, "client" if not forced else "forced")
-
-    async def _read_ahead(self, context, stream: Stream, slots: asyncio.Semaphore, queue: asyncio.Queue) -> None:
-        """Moves requests from the wire to ``queue``, at most ``max_queued_steps`` not yet
-        taken; ends with EOF or the exception the read raised (an abort included)."""
-        try:
-            while True:
-                await slots.acquire()
-                request = await context.read()
-                stream.touch(self.engine.clock())
-                queue.put_nowait(request)
-                if request is grpc.aio.EOF:
-                    return
-        except asyncio.CancelledError:
-            raise
-        except BaseException as exc:
-            queue.put_nowait(exc)
+            session.close()
+            self.engine.close(stream, reason)
+            self.sessions -= 1
+            if not self.sessions:
+                self._no_sessions.set()
 
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
@@ -244,21 +256,37 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             sink_tokens=request.sink_tokens,
         )
 
+    async def _build(self, admission: Admission, prefill=None, layers_of=None) -> Stream:
+        """Builds an admitted stream on the pool (never on the event loop: allocation and
+        zero-fill cost time proportional to its size). Whatever ends the wait (the RPC
+        cancelled included) releases the admission at once."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self.pool, self._build_sync, admission, prefill, layers_of)
+        except BaseException:
+            self.engine.abandon(admission)
+            raise
+
+    def _build_sync(self, admission: Admission, prefill, layers_of) -> Stream:
+        restore = layers_of() if layers_of is not None else None
+        return self.engine.build(admission, prefill, restore)
+
     async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
         with self._refusals_counted():
             config = self._stream_config(request)
             prefill = {}
-            cost = 0
             for i, entry in enumerate(request.prefill):
                 if entry.layer in prefill:
                     raise InvalidArgument(f"open.prefill[{i}].layer: layer {entry.layer} appears twice")
+                if entry.layer >= config.num_layers:
+                    raise InvalidArgument(f"prefill.layer: {entry.layer} is out of range; num_layers={config.num_layers}")
                 prefill[entry.layer] = (
-                    from_proto(entry.key, f"open.prefill[{i}].key", rank=4),
-                    from_proto(entry.value, f"open.prefill[{i}].value", rank=4),
+                    from_proto(entry.key, f"open.prefill[{i}].key", rank=4, copy=False),
+                    from_proto(entry.value, f"open.prefill[{i}].value", rank=4, copy=False),
                 )
-                cost += len(entry.key.data) + len(entry.value.data)
         # From here the engine reports its own refusals (budget, streams, backend...).
-        return await self._compute(cost, self.engine.open, config, prefill)
+        admission = self.engine.admit(config)
+        return await self._build(admission, prefill)
 
     @contextlib.contextmanager
     def _refusals_counted(self):
@@ -270,26 +298,40 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             raise
 
     async def _restore(self, first, context) -> Stream:
-        """Reads the snapshot's chunks (the first already read) and opens the stream from them."""
-        chunks = [first.restore]
-        received = first.restore.ByteSize()
-        while not chunks[-1].last:
-            if len(chunks) > snapshot.MAX_CHUNKS or received > self.config.max_cache_bytes:
-                raise InvalidArgument("restore: the snapshot is larger than this server could ever admit")
-            request = await context.read()
-            if request is grpc.aio.EOF:
-                raise InvalidArgument("restore: the stream ended before the chunk with `last` set")
-            if request.WhichOneof("kind") != "restore":
-                raise InvalidArgument("restore: every message up to the one with `last` set must be `restore`")
-            chunks.append(request.restore)
-            received += request.restore.ByteSize()
+        """Admits the stream from the first chunk's configuration (budget and stream limit
+        included), then reads the rest of the snapshot, at most what the admitted stream can
+        hold, and builds the stream from it on the pool."""
         with self._refusals_counted():
-            if not chunks[0].HasField("config"):
+            if not first.restore.HasField("config"):
                 raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
-            config = self._stream_config(chunks[0].config)
-            layers = snapshot.decode(chunks, config, self.engine.snapshot_key)
-        cost = sum(len(c.key.data) + len(c.value.data) for c in chunks)
-        return await self._compute(cost, self.engine.open, config, None, layers)
+            config = self._stream_config(first.restore.config)
+        admission = self.engine.admit(config)
+        try:
+            # A snapshot holds at most the resident rows (and the int8 calibration rows), so at
+            # most about the reservation; a chunk's fields cost up to snapshot._OVERHEAD.
+            limit = 2 * admission.need + (1 << 20)
+            chunks = [first.restore]
+            received = first.restore.ByteSize()
+            while not chunks[-1].last:
+                if len(chunks) > snapshot.MAX_CHUNKS or received > limit + len(chunks) * snapshot._OVERHEAD:
+                    raise InvalidArgument("restore: the snapshot is larger than the stream it restores could hold")
+                request = await context.read()
+                if request is grpc.aio.EOF:
+                    raise InvalidArgument("restore: the stream ended before the chunk with `last` set")
+                if request.WhichOneof("kind") != "restore":
+                    raise InvalidArgument("restore: every message up to the one with `last` set must be `restore`")
+                chunks.append(request.restore)
+                received += request.restore.ByteSize()
+        except BaseException as exc:
+            self.engine.abandon(admission)
+            if isinstance(exc, ServiceError):
+                self.engine.observer.open_refused("invalid")
+            raise
+
+        def layers_of():  # on the pool: the checksum and the copies are proportional to the size
+            return snapshot.decode(chunks, config, self.engine.snapshot_key)
+
+        return await self._build(admission, None, layers_of)
 
     def _opened_config(self, stream: Stream) -> gqa_pb2.OpenStream:
         c = stream.config
@@ -315,11 +357,11 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             tokens_seen=[cache.tokens_seen for cache in stream.caches],
         )
 
-    async def _handle(self, stream: Stream, request, context):
+    async def _handle(self, stream: Stream, shape: _StepShape, request, context):
         kind = request.WhichOneof("kind")
         rid = request.request_id
         if kind == "step":
-            yield await self._step(stream, request, rid)
+            yield await self._step(stream, shape, request.step, rid)
         elif kind == "rollback":
             yield self._rollback(stream, request.rollback, rid)
         elif kind == "snapshot":
@@ -340,35 +382,19 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "a Decode request must set one of step, rollback or snapshot")
 
-    async def _step(self, stream: Stream, request, rid: int) -> gqa_pb2.DecodeResponse:
-        step = request.step
+    async def _step(self, stream: Stream, shape: _StepShape, step, rid: int) -> gqa_pb2.DecodeResponse:
+        """Integer checks here; tensors, compute and the reply message on a compute worker."""
         received = time.perf_counter()
+        layer = step.layer
         try:
-            query = from_proto(step.query, "step.query", rank=3)
-            new_key = from_proto(step.new_key, "step.new_key", rank=3)
-            new_value = from_proto(step.new_value, "step.new_value", rank=3)
-            cost = stream.step_cost_bytes(step.layer)
-            report = await self._compute(cost, _timed_step, stream, step.layer, query, new_key, new_value, received)
+            if not shape.matches(step):
+                raise _step_input_error(stream, step)
+            future = self.engine.submit_step(stream, layer, step.query.data, step.new_key.data, step.new_value.data,
+                                             received=received, reply=_StepReply(rid, layer, shape.out_shape, shape.dtype))
         except ServiceError as exc:
             self.engine.observer.step_refused(stream, exc.code)
-            return gqa_pb2.DecodeResponse(request_id=rid, step=gqa_pb2.StepResult(
-                status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=step.layer))
-        report, queue_seconds = report
-        self.engine.observer.step_done(stream, report, queue_seconds)
-        o = report.outcome
-        return gqa_pb2.DecodeResponse(request_id=rid, step=gqa_pb2.StepResult(
-            status=_OK,
-            layer=step.layer,
-            output=to_proto(o.output),
-            tokens_seen=o.tokens_seen,
-            resident=o.resident,
-            first_position=o.first_position,
-            last_position=o.last_position,
-            evicted=o.evicted_tokens > 0,
-            evicted_tokens=o.evicted_tokens,
-            compute_ns=report.compute_ns,
-            rollback_reach=report.rollback_reach,
-        ))
+            return _refusal(rid, layer, exc)
+        return await future
 
     def _rollback(self, stream: Stream, request: gqa_pb2.Rollback, rid: int) -> gqa_pb2.DecodeResponse:
         status = _OK
@@ -383,16 +409,90 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         ))
 
 
-def _timed_step(stream: Stream, layer: int, query, new_key, new_value, received: float):
-    queue_seconds = time.perf_counter() - received
-    return stream.step(layer, query, new_key, new_value), queue_seconds
+class _StepReply:
+    """Builds a step's reply on the compute worker: the output's bytes written once, into the
+    message."""
+
+    __slots__ = ("rid", "layer", "shape", "dtype")
+
+    def __init__(self, rid: int, layer: int, shape: list[int], dtype: int):
+        self.rid, self.layer, self.shape, self.dtype = rid, layer, shape, dtype
+
+    def __call__(self, value: StepReport | ServiceError, queue_seconds: float) -> gqa_pb2.DecodeResponse:
+        if isinstance(value, ServiceError):
+            return _refusal(self.rid, self.layer, value)
+        o = value.outcome
+        out = o.output
+        if not out.is_contiguous():
+            out = out.contiguous()
+        return gqa_pb2.DecodeResponse(request_id=self.rid, step=gqa_pb2.StepResult(
+            status=_OK,
+            layer=self.layer,
+            output=gqa_pb2.Tensor(dtype=self.dtype, shape=self.shape, data=out.view(torch.uint8).numpy().tobytes()),
+            tokens_seen=o.tokens_seen,
+            resident=o.resident,
+            first_position=o.first_position,
+            last_position=o.last_position,
+            evicted=o.evicted_tokens > 0,
+            evicted_tokens=o.evicted_tokens,
+            compute_ns=value.compute_ns,
+            rollback_reach=value.rollback_reach,
+        ))
+
+
+def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
+    return gqa_pb2.DecodeResponse(request_id=rid, step=gqa_pb2.StepResult(
+        status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=layer))
+
+
+def _step_input_error(stream: Stream, step) -> ServiceError:
+    """The slow path of a step that failed the integer checks: the precise message."""
+    if not 0 <= step.layer < stream.config.num_layers:
+        return InvalidArgument(f"layer: {step.layer} is out of range; the stream has num_layers={stream.config.num_layers}")
+    try:
+        query = from_proto(step.query, "step.query", rank=3, copy=False)
+        new_key = from_proto(step.new_key, "step.new_key", rank=3, copy=False)
+        new_value = from_proto(step.new_value, "step.new_value", rank=3, copy=False)
+        stream.caches[step.layer].check_step(query, new_key, new_value)
+    except ServiceError as exc:
+        return exc
+    except (TypeError, ValueError) as exc:
+        return InvalidArgument(str(exc))
+    except Exception as exc:
+        return classify_step_error(exc, f"stream {stream.id}: checking a step")
+    return InvalidArgument("step: tensors do not match the stream's dtype and shapes")
+
+
+def _stateless_args(request) -> tuple:
+    """Validation of a ``DecodeStep``: every failure here, and only here, is INVALID_ARGUMENT."""
+    query = from_proto(request.query, "query", rank=3, copy=False)
+    new_key = from_proto(request.new_key, "new_key", rank=3, copy=False)
+    new_value = from_proto(request.new_value, "new_value", rank=3, copy=False)
+    key_cache = from_proto(request.key_cache, "key_cache", rank=4, copy=False)
+    value_cache = from_proto(request.value_cache, "value_cache", rank=4, copy=False)
+    for name, t in (("query", query), ("new_key", new_key), ("new_value", new_value)):
+        for axis, size in zip(("B", "H", "D"), t.shape):
+            if size == 0:
+                raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        for axis, size in zip(("B", "Hkv", "S", "D"), t.shape):
+            if size == 0 and axis != "S":
+                raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
+    hq, hkv = int(request.num_query_heads), int(request.num_kv_heads)
+    try:
+        check_heads(hq, hkv)
+        check_step_tensors(query, new_key, new_value, hq, hkv)
+        check_cache_tensors(key_cache, value_cache, query, hkv)
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(str(exc)) from None
+    return query, new_key, new_value, key_cache, value_cache, hq, hkv
 
 
 def _stateless_step(*args):
     try:
         return gqa_decode_step(*args)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(str(exc)) from None
-    except Exception:
+    except ServiceError:
+        raise
+    except Exception:  # validated already: what is raised here is a fault, not the caller's
         log.exception("DecodeStep failed")
         raise Internal("internal error") from None

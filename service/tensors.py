@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 
 import torch
 
@@ -33,13 +34,18 @@ DTYPE_NAMES = {
 NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 # Larger dimensions could only describe empty tensors, which torch cannot even size.
 MAX_DIM = (1 << 31) - 1
+_ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int8: 1}
+# Tensors over a message's (immutable) bytes are only ever read; torch warns about them anyway.
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
 def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
-               allow_int8: bool = False) -> torch.Tensor:
-    """A writable torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed.
+               allow_int8: bool = False, copy: bool = True) -> torch.Tensor:
+    """A torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed.
 
-    ``DTYPE_INT8`` is accepted only where ``allow_int8`` says so (snapshot codes).
+    With ``copy`` it is a writable copy; without, a read-only view of the message's bytes
+    (``torch.frombuffer``: no copy; never write to it). ``DTYPE_INT8`` is accepted only where
+    ``allow_int8`` says so (snapshot codes).
     """
     if allow_int8 and message.dtype == gqa_pb2.DTYPE_INT8:
         dtype = torch.int8
@@ -54,7 +60,7 @@ def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
         raise InvalidArgument(f"{name}.shape: expected {rank} dimensions, got {list(shape)}")
     if any(d < 0 or d > MAX_DIM for d in shape):
         raise InvalidArgument(f"{name}.shape: dimensions must be in 0..{MAX_DIM}, got {list(shape)}")
-    itemsize = torch.empty((), dtype=dtype).element_size()
+    itemsize = _ITEMSIZE[dtype]
     count = math.prod(shape)
     if count * itemsize != len(message.data):
         raise InvalidArgument(
@@ -63,7 +69,7 @@ def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
         )
     if count == 0:
         return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(message.data), dtype=dtype).reshape(shape)
+    return torch.frombuffer(bytearray(message.data) if copy else message.data, dtype=dtype).view(shape)
 
 
 def to_proto(tensor: torch.Tensor) -> gqa_pb2.Tensor:

@@ -146,24 +146,25 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
     that stream; the rest wait in the transport (HTTP/2 flow control)."""
     import threading
 
+    from backends import batch
     from service.engine import Stream
 
     release = threading.Event()
     touched: list[int] = []
-    original_step, original_touch = Stream.step, Stream.touch
+    original_step, original_touch = batch.step_many, Stream.touch
 
-    def slow_step(self, *args):
+    def slow_step(steps):
         release.wait(30)
-        return original_step(self, *args)
+        return original_step(steps)
 
     def counting_touch(self, now):
         touched.append(1)
         original_touch(self, now)
 
-    monkeypatch.setattr(Stream, "step", slow_step)
+    monkeypatch.setattr(batch, "step_many", slow_step)
     monkeypatch.setattr(Stream, "touch", counting_touch)
     config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_queued_steps=2,
-                          inline_step_bytes=0)  # steps on the pool, so the loop stays free to read
+                          inline_step_bytes=0)  # steps on a worker, so the loop stays free to read
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as channel:
         session = Session(channel, open_message())
         for rid in range(1, 11):

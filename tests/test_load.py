@@ -6,6 +6,7 @@ Each stream's expected outputs come from a local cache of the same backend fed t
 the same after every stream of the measured round closed; within 5%.
 
 ``make soak`` runs it longer: ``GQA_SOAK_STREAMS`` / ``GQA_SOAK_STEPS`` (defaults 256 / 300).
+The adversaries' test (issue 17) scales with ``GQA_SOAK_STREAMS`` too (a quarter as many).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import threading
 import time
 
 import grpc
@@ -94,3 +96,80 @@ def test_concurrent_streams_exact_and_memory_back():
         print(f"\nload: {STREAMS} streams x {STEPS} steps exact in {elapsed:.1f} s "
               f"({exact / elapsed:.0f} steps/s); RSS {start / 2**20:.1f} -> {end / 2**20:.1f} MiB")
         assert end <= start * 1.05, (start, end)
+
+
+# -- adversaries (issue 17): every RPC ends badly, nothing stays held --------------------------------
+ADVERSARIES = max(24, STREAMS // 4)  # ``make soak``: GQA_SOAK_STREAMS / 4
+
+
+async def _adversary(stub, index: int) -> str:
+    """One hostile client: an open cancelled while it is built, an open or a restore over the
+    budget, a restore that never ends, or a stream dropped with steps in flight."""
+    kind = index % 5
+    g = torch.Generator().manual_seed(index)
+    call = stub.Decode()
+    try:
+        if kind == 0:  # prefilled open, cancelled at once
+            keys = torch.randn(1, HKV, 64, D, generator=g)
+            await call.write(gqa_pb2.DecodeRequest(open=open_message(
+                hq=HQ, hkv=HKV, d=D, policy="none", capacity=256, prefill={0: (keys, keys)})))
+            await asyncio.sleep(0.001 * (index % 7))
+            call.cancel()
+        elif kind == 1:  # open over the budget
+            await call.write(gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=1 << 20)))
+            await call.read()
+        elif kind == 2:  # restore over the budget, then chunks it should never wait for
+            big = open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=1 << 20)
+            await call.write(gqa_pb2.DecodeRequest(restore=gqa_pb2.SnapshotChunk(config=big, tokens_seen=[0])))
+            await call.read()
+        elif kind == 3:  # a restore that stops sending, then goes away
+            small = open_message(hq=HQ, hkv=HKV, d=D, policy="strict", window=WINDOW)
+            await call.write(gqa_pb2.DecodeRequest(restore=gqa_pb2.SnapshotChunk(config=small, tokens_seen=[0])))
+            await asyncio.sleep(0.01)
+            call.cancel()
+        else:  # a stream with steps queued, dropped without reading the replies
+            await call.write(gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="strict", window=WINDOW)))
+            await call.read()
+            for i in range(8):
+                await call.write(gqa_pb2.DecodeRequest(request_id=i, step=gqa_pb2.Step(
+                    layer=0, query=to_proto(torch.randn(1, HQ, D, generator=g)),
+                    new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
+                    new_value=to_proto(torch.randn(1, HKV, D, generator=g)))))
+            call.cancel()
+        return str(await call.code())
+    except (grpc.aio.AioRpcError, asyncio.CancelledError):
+        return "ended"
+
+
+def test_adversaries_hold_nothing_and_never_exceed_the_limits():
+    """Bounds: --max-streams 8 and the 1 MiB budget are never exceeded (sampled through the
+    run); afterwards 0 streams, 0 bytes reserved, 0 bytes read ahead, 0 Decode RPCs running."""
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, max_streams=8,
+                          max_cache_bytes=1 << 20)
+    with ServerThread(config) as srv:
+        peak = [0, 0]
+        stop = False
+
+        def sample():
+            while not stop:
+                peak[0] = max(peak[0], srv.engine.active_streams)
+                peak[1] = max(peak[1], srv.engine.bytes_reserved)
+                time.sleep(0.0005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+
+        async def run():
+            async with grpc.aio.insecure_channel(srv.address) as channel:
+                stub = gqa_pb2_grpc.AttentionServiceStub(channel)
+                return await asyncio.gather(*(_adversary(stub, i) for i in range(ADVERSARIES)))
+
+        try:
+            asyncio.run(run())
+        finally:
+            stop = True
+            sampler.join()
+        assert peak[0] <= config.max_streams and peak[1] <= config.max_cache_bytes, peak
+        assert wait_until(lambda: (srv.engine.active_streams, srv.engine.bytes_reserved, srv.engine.read_ahead_bytes,
+                                   srv.server.servicer.sessions) == (0, 0, 0, 0), timeout=30), (
+            srv.engine.active_streams, srv.engine.bytes_reserved, srv.engine.read_ahead_bytes, srv.server.servicer.sessions)

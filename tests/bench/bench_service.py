@@ -2,15 +2,24 @@
 
 - echo: a minimal grpc.aio bidi server (its own process) that answers each request with a
   pre-built reply of the size of a real ``StepResult``; the floor for transport and framing.
-- service: ``gqa-serve serve`` (its own process), CPU backend, float32, Hq=32, Hkv=8, D=128,
-  a stream whose layer holds S cached tokens (S=1: empty start; S=2048: a strict window of
-  2049 prefilled with 2048 tokens, so every step attends S+1 keys).
+- service: the gqa-serve server (its own process, default settings, metrics off), CPU backend,
+  float32, Hq=32, Hkv=8, D=128, a stream whose layer holds S cached tokens (S=1: empty start;
+  S=2048: a strict window of 2049 prefilled with 2048 tokens, so every step attends S+1 keys).
+  The process counts its batches (``EngineObserver.batch_done``) into a stats file, which gives
+  each cell's mean batch size.
 
 Clients are grpc.aio streams in this process, each closed-loop (send, wait, send). Reported:
-p50/p99 round trip and steps/s at 1, 8 and 64 concurrent streams, and the in-process step time
-of the CPU backend at the same shape with the server's torch threads (``--torch-threads``).
-Targets: 1 stream round trip <= 1.25 x (echo round trip + in-process step); 64 streams at S=1
->= 0.6 x the echo server's steps/s.
+p50/p99 round trip, steps/s and the mean batch size at 1, 8 and 64 concurrent streams; the
+in-process step time of the CPU backend at the same shape with the server's torch threads; the
+machine's read floor (a sum over as many bytes as the 64-stream S=2048 cell's steps read, with
+as many threads as the server has compute workers).
+
+An ablation in the same run: the service with every step's computation replaced by a stored
+result (S=1, 1 and 64 streams), so the servicer's own per-message cost shows beside the echo's.
+
+Targets (issue 15), printed PASS/FAIL: 1 stream at S=1 round trip <= 1.25 x (echo round trip
++ in-process step); 64 streams at S=1 >= 0.8 x the echo server's steps/s; 64 streams at S=2048
+the server reads cache at >= 0.6 x the read floor.
 """
 
 from __future__ import annotations
@@ -32,14 +41,15 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.tensors import to_proto
 
-from .common import median_seconds, percentile, table
+from .common import median_seconds, percentile, table, verdict
 
 HQ, HKV, D = 32, 8, 128
 METHOD = "/gqa.v1.AttentionService/Decode"
 CONCURRENCY = [1, 8, 64]
 SEQ = [1, 2048]
-STEPS = {1: 400, 8: 60, 64: 12}  # per stream, bounded
-TIME_BUDGET_S = 20.0  # per (server, S, concurrency) cell
+STEPS = {1: 300, 8: 50, 64: 12}  # per stream, bounded
+TIME_BUDGET_S = 6.0  # per (server, S, concurrency) cell
+ROW_BYTES = 2 * HKV * D * 4  # one cached position, keys and values, float32
 
 
 def free_port() -> int:
@@ -93,6 +103,53 @@ asyncio.run(main())
 '''
 
 
+SERVICE_SERVER = r'''
+import asyncio, os, sys, threading, time
+from service.config import from_args
+from service.engine import EngineObserver
+from service.server import Server
+
+STATS = sys.argv[1]
+counts = [0, 0]  # batches, steps
+
+if sys.argv[2:] == ["stub"]:  # the ablation: every step's computation replaced by a stored result
+    import backends.batch
+    computed = {}
+    real = backends.batch.step_many
+
+    def stub(steps):
+        if len(steps) not in computed:
+            computed[len(steps)] = real(steps)
+        return computed[len(steps)]
+
+    backends.batch.step_many = stub
+
+class Counting(EngineObserver):
+    def batch_done(self, backend, dtype, size):
+        counts[0] += 1
+        counts[1] += size
+
+def dump():
+    written = None
+    while True:
+        if counts != written:
+            written = list(counts)
+            with open(STATS + ".tmp", "w") as f:
+                f.write(f"{written[0]} {written[1]}")
+            os.replace(STATS + ".tmp", STATS)
+        time.sleep(0.1)
+
+async def main():
+    server = Server(from_args(None), observer=Counting())
+    await server.start()
+    threading.Thread(target=dump, daemon=True).start()
+    print("ready", flush=True)
+    await server.wait()
+
+asyncio.run(main())
+'''
+
+
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
     address = f"127.0.0.1:{free_port()}"
     if kind == "echo":
@@ -102,7 +159,9 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
         proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, address, reply], stdout=subprocess.DEVNULL)
     else:
         env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL)
+        os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
+        proc = subprocess.Popen([sys.executable, "-c", SERVICE_SERVER, os.path.join(tmpdir, kind, "stats"),
+                                 *(["stub"] if kind == "stub" else [])], env=env, stdout=subprocess.DEVNULL)
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=60)
     channel.close()
@@ -153,6 +212,35 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
             "p50_us": percentile(latencies, 50) * 1e6, "p99_us": percentile(latencies, 99) * 1e6}
 
 
+def batch_counts(tmpdir: str) -> tuple[int, int]:
+    """(batches, steps) the service has computed so far (its stats file, 100 ms fresh)."""
+    time.sleep(0.25)
+    try:
+        with open(os.path.join(tmpdir, "service", "stats")) as f:
+            batches, steps = f.read().split()
+        return int(batches), int(steps)
+    except (OSError, ValueError):
+        return 0, 0
+
+
+def read_floor_seconds(nbytes: int, threads: int) -> float:
+    """Reading ``nbytes`` once from DRAM (a sum viewed as float32 words) with ``threads``
+    threads: a 256 MiB buffer (8x any L3 here) read as many times as it takes."""
+    chunk = min(nbytes, 256 << 20)
+    buf = torch.ones(chunk // 4, dtype=torch.float32)
+    passes = max(1, round(nbytes / chunk))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+
+    def read():
+        for _ in range(passes):
+            buf.sum()
+    try:
+        return median_seconds(read, repeat=5, warmup=1, budget_s=4.0) * nbytes / (passes * chunk)
+    finally:
+        torch.set_num_threads(previous)
+
+
 def in_process_step_seconds(s: int, threads: int) -> float:
     """The CPU backend's step alone, with ``threads`` torch threads (the server runs with
     ``--torch-threads``, default 1)."""
@@ -179,34 +267,58 @@ def run(report) -> None:
 
     rows = []
     results = {}
+    workers = ServerConfig().compute_workers
     # One event loop for every cell: grpc.aio's poller outlives a loop closed under it.
     loop = asyncio.new_event_loop()
     with tempfile.TemporaryDirectory() as tmp:
         procs = {}
         try:
-            for kind in ("echo", "service"):
+            for kind in ("echo", "service", "stub"):
                 procs[kind] = start(kind, tmp)
+            local = {}
             for s in SEQ:
-                local = in_process_step_seconds(s, ServerConfig().torch_threads)
-                report.add(S=s, in_process_step_us_all_cores=in_process_step_seconds(s, os.cpu_count() or 1) * 1e6)
+                local[s] = in_process_step_seconds(s, ServerConfig().torch_threads)
+                report.add(S=s, in_process_step_us=local[s] * 1e6)
                 for c in CONCURRENCY:
-                    for kind in ("echo", "service"):
+                    kinds = ("echo", "service", "stub") if s == 1 and c in (1, 64) else ("echo", "service")
+                    for kind in kinds:
+                        before = batch_counts(tmp) if kind == "service" else None
                         r = loop.run_until_complete(drive(procs[kind][1], s, c))
+                        if before is not None:
+                            after = batch_counts(tmp)
+                            batches = after[0] - before[0]
+                            r["mean_batch"] = (after[1] - before[1]) / batches if batches else float("nan")
                         results[(kind, s, c)] = r
-                        report.add(server=kind, S=s, streams=c, in_process_step_us=local * 1e6, **r)
+                        report.add(server=kind, S=s, streams=c, **r)
                     e, v = results[("echo", s, c)], results[("service", s, c)]
-                    rows.append([s, c, e["p50_us"], v["p50_us"], local * 1e6, v["p50_us"] / (e["p50_us"] + local * 1e6),
-                                 e["p99_us"], v["p99_us"], e["steps_per_s"], v["steps_per_s"],
-                                 v["steps_per_s"] / e["steps_per_s"]])
+                    rows.append([s, c, e["p50_us"], v["p50_us"], local[s] * 1e6,
+                                 v["p50_us"] / (e["p50_us"] + local[s] * 1e6), e["p99_us"], v["p99_us"],
+                                 e["steps_per_s"], v["steps_per_s"], v["steps_per_s"] / e["steps_per_s"],
+                                 v["mean_batch"]])
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
                 proc.wait(20)
             loop.close()
+    # The 64-stream S=2048 cell's reads: every step attends S+1 cached positions.
+    big = results[("service", 2048, 64)]
+    step_bytes = (2048 + 1) * ROW_BYTES
+    read_bytes = big["steps"] * step_bytes
+    floor_s = read_floor_seconds(read_bytes, workers)
+    service_gbps = big["steps_per_s"] * step_bytes / 1e9
+    floor_gbps = read_bytes / floor_s / 1e9
+    report.add(read_floor_gbps=floor_gbps, service_read_gbps=service_gbps, read_bytes=read_bytes, threads=workers)
     print(table(["S", "streams", "echo p50 us", "svc p50 us", "step us", "svc/(echo+step)", "echo p99 us",
-                 "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo"], rows))
-    one = [r for r in rows if r[1] == 1]
+                 "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo", "mean batch"], rows))
+    print(f"read floor: {floor_gbps:.2f} GB/s ({read_bytes / 1e9:.2f} GB, {workers} threads); "
+          f"service at S=2048 x 64 streams: {service_gbps:.2f} GB/s of cache")
+    for c in (1, 64):
+        e, v, stub = (results[(k, 1, c)] for k in ("echo", "service", "stub"))
+        print(f"ablation, S=1, {c} stream(s): step computation stubbed out, the service answers "
+              f"{stub['steps_per_s'] / e['steps_per_s']:.2f}x the echo server's steps/s at p50 {stub['p50_us']:.0f} us "
+              f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us)")
+    one = [r for r in rows if r[0] == 1 and r[1] == 1][0]
     many = [r for r in rows if r[0] == 1 and r[1] == 64][0]
-    print("targets: 1-stream round trip <= 1.25 x (echo + step): " +
-          ", ".join(f"S={r[0]}: {r[5]:.2f}x" for r in one) +
-          f"; 64 streams at S=1 >= 0.6 x echo steps/s: {many[10]:.2f}x")
+    print(verdict("1 stream S=1 round trip / (echo + step)", one[5], 1.25))
+    print(verdict("64 streams S=1 steps/s / echo's", many[10], 0.8, at_most=False))
+    print(verdict("64 streams S=2048 cache read rate / read floor", service_gbps / floor_gbps, 0.6, at_most=False))

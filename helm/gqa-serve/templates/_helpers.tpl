@@ -150,7 +150,7 @@ gqa-serve.bytes.
 - name: {{ $env }}
   value: {{ index $s $key | int64 | quote }}
 {{- end }}
-{{- range $key, $env := dict "maxCacheBytes" "GQA_MAX_CACHE_BYTES" "maxMessageBytes" "GQA_MAX_MESSAGE_BYTES" "inlineStepBytes" "GQA_INLINE_STEP_BYTES" }}
+{{- range $key, $env := dict "maxCacheBytes" "GQA_MAX_CACHE_BYTES" "maxMessageBytes" "GQA_MAX_MESSAGE_BYTES" "inlineStepBytes" "GQA_INLINE_STEP_BYTES" "maxQueuedBytes" "GQA_MAX_QUEUED_BYTES" }}
 - name: {{ $env }}
   value: {{ include "gqa-serve.bytes" (list (index $s $key) (printf "server.%s" $key)) | quote }}
 {{- end }}

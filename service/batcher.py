@@ -1,0 +1,299 @@
+"""The step batcher: ready steps of many streams computed together, answered together.
+
+Steps are submitted from the event loop and wait in one queue. A compute worker that is free
+takes every queued step it may (at most one per stream, each stream's in the order submitted,
+none of a stream whose previous step is still computing), runs them with ONE
+``backends.batch.step_many`` call, and hands every result back to the event loop at once (one
+``call_soon_threadsafe`` per loop and batch). By default nothing waits for batch-mates: a free
+worker takes whatever is queued, so a lone stream pays only the thread hop. With
+``max_delay_s`` the oldest queued step may be held that long for others to join (unless the
+batch is already ``max_steps`` long). Steps of every backend, dtype and head shape share the
+queue: ``step_many`` groups same-encoding caches into one native call (Contract 1).
+
+Per step the worker turns the message bytes into read-only tensors (``torch.frombuffer``, no
+copy; the cache copies the token in), computes, maps the outcome to a ``StepReport`` or a
+``ServiceError``, and runs the caller's ``reply`` function on it, so the reply message is built
+off the event loop too.
+
+No gRPC here. The batcher keeps the saturation views of Contract 3 (``waiting``,
+``in_flight``, ``busy_seconds``) and calls ``observer.batch_done`` once per kernel group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from backends import batch as batch_module
+from backends.base import LayerCache, StepOutcome
+from backends.errors import CacheFullError
+
+from .errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import EngineObserver, StepReport, Stream
+
+__all__ = ["Batcher", "PendingStep", "classify_step_error"]
+
+log = logging.getLogger("gqa.batcher")
+
+# Frames whose ValueError/TypeError is input validation (the caches' ``check_step`` and the
+# shared checks it calls): those are INVALID_ARGUMENT. A ValueError/TypeError raised anywhere
+# else inside a backend's compute is a fault of ours, INTERNAL.
+_VALIDATION_FRAMES = frozenset({"check_step", "check_step_tensors", "check_cache_tensors", "check_heads",
+                                "as_tensor", "_check_values", "_rank", "_same_dtype_device"})
+
+
+def classify_step_error(exc: BaseException, where: str) -> ServiceError:
+    """The status of an exception a step raised: validation -> INVALID_ARGUMENT, no room ->
+    RESOURCE_EXHAUSTED, anything else INTERNAL (logged with its traceback)."""
+    if isinstance(exc, ServiceError):
+        return exc
+    if isinstance(exc, CacheFullError):
+        return ResourceExhausted(str(exc))
+    if isinstance(exc, (TypeError, ValueError)):
+        tb = exc.__traceback__
+        while tb is not None:
+            if tb.tb_frame.f_code.co_name in _VALIDATION_FRAMES:
+                return InvalidArgument(str(exc))
+            tb = tb.tb_next
+    log.error("%s failed", where, exc_info=(type(exc), exc, exc.__traceback__))
+    return Internal()
+
+
+@dataclass(eq=False, slots=True)
+class PendingStep:
+    """One submitted step. ``query``/``new_key``/``new_value`` are tensors or the raw
+    little-endian bytes of tensors of ``shapes`` in the cache's dtype (checked by the caller)."""
+
+    stream: "Stream"
+    layer: int
+    cache: LayerCache
+    query: Any
+    new_key: Any
+    new_value: Any
+    received: float
+    future: asyncio.Future
+    reply: Callable[["StepReport | ServiceError", float], Any] | None = None
+    result: Any = field(default=None)
+
+
+def _tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    if isinstance(data, torch.Tensor):
+        return data
+    return torch.frombuffer(data, dtype=dtype).view(shape)
+
+
+class Batcher:
+    """Compute workers over one queue of steps; see the module docstring."""
+
+    def __init__(self, workers: int, *, observer: "EngineObserver", max_delay_s: float = 0.0,
+                 max_steps: int = 0, name: str = "gqa-compute"):
+        self.workers = max(1, workers)
+        self.observer = observer
+        self.max_delay_s = max_delay_s
+        self.max_steps = max_steps
+        self._cond = threading.Condition(threading.Lock())
+        self._queue: deque[PendingStep] = deque()
+        self._running: set[int] = set()  # id() of streams with a step computing
+        self._in_flight = 0
+        self._busy_ns = 0
+        self._stopped = False
+        self._name = name
+        self._threads: list[threading.Thread] = []  # started with the first queued step
+
+    # -- views (Contract 3) -------------------------------------------------------------------
+    @property
+    def waiting(self) -> int:
+        return len(self._queue)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    @property
+    def busy_seconds(self) -> float:
+        return self._busy_ns * 1e-9
+
+    # -- submitting ---------------------------------------------------------------------------
+    def submit(self, step: PendingStep) -> None:
+        with self._cond:
+            if self._stopped:
+                raise Unavailable("the server is shutting down")
+            if not self._threads:
+                self._threads = [threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+                                 for i in range(self.workers)]
+                for t in self._threads:
+                    t.start()
+            self._queue.append(step)
+            self._cond.notify()
+
+    def run_inline(self, step: PendingStep) -> bool:
+        """Computes ``step`` on the calling thread if no step is queued or computing (then a
+        thread hop would cost more than a small step); False, and nothing done, otherwise."""
+        with self._cond:
+            if self._queue or self._in_flight or self._stopped:
+                return False
+            self._in_flight = 1
+            self._running.add(id(step.stream))
+        t0 = time.perf_counter_ns()
+        try:
+            self._compute([step], t0)
+        except BaseException:
+            log.exception("an inline step failed as a whole")
+            if step.result is None:
+                step.result = self._reply(step, Internal(), 0.0)
+        finally:
+            elapsed = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in_flight -= 1
+                self._busy_ns += elapsed
+                self._running.discard(id(step.stream))
+                if self._queue:
+                    self._cond.notify()
+        return True
+
+    def stop(self) -> None:
+        """Workers finish the batch they compute and the queued steps, then exit."""
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+
+    # -- the workers ----------------------------------------------------------------------------
+    def _take(self) -> list[PendingStep] | None:
+        """Under the lock: the next batch, waiting for work (and the delay) as needed."""
+        while True:
+            if self._stopped and not self._queue:
+                return None
+            taken: list[PendingStep] = []
+            seen: set[int] = set()
+            limit = self.max_steps or len(self._queue)
+            for step in self._queue:
+                key = id(step.stream)
+                if key in seen or key in self._running:
+                    seen.add(key)
+                    continue
+                seen.add(key)
+                taken.append(step)
+                if len(taken) >= limit:
+                    break
+            if not taken:
+                self._cond.wait()
+                continue
+            if self.max_delay_s > 0 and not self._stopped and (not self.max_steps or len(taken) < self.max_steps):
+                left = taken[0].received + self.max_delay_s - time.perf_counter()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+            chosen = set(map(id, taken))
+            self._queue = deque(s for s in self._queue if id(s) not in chosen)
+            for step in taken:
+                self._running.add(id(step.stream))
+            self._in_flight += len(taken)
+            return taken
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                steps = self._take()
+            if steps is None:
+                return
+            t0 = time.perf_counter_ns()
+            try:
+                self._compute(steps, t0)
+            except BaseException:  # never lose a worker; every step still gets an answer
+                log.exception("a batch failed as a whole")
+                for step in steps:
+                    if step.result is None:
+                        step.result = self._reply(step, Internal(), 0.0)
+            elapsed = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in_flight -= len(steps)
+                self._busy_ns += elapsed
+                for step in steps:
+                    self._running.discard(id(step.stream))
+                if self._queue:
+                    self._cond.notify()
+            self._hand_back(steps)
+
+    def _compute(self, steps: list[PendingStep], t0: int) -> None:
+        from .engine import StepReport  # the engine imports this module
+
+        started = t0 * 1e-9
+        live: list[PendingStep] = []
+        batch: list[batch_module.BatchStep] = []
+        for step in steps:
+            queue_seconds = max(0.0, started - step.received)
+            if step.stream.closed:
+                step.result = self._reply(step, Unavailable(
+                    f"stream {step.stream.id} is closed ({step.stream.close_reason})"), queue_seconds)
+                continue
+            spec = step.cache.spec
+            b, hq, hkv, d = spec.batch_size, spec.num_query_heads, spec.num_kv_heads, spec.head_dim
+            try:
+                batch.append(batch_module.BatchStep(
+                    step.cache,
+                    _tensor(step.query, spec.dtype, (b, hq, d)),
+                    _tensor(step.new_key, spec.dtype, (b, hkv, d)),
+                    _tensor(step.new_value, spec.dtype, (b, hkv, d)),
+                ))
+            except (TypeError, ValueError, RuntimeError) as exc:
+                step.result = self._reply(step, InvalidArgument(f"step: {exc}"), queue_seconds)
+                continue
+            live.append(step)
+        if not live:
+            return
+        outcomes = batch_module.step_many(batch)
+        compute_ns = time.perf_counter_ns() - t0
+        groups: dict[tuple[str, str], int] = {}
+        for step, outcome in zip(live, outcomes):
+            queue_seconds = max(0.0, started - step.received)
+            stream = step.stream
+            if isinstance(outcome, StepOutcome):
+                report = StepReport(outcome, compute_ns, step.cache.policy.rollback_reach(outcome.tokens_seen))
+                self.observer.step_done(stream, report, queue_seconds)
+                step.result = self._reply(step, report, queue_seconds)
+                key = (stream.config.backend, stream.config.dtype)
+                groups[key] = groups.get(key, 0) + 1
+            else:
+                error = classify_step_error(outcome, f"stream {stream.id}: step on layer {step.layer}")
+                self.observer.step_refused(stream, error.code)
+                step.result = self._reply(step, error, queue_seconds)
+        for (backend, dtype), size in groups.items():
+            self.observer.batch_done(backend, dtype, size)
+
+    @staticmethod
+    def _reply(step: PendingStep, value, queue_seconds: float):
+        if step.reply is None:
+            return value
+        try:
+            return step.reply(value, queue_seconds)
+        except Exception as exc:  # building the reply failed: the step still gets an answer
+            log.exception("building a step reply failed")
+            return exc
+
+    @staticmethod
+    def _hand_back(steps: list[PendingStep]) -> None:
+        """One hand-back per event loop for the whole batch."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[PendingStep]] = {}
+        for step in steps:
+            by_loop.setdefault(step.future.get_loop(), []).append(step)
+        for loop, group in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve, group)
+            except RuntimeError:  # the loop is closed: nobody waits for these answers
+                pass
+
+
+def _resolve(steps: list[PendingStep]) -> None:
+    for step in steps:
+        if not step.future.done():
+            step.future.set_result(step.result)

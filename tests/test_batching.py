@@ -1,0 +1,223 @@
+"""The step batcher (issue 15): many streams' steps in one ``step_many`` call, answered exactly
+as if each stream ran alone, in each stream's order; a refusal or an ended stream inside a
+batch touches nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import threading
+
+import grpc
+import pytest
+import torch
+
+from backends import batch
+from backends.base import CacheSpec
+from backends.registry import get_backend
+from backends.policy import EvictionPolicy
+from service.config import ServerConfig
+from service.engine import Engine, EngineObserver
+from service.errors import ServiceError
+from service.server import ServerThread
+from service.tensors import from_proto
+from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request, wait_until
+
+# Steps always go to the workers here (no inline compute), so that batches form.
+BASE = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, inline_step_bytes=0)
+STREAMS = 64
+STEPS = 6
+POLICIES = [
+    dict(policy="none", capacity=40),
+    dict(policy="strict", window=5),
+    dict(policy="greedy", window=4, capacity=9),
+    dict(policy="sink", window=5, sinks=2),
+]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+HEADS = [(4, 2, 8), (8, 8, 16), (6, 2, 4)]
+
+
+class BatchSizes(EngineObserver):
+    def __init__(self):
+        self.sizes: list[int] = []
+
+    def batch_done(self, backend, dtype, size):
+        self.sizes.append(size)
+
+
+def _script(i: int):
+    """Stream ``i``'s configuration, prefill and steps (mixed policy, dtype, layers, length)."""
+    rng = random.Random(i)
+    g = torch.Generator().manual_seed(1000 + i)
+    pol = POLICIES[i % len(POLICIES)]
+    dtype = DTYPES[(i // 4) % len(DTYPES)]
+    hq, hkv, d = HEADS[i % len(HEADS)]
+    layers = 1 + i % 3
+    batch_size = 1 + i % 2
+    prefill = {}
+    for layer in range(layers):
+        n = rng.randint(0, 12)
+        if n:
+            prefill[layer] = (torch.randn(batch_size, hkv, n, d, generator=g).to(dtype),
+                              torch.randn(batch_size, hkv, n, d, generator=g).to(dtype))
+    steps = [(s % layers, torch.randn(batch_size, hq, d, generator=g).to(dtype),
+              torch.randn(batch_size, hkv, d, generator=g).to(dtype),
+              torch.randn(batch_size, hkv, d, generator=g).to(dtype)) for s in range(STEPS)]
+    msg = open_message(batch=batch_size, hq=hq, hkv=hkv, d=d, layers=layers, dtype=dtype, prefill=prefill, **pol)
+    spec = CacheSpec(batch_size, hq, hkv, d, dtype, EvictionPolicy.create(
+        pol["policy"], window=pol.get("window", 0), capacity=pol.get("capacity", 0), sinks=pol.get("sinks", 0)))
+    return msg, spec, layers, prefill, steps
+
+
+def _alone(spec, layers, prefill, steps) -> list[torch.Tensor]:
+    """The same stream, one step at a time, in process (``cache.step`` alone: Contract 1)."""
+    caches = [get_backend("cpu").create_cache(spec) for _ in range(layers)]
+    for layer, (k, v) in prefill.items():
+        caches[layer].prefill(k, v)
+    return [caches[layer].step(q, k, v).output for layer, q, k, v in steps]
+
+
+@pytest.mark.parametrize("delay_us", [0, 1000], ids=["no-delay", "delay-1ms"])
+def test_64_streams_are_bit_identical_to_each_alone(delay_us):
+    observer = BatchSizes()
+    config = dataclasses.replace(BASE, batch_max_delay_us=delay_us)
+    scripts = [_script(i) for i in range(STREAMS)]
+    expected = [_alone(spec, layers, prefill, steps) for _, spec, layers, prefill, steps in scripts]
+    with ServerThread(config, observer=observer) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        sessions = [Session(ch, msg) for msg, *_ in scripts]
+        # Every stream sends all its steps at once: the read-ahead queues them, the batcher
+        # takes one per stream per batch.
+        for session, (_, _, _, _, steps) in zip(sessions, scripts):
+            for rid, (layer, q, k, v) in enumerate(steps, start=1):
+                session.send(step_request(rid, layer, q, k, v))
+        for i, session in enumerate(sessions):
+            replies = [session.recv() for _ in range(STEPS)]
+            assert [r.request_id for r in replies] == list(range(1, STEPS + 1)), f"stream {i} out of order"
+            for j, reply in enumerate(replies):
+                assert reply.step.status.code == 0, reply.step.status.message
+                out = from_proto(reply.step.output, "output")
+                assert torch.equal(out, expected[i][j]), f"stream {i} step {j} differs from the stream alone"
+            session.close()
+        assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0)
+    assert sum(observer.sizes) == STREAMS * STEPS
+    assert max(observer.sizes) > 1, "no two streams' steps were ever computed together"
+
+
+class _Gate:
+    """Holds ``step_many`` call ``i`` until ``release[i]`` is set, recording each call's size."""
+
+    def __init__(self, monkeypatch):
+        self.calls: list[int] = []
+        self.entered = [threading.Event() for _ in range(32)]
+        self.release = [threading.Event() for _ in range(32)]
+        self._original = batch.step_many
+        monkeypatch.setattr(batch, "step_many", self)
+
+    def __call__(self, steps):
+        i = len(self.calls)
+        self.calls.append(len(steps))
+        self.entered[i].set()
+        self.release[i].wait(30)
+        return self._original(steps)
+
+
+def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):
+    """Engine level, no gRPC: a blocker holds the only worker while three steps queue; they run
+    as one batch in which the middle one is refused (no room under policy none)."""
+    engine = Engine(dataclasses.replace(BASE, workers=1))
+    try:
+        def config(**policy):
+            return engine.stream_config(backend="cpu", dtype="float32", batch_size=1, num_query_heads=4,
+                                        num_kv_heads=2, head_dim=8, num_layers=1, sink_tokens=0,
+                                        **{"policy": "strict", "window": 6, "capacity": 0, **policy})
+        g = torch.Generator().manual_seed(3)
+        x = lambda: (torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g))
+        blocker, a, c = (engine.open(config()) for _ in range(3))
+        full = engine.open(config(policy="none", capacity=2),
+                           prefill={0: (torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g))})
+        twins = [engine.open(config()) for _ in range(2)]
+        before = full.caches[0].tokens_seen, *full.caches[0].export()
+        gate = _Gate(monkeypatch)
+        xa, xb, xc = x(), x(), x()
+
+        async def run():
+            first = engine.submit_step(blocker, 0, *x())
+            await asyncio.get_running_loop().run_in_executor(None, gate.entered[0].wait, 10)
+            futures = [engine.submit_step(s, 0, *xs) for s, xs in ((a, xa), (full, xb), (c, xc))]
+            gate.release[0].set()
+            gate.release[1].set()
+            return await first, await asyncio.gather(*futures)
+
+        _, (ra, rb, rc) = asyncio.run(run())
+        assert gate.calls == [1, 3]  # the three were one batch
+        assert isinstance(rb, ServiceError) and rb.code == "RESOURCE_EXHAUSTED"
+        after = full.caches[0].tokens_seen, *full.caches[0].export()
+        assert before[0] == after[0] and torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+        alone = [twin.step(0, *xs).outcome.output for twin, xs in zip(twins, (xa, xc))]
+        assert torch.equal(ra.outcome.output, alone[0]) and torch.equal(rc.outcome.output, alone[1])
+        assert a.caches[0].tokens_seen == c.caches[0].tokens_seen == 1
+    finally:
+        engine.stop()
+
+
+def _send_step(session: Session, rid: int):
+    session.send(step_request(rid, 0, torch.ones(1, 4, 8), torch.ones(1, 2, 8), torch.ones(1, 2, 8)))
+
+
+@pytest.mark.parametrize("how", ["cancelled", "idle-reaped", "drained"])
+def test_a_stream_ended_while_its_step_is_in_a_batch(monkeypatch, how):
+    """Victim and bystander steps are held inside one batch; the victim's RPC ends meanwhile.
+    Its bytes return to the budget at once (the batch still held); the batch finishes; the
+    bystander gets its result; the victim's client gets its documented status."""
+    config = dataclasses.replace(BASE, grace_period_s=0.2, workers=1)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        blocker, victim, bystander = (Session(ch, open_message()) for _ in range(3))
+        victim_bytes = victim.opened.bytes_reserved
+        reserved = srv.engine.bytes_reserved
+        gate = _Gate(monkeypatch)
+        _send_step(blocker, 1)
+        assert gate.entered[0].wait(10)  # the only worker is held by the blocker's step
+        _send_step(victim, 1)
+        _send_step(bystander, 1)
+        assert wait_until(lambda: srv.engine.steps_waiting == 2)
+        gate.release[0].set()
+        assert gate.entered[1].wait(10)  # victim and bystander: one batch, held
+        assert gate.calls == [1, 2] and srv.engine.steps_in_flight == 2
+        assert blocker.recv().step.status.code == 0
+        drain = None
+        if how == "cancelled":
+            victim.cancel()
+            assert wait_until(lambda: srv.engine.bytes_reserved == reserved - victim_bytes)
+        elif how == "idle-reaped":
+            stream = next(s for s in srv.engine.streams() if s.id == victim.opened.stream_id)
+            stream.last_active -= 10 * config.idle_timeout_s
+            assert [s.id for s in srv.engine.reap_idle()] == [victim.opened.stream_id]
+            assert srv.engine.bytes_reserved == reserved - victim_bytes
+        else:
+            drain = asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
+            assert wait_until(lambda: srv.engine.bytes_reserved == 0)  # past the grace: all closed
+        assert srv.engine.steps_in_flight == 2  # the batch is still held
+        gate.release[1].set()
+        assert bystander.recv().step.status.code == 0  # the batch-mate finishes
+        if how == "cancelled":
+            with pytest.raises(grpc.RpcError) as info:
+                victim.recv()
+            assert info.value.code() == grpc.StatusCode.CANCELLED
+        else:
+            # The step in flight finishes and is answered; then the RPC ends with its status.
+            assert victim.recv().step.status.code == 0
+            with pytest.raises(grpc.RpcError) as info:
+                victim.recv()
+            expected = grpc.StatusCode.DEADLINE_EXCEEDED if how == "idle-reaped" else grpc.StatusCode.UNAVAILABLE
+            assert info.value.code() == expected
+        if drain is not None:
+            with pytest.raises(grpc.RpcError) as info:
+                bystander.recv()
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            drain.result(20)
+            return
+        bystander.close()
+        blocker.close()
+        assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0)
+        assert srv.engine.steps_waiting == 0 and srv.engine.steps_in_flight == 0
