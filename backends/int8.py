@@ -38,7 +38,7 @@ scales into the attention weights::
 and the two products run on the int8 codes themselves. Three kernels compute them (measured
 side by side by ``python -m tests.bench int8``):
 
-- ``"native"`` (the default on the CPU): ``backends/csrc/int8_decode.c`` through
+- ``"native"`` (the default on the CPU): ``backends/csrc/gqa_decode.c`` through
   ``backends.native``, built on first use. It reads each code once, widens it to float32 in
   registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
   but the output is written. On the reference machine at S = 32768: 2.5-2.8x faster than the
