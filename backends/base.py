@@ -14,7 +14,9 @@ as it was.
 from __future__ import annotations
 
 import abc
+import ctypes
 import math
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -238,6 +240,12 @@ class LayerCache(abc.ABC):
         """Appends one token and attends to what the policy says; atomic."""
         self.check_step(query, new_key, new_value)
         t = self.tokens_seen
+        prepared = self._prepare_native(query, new_key, new_value)
+        if prepared is not None:  # the whole step in one native call (see native_step_done)
+            desc, output, _keep = prepared
+            self._native.run(ctypes.addressof(desc), 1)
+            self.native_step_done(desc.status)
+            return self._commit(t, output)
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
@@ -247,18 +255,40 @@ class LayerCache(abc.ABC):
         except BaseException:
             self._restore_rows(row, saved)
             raise
+        return self._commit(t, output)
+
+    # -- the native step: one call writes the row, attends and writes the output -----------
+    # A cache with a compiled step sets ``_native`` (a ``native.Kernel``) and overrides
+    # ``_prepare_native``; ``step`` and ``batch.step_many`` run the prepared descriptors.
+    _native = None
+
+    def _prepare_native(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor):
+        """After ``check_step``: this step as a ``native.CacheDesc`` (the cache's own, filled
+        in), the output tensor the call writes, and the tensors the call reads (to keep them
+        alive); or None when this step takes the Python path. Writes nothing."""
+        return None
+
+    @staticmethod
+    def native_step_done(status: int) -> None:
+        """Raises for a descriptor whose step the kernel did not complete (its row restored)."""
+        if status:
+            raise RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
+
+    def _commit(self, t: int, output: torch.Tensor) -> StepOutcome:
+        """The bookkeeping of a step from T = t whose row is written and output computed."""
         self.tokens_seen = t + 1
-        resident = self.policy.resident(t + 1)
+        p = self.policy
+        resident = p.resident(t + 1)
         return StepOutcome(
             output=output,
             tokens_seen=t + 1,
-            resident=self.policy.resident_length(t + 1),
+            resident=p.resident_length(t + 1),
             first_position=resident[0].start,
             last_position=resident[-1].stop - 1,
-            evicted_tokens=self.policy.evicted_by_step(t),
+            evicted_tokens=p.evicted_by_step(t),
             bytes_written=self.row_bytes,
             bytes_moved=0,
-            attended=sum(len(r) for r in attended),
+            attended=sum(len(r) for r in p.attended(t + 1)),
         )
 
     def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -398,6 +428,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         ...
+
+
+def key_row_stride(capacity: int) -> int:
+    """Elements between a transposed key cache's channel rows: the capacity, padded to whole
+    64-element groups once that costs under 1/63 more (C >= 4032), so that the kernels' blocks
+    of 64 positions of one channel are whole cache lines."""
+    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
 
 
 def dense_nbytes(spec: CacheSpec) -> int:

@@ -53,6 +53,7 @@ DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAG_HALF_SCALES = 1
 FLAG_FAIL_AFTER_WRITE = 2  # tests: fail after the write (the kernel restores the row)
 MAX_RUNS = 4
+FLAG_ISA_SHIFT = 4  # flags bits 4-5: a cache's own ISA (0: the call's)
 
 
 _threads = os.cpu_count() or 1

@@ -74,6 +74,7 @@
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2 };
+#define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
 
 /* One cache's part of a call (mirrored by backends/native.py's CacheDesc). */
 typedef struct {
@@ -763,7 +764,8 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
         if (cc->runs[2 * r] < 0 || cc->runs[2 * r + 1] > cc->c || cc->runs[2 * r] >= cc->runs[2 * r + 1]) return -EINVAL;
         s += cc->runs[2 * r + 1] - cc->runs[2 * r];
     }
-    const int usable = gqa_usable_isas(cc->d);
+    const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
+    if (own) isa = own;
     if (isa == ISA_AUTO) isa = usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
     if (isa < ISA_PORTABLE || isa > ISA_AVX512 || !(usable & (1 << isa))) return -ENOTSUP;
     *attended = s;
