@@ -494,7 +494,7 @@ static struct {
     int size;    /* threads in all, the caller included; 0 until set */
     int started; /* workers running (size - 1 once started) */
     int stop;
-    uint64_t gen;
+    uint64_t gen, start_gen;
     task_fn fn;
     void *ctx;
     int64_t nitems;
@@ -514,7 +514,7 @@ static void run_items(task_fn fn, void *ctx, int64_t nitems, int tid) {
 static void *pool_worker(void *arg) {
     const int idx = (int)(intptr_t)arg; /* 1 .. started */
     pthread_mutex_lock(&pool.m);
-    uint64_t seen = pool.gen;
+    uint64_t seen = pool.start_gen; /* the generation before its first task, however late it runs */
     for (;;) {
         while (pool.gen == seen && !pool.stop) pthread_cond_wait(&pool.wake, &pool.m);
         if (pool.stop) break;
@@ -544,6 +544,7 @@ static void pool_stop_locked(void) { /* call_lock held */
 
 static void pool_start_locked(void) { /* call_lock held, no workers running */
     const int want = (pool.size > 0 ? pool.size : 1) - 1;
+    pool.start_gen = pool.gen;
     for (int i = 0; i < want && i < MAX_THREADS - 1; i++) {
         if (pthread_create(&pool.tids[i], NULL, pool_worker, (void *)(intptr_t)(i + 1))) break; /* fewer: still correct */
         pool.started = i + 1;
