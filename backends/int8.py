@@ -61,6 +61,7 @@ rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated 
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import math
@@ -68,10 +69,11 @@ from typing import NamedTuple
 
 import torch
 
+import quant.int8 as quant_int8
 from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from . import native
-from .base import Backend, Capabilities, CacheSpec, LayerCache, scaled_query
+from .base import Backend, Capabilities, CacheSpec, LayerCache, merge_runs, scaled_query
 from .validation import dtype_name
 
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
@@ -190,6 +192,7 @@ class Int8Cache(LayerCache):
                     f"(this CPU: {', '.join(self._native.isas(spec.head_dim))})"
                 )
         self.kernel = kernel
+        self._desc = None
         self.scale_dtype = scale_dtype
         b, h, c, d = spec.rows_shape
         dev = spec.device
@@ -470,6 +473,58 @@ class Int8Cache(LayerCache):
             self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
+
+    # -- the whole step in one native call (after calibration) -----------------------------------
+    _fail_after_write = False  # tests: the native step fails after its write
+
+    def _make_desc(self) -> native.CacheDesc:
+        s = self.spec
+        n, d, o = s.batch_size * s.num_kv_heads, s.head_dim, self.outliers
+        x = native.CacheDesc()
+        x.enc, x.io = native.ENC["int8"], native.DTYPE_ENC[s.dtype]
+        x.flags = native.ISA[self._isa] << native.FLAG_ISA_SHIFT
+        if self.scale_dtype == torch.float16:
+            x.flags |= native.FLAG_HALF_SCALES
+        elif quant_int8._bnb_quant is not None:  # quantize_int8's rounding with float32 scales
+            x.flags |= native.FLAG_RECIPROCAL
+        if self.rotation is not None:
+            x.flags |= native.FLAG_ROTATE
+        x.n, x.g, x.d, x.c = n, s.group_size, d, s.capacity
+        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), d - o, o, s.capacity
+        x.qscale = 1.0 / math.sqrt(d)
+        per = (d - o) + 2 * o + d + 2 * self._ks.element_size()
+        self._saved_row = torch.empty(n * per, dtype=torch.uint8)
+        x.k, x.v, x.ks, x.vs = self._k.data_ptr(), self._v.data_ptr(), self._ks.data_ptr(), self._vs.data_ptr()
+        x.ko = self._ko.data_ptr() if o else None
+        x.saved = self._saved_row.data_ptr()
+        return x
+
+    def _prepare_native(self, query, new_key, new_value):
+        t = self.tokens_seen
+        if self._native is None or (self._calibration is not None and t < CALIBRATION_TOKENS):
+            return None  # calibration: the Python path chooses the outlier channels
+        s = self.spec
+        x = self._desc
+        if x is None:
+            x = self._desc = self._make_desc()
+        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+        order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
+        out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+        x.set_runs(merge_runs(self._runs(self.policy.attended(t + 1))))
+        x.write_row = self.row_of(t)
+        x.q, x.order, x.new_k, x.new_v, x.out = q.data_ptr(), order.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self._fail_after_write:
+            x.flags |= native.FLAG_FAIL_AFTER_WRITE
+        else:
+            x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
+        return x, out, (q, k, v, order)
+
+    @staticmethod
+    def native_step_done(status: int) -> None:
+        if status == -errno.ERANGE:
+            raise ValueError("value: a row's absmax needs a scale beyond float16's range; use float32 scales "
+                             "(nothing was written)")
+        LayerCache.native_step_done(status)
 
     # -- attention ------------------------------------------------------------------------------
     def _attend(self, query, runs):

@@ -52,6 +52,8 @@ ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAG_HALF_SCALES = 1
 FLAG_FAIL_AFTER_WRITE = 2  # tests: fail after the write (the kernel restores the row)
+FLAG_ROTATE = 4  # int8: values stored Hadamard-rotated (the step rotates the new value and the output)
+FLAG_RECIPROCAL = 8  # int8, float32 scales: codes = round(x * (127 / absmax)), bitsandbytes' rounding
 MAX_RUNS = 4
 FLAG_ISA_SHIFT = 4  # flags bits 4-5: a cache's own ISA (0: the call's)
 
@@ -147,7 +149,7 @@ class CacheDesc(ctypes.Structure):
         ("runs", ctypes.c_int64 * (2 * MAX_RUNS)), ("write_row", ctypes.c_int64),
         ("qscale", ctypes.c_float), ("status", ctypes.c_int32),
         ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
-        ("ko", ctypes.c_void_p), ("q", ctypes.c_void_p), ("new_k", ctypes.c_void_p), ("new_v", ctypes.c_void_p),
+        ("ko", ctypes.c_void_p), ("q", ctypes.c_void_p), ("order", ctypes.c_void_p), ("new_k", ctypes.c_void_p), ("new_v", ctypes.c_void_p),
         ("saved", ctypes.c_void_p), ("out", ctypes.c_void_p),
     ]
 

@@ -25,6 +25,7 @@ from backends.base import CacheSpec
 from backends.batch import BatchStep, step_many
 from backends.cpu import CPUBackend, DenseCache
 from backends.errors import CacheFullError
+from backends.int8 import Int8Backend
 from backends.policy import EvictionPolicy
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attention_ref
@@ -101,7 +102,7 @@ def test_policy_run_shapes_match_oracle(isa, shape, dtype):
 
 
 def _fleet(seed: int, count: int = 64):
-    """``count`` caches of mixed dtypes, head shapes, policies and lengths (1..1500), and one
+    """``count`` caches of mixed encodings, dtypes, head shapes, policies and lengths (1..1500), and one
     step's tensors for each: the same for the same seed."""
     rng = np.random.default_rng(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -112,7 +113,9 @@ def _fleet(seed: int, count: int = 64):
         g = [1, 4, 5][i % 3]
         s = int(rng.integers(1, 1500))
         policy = [EvictionPolicy.none(s + 2), EvictionPolicy.strict(max(1, s // 2)), EvictionPolicy.sink(max(1, s // 3), 3)][i % 3]
-        cache = DenseCache(CacheSpec(1, HKV * g, HKV, d, dtype, policy), "native")
+        spec = CacheSpec(1, HKV * g, HKV, d, dtype, policy)
+        # every fifth an int8 cache (prefilled, so calibrated: its whole step is native too)
+        cache = Int8Backend().create_cache(spec) if i % 5 == 4 else DenseCache(spec, "native")
         cache.prefill(torch.randn(1, HKV, s, d, generator=gen).to(dtype), torch.randn(1, HKV, s, d, generator=gen).to(dtype))
         steps.append(BatchStep(cache, *(torch.randn(1, h, d, generator=gen).to(dtype) for h in (HKV * g, HKV, HKV))))
     return steps

@@ -612,3 +612,37 @@ def test_int8_cache_on_a_cuda_device(policy_name):
     keys, values = _attended_rows(cache, policy_name)
     ref = attention_ref(q.double().cpu().numpy(), keys, values, hq, hkv)
     assert _rel(out.cpu(), ref) <= KERNEL_RTOL[torch.float16]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["f16-scales", "f32-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_native_step_stores_and_outputs_what_the_python_step_does(dtype, scale_dtype, monkeypatch):
+    """After calibration the whole step is one native call (rotate, quantize, write, attend);
+    it stores the same codes bit for bit and gives the same outputs as the Python path."""
+    spec = CacheSpec(1, 8, 2, 64, dtype, EvictionPolicy.sink(40, 3))
+    native_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
+    python_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
+    monkeypatch.setattr(python_cache, "_prepare_native", lambda *a: None)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(70):  # past calibration, around the wrapped window
+        q, k, v = (torch.randn(1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
+        k[..., 3] *= 30  # an outlier channel
+        if step == 50:
+            k[0, 1] = 0.0  # an all-zero row
+        a, b = native_cache.step(q, k, v), python_cache.step(q, k, v)
+        assert torch.equal(a.output, b.output), step
+    for x, y in zip(native_cache.export_quantized(), python_cache.export_quantized()):
+        assert torch.equal(x, y)
+
+
+def test_native_step_failure_after_the_write_restores_bytes(monkeypatch):
+    cache = Int8Backend().create_cache(CacheSpec(1, 8, 2, 64, torch.float32, EvictionPolicy.strict(20)))
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(30):
+        cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (8, 2, 2)))
+    tensors = (cache._k, cache._ko, cache._v, cache._ks, cache._vs)
+    before = [bytes(t.untyped_storage()) for t in tensors]
+    monkeypatch.setattr(cache, "_fail_after_write", True)
+    with pytest.raises(RuntimeError, match="native step failed"):
+        cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (8, 2, 2)))
+    assert [bytes(t.untyped_storage()) for t in tensors] == before and cache.tokens_seen == 30

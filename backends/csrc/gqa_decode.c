@@ -73,7 +73,7 @@
 
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
-enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2 };
+enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
 #define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
 
 /* One cache's part of a call (mirrored by backends/native.py's CacheDesc). */
@@ -93,9 +93,12 @@ typedef struct {
     void *k, *v;                /* keys (N, dk, kstride), values (N, C, D) */
     const void *ks, *vs;        /* int8: scales */
     const uint16_t *ko;         /* int8: outlier channels (N, no, C) float16 bits */
-    const void *q;              /* (N, G, dk + no) in io */
+    const void *q;              /* (N, G, D) in io; int8: channels in the stored key order, or
+                                   in model order with `order` given */
+    const int64_t *order;       /* int8: (N, D) the stored key order (coded, then outliers); or NULL */
     const void *new_k, *new_v;  /* (N, D) in io (= enc): the step's token */
-    void *saved;                /* 2 * N * D elements of enc: the overwritten row */
+    void *saved;                /* the overwritten row: dense 2 * N * D elements of enc; int8
+                                   N * (dk + 2 no + D + 2 * scale bytes) bytes */
     void *out;                  /* (N, G, D) in io */
 } gqa_cache_t;
 
@@ -607,6 +610,8 @@ int gqa_threads(void) { return pool.size > 0 ? pool.size : 1; }
 /* ---------------------------------------------------------------------------------------------
  * A call: writes, work items (cache, head, split), merge.
  */
+int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block);
+
 typedef struct {
     gqa_cache_t *caches;
     int64_t ncaches;
@@ -702,8 +707,129 @@ static void merge_item(void *ctx, int64_t item, int tid) {
         }
         const float inv = 1.0f / total;
         const int64_t at = (h * G + gi) * d;
-        for (int64_t j = 0; j < d; j++) store_elem(cc->io, cc->out, at + j, o[j] * inv);
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+        if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+        for (int64_t j = 0; j < d; j++) store_elem(cc->io, cc->out, at + j, o[j]);
     }
+}
+
+/* int8: quantizes rows (rows, len) float32 per row, absmax / 127, as quant.quantize_int8 does:
+ * float16 scales: codes = round(x / stored scale) (a stored 0 divides by 1), clamped to 127;
+ * float32 scales with FLAG_RECIPROCAL (bitsandbytes' rounding, which quant uses when it loads):
+ * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
+ * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
+ * -ERANGE when a float16 scale would overflow. */
+static int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+    const int half = flags & FLAG_HALF_SCALES;
+    int reciprocal = !half && (flags & FLAG_RECIPROCAL);
+    const float tiny = (float)(127.0 / 3.4028234663852886e38);
+    for (int64_t r = 0; r < rows; r++) {
+        float amax = 0.0f;
+        for (int64_t j = 0; j < len; j++) amax = fmaxf(amax, fabsf(x[r * len + j]));
+        scale[r] = amax;
+        if (amax < tiny && amax > 0.0f) reciprocal = 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float amax = scale[r], s32 = amax / 127.0f;
+        const float *xr = x + r * len;
+        int8_t *cr = codes + r * len;
+        if (reciprocal) {
+            const float inv = amax == 0.0f ? 0.0f : (1.0f / amax) * 127.0f; /* torch's 127 / t: reciprocal, then product */
+            for (int64_t j = 0; j < len; j++) cr[j] = amax == 0.0f ? 0 : (int8_t)rintf(xr[j] * inv);
+            scale[r] = s32;
+            continue;
+        }
+        float stored = s32;
+        if (half) {
+            if (s32 > 65504.0f) return -ERANGE;
+            stored = half_to_float(float_to_half(s32));
+        }
+        scale[r] = stored;
+        const float div = stored == 0.0f ? 1.0f : stored;
+        for (int64_t j = 0; j < len; j++) {
+            float c = rintf(xr[j] / div);
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+            cr[j] = (int8_t)c;
+        }
+    }
+    return 0;
+}
+
+/* int8: the new token's bytes per KV head in `saved` (key codes, outlier channels, value codes,
+ * two scales), so that a failure puts them back. */
+static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
+    return cc->dk + 2 * cc->no + cc->d + 2 * ((cc->flags & FLAG_HALF_SCALES) ? 2 : 4);
+}
+
+static void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
+    for (int64_t h = 0; h < n; h++) {
+        char *sv = (char *)cc->saved + h * per;
+        char *cells[4];
+        int64_t sizes[4];
+        for (int64_t j = 0; j < dk; j++) {
+            char *cell = (char *)cc->k + (h * dk + j) * cc->kstride + row;
+            if (restore) *cell = sv[j];
+            else sv[j] = *cell;
+        }
+        for (int64_t o = 0; o < no; o++) {
+            char *cell = (char *)(cc->ko + (h * no + o) * c + row);
+            if (restore) memcpy(cell, sv + dk + 2 * o, 2);
+            else memcpy(sv + dk + 2 * o, cell, 2);
+        }
+        cells[0] = (char *)cc->v + (h * c + row) * d;
+        sizes[0] = d;
+        cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
+        cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
+        sizes[1] = sizes[2] = sel;
+        char *at = sv + dk + 2 * no;
+        for (int x = 0; x < 3; x++) {
+            if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
+            else memcpy(at, cells[x], (size_t)sizes[x]);
+            at += sizes[x];
+        }
+    }
+}
+
+/* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
+ * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
+ * values rotated (FLAG_ROTATE) and quantized. -ERANGE (nothing written) if a scale overflows. */
+static int int8_write(const gqa_cache_t *cc, float *buf) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
+    int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
+    float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
+    for (int64_t h = 0; h < n; h++)
+        for (int64_t j = 0; j < d; j++) {
+            const float x = load_elem(cc->io, cc->new_k, h * d + cc->order[h * d + j]);
+            if (j < dk) coded[h * dk + j] = x;
+            else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
+        }
+    float *outl = keys + n * dk;
+    memmove(outl, vals, (size_t)(n * no) * sizeof(float));
+    int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
+    if (rc) return rc;
+    for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
+    rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+    if (rc) return rc;
+    int8_swap_row(cc, 0);
+    const int half = cc->flags & FLAG_HALF_SCALES;
+    for (int64_t h = 0; h < n; h++) {
+        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[(h * dk + j) * cc->kstride + row] = kcodes[h * dk + j];
+        for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
+        memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
+        const int64_t at = h * cc->scale_stride + row;
+        if (half) {
+            ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
+            ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
+        } else {
+            ((float *)cc->ks)[at] = ksc[h];
+            ((float *)cc->vs)[at] = vsc[h];
+        }
+    }
+    return 0;
 }
 
 /* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
@@ -754,7 +880,8 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
     if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
     if (cc->enc == ENC_INT8) {
         if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;
-        if (cc->scale_stride < cc->c || cc->write_row >= 0) return -EINVAL; /* int8 writes in Python */
+        if (cc->scale_stride < cc->c || cc->dk + cc->no != cc->d || cc->write_row >= cc->c) return -EINVAL;
+        if (cc->write_row >= 0 && (!cc->new_k || !cc->new_v || !cc->saved || !cc->order)) return -EINVAL;
     } else {
         if (cc->dk != cc->d || cc->no != 0) return -EINVAL;
         if (cc->write_row >= cc->c || (cc->write_row >= 0 && (cc->io != cc->enc || !cc->new_k || !cc->new_v || !cc->saved)))
@@ -792,7 +919,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + ncaches + 1,
                    .nsplit = ints + 2 * ncaches + 2, .s = ints + 3 * ncaches + 2, .part_off = ints + 4 * ncaches + 2,
                    .q_off = ints + 5 * ncaches + 2, .block = blocks};
-    int64_t items = 0, heads = 0, parts = 0, qs = 0, scratch = 0, work = 0;
+    int64_t items = 0, heads = 0, parts = 0, qs = 0, scratch = 0, work = 0, wneed = 1;
     int rc = 0;
     for (int64_t i = 0; i < ncaches && !rc; i++) {
         gqa_cache_t *cc = &caches[i];
@@ -813,6 +940,10 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         const int64_t need = 2 * cc->g + cc->g * cc->d + (TILE_G + 2) * TILE_T + 16;
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
+        if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
+            const int64_t w = 2 * cc->n * cc->d + 2 * cc->n + (2 * cc->n * cc->d + 3) / 4 + 1;
+            if (w > wneed) wneed = w;
+        }
     }
     if (rc) {
         free(ints);
@@ -827,7 +958,9 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     call.part = malloc((size_t)parts * sizeof(float));
     call.qf = malloc((size_t)(qs ? qs : 1) * sizeof(float));
     call.scratch = aligned_alloc(64, (size_t)(threads * call.scratch_floats) * sizeof(float));
-    if (!call.part || !call.qf || !call.scratch) {
+    float *wbuf = malloc((size_t)wneed * sizeof(float));
+    if (!call.part || !call.qf || !call.scratch || !wbuf) {
+        free(wbuf);
         free(call.part);
         free(call.qf);
         free(call.scratch);
@@ -835,23 +968,35 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         free(blocks);
         return -ENOMEM;
     }
-    /* nothing can fail from here on but an injected failure, which restores its cache */
+    /* From here on a cache fails alone (its status): an int8 scale out of range before its
+     * write, or an injected failure after it, which restores the row. */
     for (int64_t i = 0; i < ncaches; i++) {
-        const gqa_cache_t *cc = &caches[i];
-        if (cc->write_row >= 0) write_row(cc, 0);
-        const int64_t nq = cc->n * cc->g * (cc->dk + cc->no);
+        gqa_cache_t *cc = &caches[i];
+        if (cc->write_row >= 0) {
+            if (cc->enc == ENC_INT8) cc->status = int8_write(cc, wbuf);
+            else write_row(cc, 0);
+        }
+        const int64_t G = cc->g, d = cc->d;
         float *qf = call.qf + call.q_off[i];
-        for (int64_t x = 0; x < nq; x++) qf[x] = load_elem(cc->io, cc->q, x) * cc->qscale;
+        for (int64_t hg = 0; hg < cc->n * G; hg++) {
+            const int64_t *order = cc->order ? cc->order + (hg / G) * d : NULL;
+            for (int64_t j = 0; j < d; j++)
+                qf[hg * d + j] = load_elem(cc->io, cc->q, hg * d + (order ? order[j] : j)) * cc->qscale;
+        }
     }
     pool_run(attend_item, &call, items, threads);
     for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
-        if (cc->flags & FLAG_FAIL_AFTER_WRITE) { /* tests: a failure after the write */
-            if (cc->write_row >= 0) write_row(cc, 1);
+        if ((cc->flags & FLAG_FAIL_AFTER_WRITE) && !cc->status) { /* tests: a failure after the write */
+            if (cc->write_row >= 0) {
+                if (cc->enc == ENC_INT8) int8_swap_row(cc, 1);
+                else write_row(cc, 1);
+            }
             cc->status = -EIO;
         }
     }
     pool_run(merge_item, &call, heads, threads);
+    free(wbuf);
     free(call.part);
     free(call.qf);
     free(call.scratch);
