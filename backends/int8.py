@@ -142,13 +142,27 @@ def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
 def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
     """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
     outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
-    under 1/64 more), plus the calibration rows of the first ``CALIBRATION_TOKENS`` keys."""
+    under 1/64 more), plus ``_fixed_bytes`` per KV head. The Hadamard matrix is shared per D
+    (``shared_rotation``), not a layer's."""
     b, h, c, d = spec.rows_shape
     o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    calibration = CALIBRATION_TOKENS * d * 4 if o else 0
-    padding = (d - o) * (_key_row_stride(c) - c)
-    return b * h * (c * _position_bytes(d, o, scale) + padding + calibration)
+    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (_key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
+
+
+def _fixed_bytes(d: int, o: int, scale: int) -> int:
+    """Per KV head, beside the positions: the calibration rows of the first keys (while they
+    are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
+    return (CALIBRATION_TOKENS * d * 4 if o else 0) + 8 * d + _position_bytes(d, o, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_rotation(d: int, device: str) -> torch.Tensor:
+    """``quant.hadamard_rotation(d)`` float32 on ``device``, one per (D, device) in the process,
+    shared by every cache (read only): a D x D matrix per layer would cost more than the
+    layer's cache at small capacities. Built on first use (the CPU caches use the native
+    transform and never build it)."""
+    return hadamard_rotation(d, device=device)
 
 
 def _chunks(a: int, b: int, size: int):
@@ -197,8 +211,8 @@ class Int8Cache(LayerCache):
         b, h, c, d = spec.rows_shape
         dev = spec.device
         # Values are stored rotated (``quant.hadamard_rotation``): H is symmetric and orthonormal,
-        # so the output rotates back with the same H.
-        self.rotation = hadamard_rotation(d, device=dev) if rotate else None
+        # so the output rotates back with the same H (``rotation``, shared per D).
+        self._rotated = rotate
         # On the CPU the native library computes the same product as a fast Walsh-Hadamard
         # transform without torch's thread pool (whose idle spinning would then slow the kernel);
         # for every kernel alike, so that the stored codes never depend on the kernel chosen.
@@ -213,6 +227,8 @@ class Int8Cache(LayerCache):
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
+        # what the native step overwrites, kept until it has succeeded
+        self._saved_row = torch.empty(b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev)
         # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
         self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
         # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
@@ -223,7 +239,14 @@ class Int8Cache(LayerCache):
     def nbytes(self) -> int:
         calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
         return (self._k.untyped_storage().nbytes() + self._ko.nbytes + self._v.nbytes + self._ks.nbytes
-                + self._vs.nbytes + (calibration if self.outliers else 0))
+                + self._vs.nbytes + (calibration if self.outliers else 0) + self._key_order.nbytes
+                + self._saved_row.nbytes)
+
+    @property
+    def rotation(self) -> torch.Tensor | None:
+        """The (D, D) float32 Hadamard matrix the values are stored rotated by (shared per D,
+        read only), or None without rotation."""
+        return shared_rotation(self.spec.head_dim, str(self.spec.device)) if self._rotated else None
 
     @property
     def row_bytes(self) -> int:
@@ -250,7 +273,7 @@ class Int8Cache(LayerCache):
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Value rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
         x = x.to(torch.float32)
-        if self.rotation is None:
+        if not self._rotated:
             return x
         if self._hadamard is not None and x.numel():
             return self._hadamard(x)
@@ -487,13 +510,11 @@ class Int8Cache(LayerCache):
             x.flags |= native.FLAG_HALF_SCALES
         elif quant_int8._bnb_quant is not None:  # quantize_int8's rounding with float32 scales
             x.flags |= native.FLAG_RECIPROCAL
-        if self.rotation is not None:
+        if self._rotated:
             x.flags |= native.FLAG_ROTATE
         x.n, x.g, x.d, x.c = n, s.group_size, d, s.capacity
         x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), d - o, o, s.capacity
         x.qscale = 1.0 / math.sqrt(d)
-        per = (d - o) + 2 * o + d + 2 * self._ks.element_size()
-        self._saved_row = torch.empty(n * per, dtype=torch.uint8)
         x.k, x.v, x.ks, x.vs = self._k.data_ptr(), self._v.data_ptr(), self._ks.data_ptr(), self._vs.data_ptr()
         x.ko = self._ko.data_ptr() if o else None
         x.saved = self._saved_row.data_ptr()
