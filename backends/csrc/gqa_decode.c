@@ -107,6 +107,7 @@ typedef struct {
     float *m, *l, *acc;
     float *p;         /* weights of one block: p[TILE_G * TILE_T] */
     float *ksb, *vsb; /* one block's float16 scales as float32 */
+    int prefetch;     /* the item reads the next block of this run: prefetch it */
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
@@ -311,7 +312,8 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
  * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
 AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kstride, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t nt, const int gt, float *out) {
+    int64_t c, const float *ks, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
     const int64_t dq = dk + no, el = enc_size(enc);
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
@@ -321,14 +323,15 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     }
     for (int64_t j = 0; j < dk; j++) {
         const char *row = kb + j * kstride * el;
-        /* each channel's lines of a later block (see the header; a no-op past the end) */
-        for (int64_t x = 0; x < TILE_T * el; x += 64)
-            _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
+        /* each channel's lines of the next block (see the header), when the item reads it */
+        if (prefetch)
+            for (int64_t x = 0; x < TILE_T * el; x += 64)
+                _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
         __m512 kf[4];
-        for (int i = 0; i < 4; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+        for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
         for (int g = 0; g < gt; g++) {
             const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
-            for (int i = 0; i < 4; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+            for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
         }
     }
     if (enc == ENC_INT8) {
@@ -355,14 +358,14 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
  * registers. The first pass over a block also prefetches the rows of a later block. */
 AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
-    const int nv) {
+    const int nv, const int prefetch) {
     const int64_t el = enc_size(enc);
     __m512 acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
-        if (j0 == 0)
+        if (j0 == 0 && prefetch)
             for (int64_t x = 0; x < d * el; x += 64)
                 _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T0);
         __m512 vf[4];
@@ -413,12 +416,17 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const char *kb, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st) {
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
-    scores_avx512(enc, qf + (h * cc->g + g0) * dq, cc->dk, cc->no, kb, cc->kstride,
-                  enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL, cc->c, ks, nt, gt, p);
+    const float *q = qf + (h * cc->g + g0) * dq;
+    const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
+    const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
+    if (nt <= 16)
+        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 1, pf, p);
+    else
+        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 4, pf, p);
     softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4);
-    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1);
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
 }
 
 AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
@@ -669,6 +677,7 @@ static void attend_item(void *ctx, int64_t item, int tid) {
             /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
             const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
             nt = hi - x < to_grid ? hi - x : to_grid;
+            st.prefetch = x + nt < hi;
             block(cc, qf, h, a + (x - base), nt, &st);
         }
         base += b - a;
@@ -709,7 +718,9 @@ static void merge_item(void *ctx, int64_t item, int tid) {
         const int64_t at = (h * G + gi) * d;
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
         if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
-        for (int64_t j = 0; j < d; j++) store_elem(cc->io, cc->out, at + j, o[j]);
+        if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
+        else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
+        else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
     }
 }
 
@@ -837,13 +848,25 @@ static void write_row(const gqa_cache_t *cc, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
-    for (int64_t x = 0; x < n * d; x++) {
-        char *cell = k + (x * cc->kstride + row) * el;
-        if (restore) {
-            memcpy(cell, saved + x * el, (size_t)el);
-        } else {
-            memcpy(saved + x * el, cell, (size_t)el);
-            memcpy(cell, nk + x * el, (size_t)el);
+    if (el == 4) { /* one key column: a strided gather and scatter */
+        float *kk = (float *)k + row, *sv = (float *)saved;
+        const float *src = (const float *)nk;
+        for (int64_t x = 0; x < n * d; x++) {
+            if (restore) kk[x * cc->kstride] = sv[x];
+            else {
+                sv[x] = kk[x * cc->kstride];
+                kk[x * cc->kstride] = src[x];
+            }
+        }
+    } else {
+        uint16_t *kk = (uint16_t *)k + row, *sv = (uint16_t *)saved;
+        const uint16_t *src = (const uint16_t *)nk;
+        for (int64_t x = 0; x < n * d; x++) {
+            if (restore) kk[x * cc->kstride] = sv[x];
+            else {
+                sv[x] = kk[x * cc->kstride];
+                kk[x * cc->kstride] = src[x];
+            }
         }
     }
     for (int64_t h = 0; h < n; h++) {
@@ -859,9 +882,15 @@ static void write_row(const gqa_cache_t *cc, int restore) {
 
 int gqa_avx512_usable(void) {
 #if GQA_HAVE_AVX512
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        atomic_store(&known, v);
+    }
+    return v;
 #else
     return 0;
 #endif
@@ -978,10 +1007,15 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         }
         const int64_t G = cc->g, d = cc->d;
         float *qf = call.qf + call.q_off[i];
-        for (int64_t hg = 0; hg < cc->n * G; hg++) {
-            const int64_t *order = cc->order ? cc->order + (hg / G) * d : NULL;
-            for (int64_t j = 0; j < d; j++)
-                qf[hg * d + j] = load_elem(cc->io, cc->q, hg * d + (order ? order[j] : j)) * cc->qscale;
+        if (!cc->order && cc->io == ENC_F32) {
+            const float *q = cc->q;
+            for (int64_t x = 0; x < cc->n * G * d; x++) qf[x] = q[x] * cc->qscale;
+        } else {
+            for (int64_t hg = 0; hg < cc->n * G; hg++) {
+                const int64_t *order = cc->order ? cc->order + (hg / G) * d : NULL;
+                for (int64_t j = 0; j < d; j++)
+                    qf[hg * d + j] = load_elem(cc->io, cc->q, hg * d + (order ? order[j] : j)) * cc->qscale;
+            }
         }
     }
     pool_run(attend_item, &call, items, threads);
