@@ -30,6 +30,7 @@ __all__ = [
     "Backend",
     "Capabilities",
     "CacheSpec",
+    "DenseRingCache",
     "LayerCache",
     "StepOutcome",
     "merge_runs",
@@ -401,6 +402,53 @@ class LayerCache(abc.ABC):
         self.tokens_seen -= k
 
 
+class DenseRingCache(LayerCache):
+    """Dense storage in the stream dtype for a ring: values (B, Hkv, C, D); keys as rows
+    (B, Hkv, C, D), or transposed (B, Hkv, D, K) with K = ``key_row_stride(C)`` (the first C
+    columns are the rows). The storage methods of the cpu and cuda caches; allocated once on
+    ``spec.device``."""
+
+    def __init__(self, spec: CacheSpec, keys_as_rows: bool):
+        super().__init__(spec)
+        b, h, c, d = spec.rows_shape
+        self._keys_as_rows = keys_as_rows
+        if keys_as_rows:
+            self._k = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+        else:
+            self._k = torch.zeros((b, h, d, key_row_stride(c)), dtype=spec.dtype, device=spec.device)[..., :c]
+        self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+
+    @staticmethod
+    def storage_nbytes(spec: CacheSpec, keys_as_rows: bool) -> int:
+        """What ``DenseRingCache(spec, keys_as_rows)`` allocates."""
+        b, h, c, d = spec.rows_shape
+        el = torch.empty((), dtype=spec.dtype).element_size()
+        return b * h * d * (c + (c if keys_as_rows else key_row_stride(c))) * el
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.untyped_storage().nbytes() + self._v.nbytes
+
+    def _write_rows(self, start, keys, values):
+        n = keys.shape[2]
+        if self._keys_as_rows:
+            self._k[:, :, start : start + n] = keys
+        else:
+            self._k[:, :, :, start : start + n] = keys.transpose(2, 3)
+        self._v[:, :, start : start + n] = values
+
+    def _read_rows(self, start, stop):
+        if self._keys_as_rows:
+            return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
+        return self._k[:, :, :, start:stop].transpose(2, 3).clone(), self._v[:, :, start:stop].clone()
+
+    def _save_rows(self, start, stop):
+        return self._read_rows(start, stop)
+
+    def _restore_rows(self, start, saved):
+        self._write_rows(start, *saved)
+
+
 class Backend(abc.ABC):
     """A named way to store caches and attend. Capabilities are class data."""
 
@@ -413,8 +461,16 @@ class Backend(abc.ABC):
         """Reasons this backend cannot run on this machine at all (empty when it can)."""
         return []
 
+    def probe_reasons(self) -> list[str]:
+        """``probe()`` computed once for this instance (the registry keeps one instance per
+        backend per process), not on every cache created."""
+        probed = self.__dict__.get("_probed")
+        if probed is None:
+            probed = self.__dict__["_probed"] = list(self.probe())
+        return list(probed)
+
     def reasons_against(self, spec: CacheSpec) -> list[str]:
-        return self.probe() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
+        return self.probe_reasons() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
 
     def check(self, spec: CacheSpec) -> None:
         reasons = self.reasons_against(spec)

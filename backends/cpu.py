@@ -28,7 +28,7 @@ import torch
 
 from . import native
 from .attention import attend, attend_rows
-from .base import Backend, Capabilities, CacheSpec, LayerCache, key_row_stride, merge_runs, scaled_query
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, merge_runs, scaled_query
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 
@@ -55,23 +55,18 @@ def _keys_as_rows(dtype: torch.dtype, kernel: str) -> bool:
 def dense_cpu_nbytes(spec: CacheSpec, kernel: str | None = None) -> int:
     """What ``DenseCache(spec, kernel)`` allocates: values, and keys with their rows padded
     (``key_row_stride``) unless they are stored as rows."""
-    b, h, c, d = spec.rows_shape
-    kernel = kernel or default_kernel()
-    el = torch.empty((), dtype=spec.dtype).element_size()
-    k = c if _keys_as_rows(spec.dtype, kernel) else key_row_stride(c)
-    return b * h * d * (c + k) * el
+    return DenseRingCache.storage_nbytes(spec, _keys_as_rows(spec.dtype, kernel or default_kernel()))
 
 
-class DenseCache(LayerCache):
+class DenseCache(DenseRingCache):
     def __init__(self, spec: CacheSpec, kernel: str = "auto"):
-        super().__init__(spec)
         if kernel == "auto":
             kernel = default_kernel()
         if kernel not in KERNELS:
             raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
-        b, h, c, d = spec.rows_shape
+        super().__init__(spec, _keys_as_rows(spec.dtype, kernel))
+        d = spec.head_dim
         self.kernel = kernel
-        isa = "auto"
         if kernel.startswith("native"):
             self._native = native.load()  # NativeUnavailable says why not
             isa = kernel.partition("-")[2] or "auto"
@@ -79,13 +74,6 @@ class DenseCache(LayerCache):
                 raise native.NativeUnavailable(
                     f"cpu: kernel {kernel!r} does not run here at head_dim {d} (this CPU: {', '.join(self._native.isas(d))})"
                 )
-        self._keys_as_rows = _keys_as_rows(spec.dtype, kernel)
-        if self._keys_as_rows:
-            self._k = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
-        else:
-            self._k = torch.zeros((b, h, d, key_row_stride(c)), dtype=spec.dtype, device=spec.device)[..., :c]
-        self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
-        if self._native is not None:
             self._desc = self._make_desc(isa)
 
     def _make_desc(self, isa: str) -> native.CacheDesc:
@@ -101,29 +89,6 @@ class DenseCache(LayerCache):
         x.qscale = 1.0 / math.sqrt(s.head_dim)
         x.k, x.v, x.saved = self._k.data_ptr(), self._v.data_ptr(), self._saved.data_ptr()
         return x
-
-    @property
-    def nbytes(self) -> int:
-        return self._k.untyped_storage().nbytes() + self._v.nbytes
-
-    def _write_rows(self, start, keys, values):
-        n = keys.shape[2]
-        if self._keys_as_rows:
-            self._k[:, :, start : start + n] = keys
-        else:
-            self._k[:, :, :, start : start + n] = keys.transpose(2, 3)
-        self._v[:, :, start : start + n] = values
-
-    def _read_rows(self, start, stop):
-        if self._keys_as_rows:
-            return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
-        return self._k[:, :, :, start:stop].transpose(2, 3).clone(), self._v[:, :, start:stop].clone()
-
-    def _save_rows(self, start, stop):
-        return self._read_rows(start, stop)
-
-    def _restore_rows(self, start, saved):
-        self._write_rows(start, *saved)
 
     # Tests set it to make the native step fail after its write (the kernel restores the row).
     _fail_after_write = False
