@@ -63,7 +63,9 @@
 
 #define TILE_T 64   /* positions per block: 64 int8 codes of one channel are one cache line */
 #define TILE_G 4    /* query heads scored together against one block */
+#ifndef SPLIT_T
 #define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
+#endif
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
