@@ -18,7 +18,7 @@ import ctypes
 import math
 import os
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -32,6 +32,7 @@ __all__ = [
     "CacheSpec",
     "DenseRingCache",
     "LayerCache",
+    "NativeStep",
     "StepOutcome",
     "merge_runs",
     "row_runs",
@@ -95,6 +96,15 @@ class CacheSpec:
     @property
     def rows_shape(self) -> tuple[int, int, int, int]:
         return (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
+
+
+class NativeStep(NamedTuple):
+    """A step prepared for the native library (``LayerCache._prepare_native``)."""
+
+    desc: object  # native.CacheDesc, the cache's own
+    output: torch.Tensor  # (B, Hq, D) in the stream dtype, written by the call
+    attended: tuple  # the policy's attended ranges after the step
+    keep: tuple  # tensors the call reads (contiguous copies of the inputs where needed)
 
 
 @dataclass(frozen=True)
@@ -243,10 +253,9 @@ class LayerCache(abc.ABC):
         t = self.tokens_seen
         prepared = self._prepare_native(query, new_key, new_value)
         if prepared is not None:  # the whole step in one native call (see native_step_done)
-            desc, output, _keep = prepared
-            self._native.run(ctypes.addressof(desc), 1)
-            self.native_step_done(desc.status)
-            return self._commit(t, output)
+            self._native.run(ctypes.addressof(prepared.desc), 1)
+            self.native_step_done(prepared.desc.status)
+            return self._commit(t, prepared.output, prepared.attended)
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
@@ -256,7 +265,7 @@ class LayerCache(abc.ABC):
         except BaseException:
             self._restore_rows(row, saved)
             raise
-        return self._commit(t, output)
+        return self._commit(t, output, attended)
 
     # -- the native step: one call writes the row, attends and writes the output -----------
     # A cache with a compiled step sets ``_native`` (a ``native.Kernel``) and overrides
@@ -264,9 +273,9 @@ class LayerCache(abc.ABC):
     _native = None
 
     def _prepare_native(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor):
-        """After ``check_step``: this step as a ``native.CacheDesc`` (the cache's own, filled
-        in), the output tensor the call writes, and the tensors the call reads (to keep them
-        alive); or None when this step takes the Python path. Writes nothing."""
+        """After ``check_step``: this step as a ``NativeStep`` (the cache's own descriptor filled
+        in, the output tensor the call writes, the attended ranges, the tensors the call reads,
+        kept alive), or None when this step takes the Python path. Writes nothing."""
         return None
 
     @staticmethod
@@ -275,11 +284,13 @@ class LayerCache(abc.ABC):
         if status:
             raise RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
 
-    def _commit(self, t: int, output: torch.Tensor) -> StepOutcome:
+    def _commit(self, t: int, output: torch.Tensor, attended: tuple[range, ...] | None = None) -> StepOutcome:
         """The bookkeeping of a step from T = t whose row is written and output computed."""
         self.tokens_seen = t + 1
         p = self.policy
         resident = p.resident(t + 1)
+        if attended is None:
+            attended = p.attended(t + 1)
         return StepOutcome(
             output=output,
             tokens_seen=t + 1,
@@ -289,7 +300,7 @@ class LayerCache(abc.ABC):
             evicted_tokens=p.evicted_by_step(t),
             bytes_written=self.row_bytes,
             bytes_moved=0,
-            attended=sum(len(r) for r in p.attended(t + 1)),
+            attended=sum(len(r) for r in attended),
         )
 
     def prefill(self, keys: torch.Tensor, values: torch.Tensor) -> None:

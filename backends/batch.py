@@ -72,22 +72,22 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
                 results[i] = exc
             continue
         kernels[id(cache._native)] = cache._native
-        groups.setdefault(id(cache._native), []).append((i, cache, cache.tokens_seen, *prepared))
+        groups.setdefault(id(cache._native), []).append((i, cache, cache.tokens_seen, prepared))
     for key, members in groups.items():
         descs = (native.CacheDesc * len(members))()
         size = ctypes.sizeof(native.CacheDesc)
-        for j, (_, _, _, desc, _, _) in enumerate(members):
-            ctypes.memmove(ctypes.addressof(descs) + j * size, ctypes.addressof(desc), size)
+        for j, (_, _, _, prepared) in enumerate(members):
+            ctypes.memmove(ctypes.addressof(descs) + j * size, ctypes.addressof(prepared.desc), size)
         try:
             kernels[key].run(descs, len(members))
         except Exception as exc:  # the whole call refused: nothing was written
             for i, *_ in members:
                 results[i] = exc
             continue
-        for j, (i, cache, t, _, output, _) in enumerate(members):
+        for j, (i, cache, t, prepared) in enumerate(members):
             try:
                 cache.native_step_done(descs[j].status)
-                results[i] = cache._commit(t, output)
+                results[i] = cache._commit(t, prepared.output, prepared.attended)
             except Exception as exc:
                 results[i] = exc
     return results  # type: ignore[return-value]

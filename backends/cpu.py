@@ -28,7 +28,7 @@ import torch
 
 from . import native
 from .attention import attend, attend_rows
-from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, merge_runs, scaled_query
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, NativeStep, merge_runs, scaled_query
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 
@@ -101,14 +101,15 @@ class DenseCache(DenseRingCache):
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
         out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
         x = self._desc
-        x.set_runs(merge_runs(self._runs(self.policy.attended(t + 1))))
+        attended = self.policy.attended(t + 1)
+        x.set_runs(merge_runs(self._runs(attended)))
         x.write_row = self.row_of(t)
         x.q, x.new_k, x.new_v, x.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if self._fail_after_write:
             x.flags |= native.FLAG_FAIL_AFTER_WRITE
         else:
             x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
-        return x, out, (q, k, v)
+        return NativeStep(x, out, attended, (q, k, v))
 
     def _attend(self, query, runs):
         s = self.spec

@@ -73,7 +73,7 @@ import quant.int8 as quant_int8
 from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from . import native
-from .base import Backend, Capabilities, CacheSpec, LayerCache, merge_runs, scaled_query
+from .base import Backend, Capabilities, CacheSpec, LayerCache, NativeStep, merge_runs, scaled_query
 from .validation import dtype_name
 
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
@@ -531,14 +531,15 @@ class Int8Cache(LayerCache):
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
         order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
         out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
-        x.set_runs(merge_runs(self._runs(self.policy.attended(t + 1))))
+        attended = self.policy.attended(t + 1)
+        x.set_runs(merge_runs(self._runs(attended)))
         x.write_row = self.row_of(t)
         x.q, x.order, x.new_k, x.new_v, x.out = q.data_ptr(), order.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if self._fail_after_write:
             x.flags |= native.FLAG_FAIL_AFTER_WRITE
         else:
             x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
-        return x, out, (q, k, v, order)
+        return NativeStep(x, out, attended, (q, k, v, order))
 
     @staticmethod
     def native_step_done(status: int) -> None:
