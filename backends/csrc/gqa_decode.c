@@ -110,6 +110,8 @@ typedef struct {
     float *p;         /* weights of one block: p[TILE_G * TILE_T] */
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
+    float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    float *part1;     /* a one-split head's partial (G, D + 2) */
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
@@ -228,7 +230,7 @@ static void block_scales(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t
 }
 
 /* Portable block of any encoding: plain loops (the compiler vectorizes what it can at the
- * baseline ISA). q is (N, G, dk + no) float32, already scaled. */
+ * baseline ISA). qf is head h's (G, dk + no) float32 query, already scaled. */
 static inline __attribute__((always_inline)) void block_portable_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     const int64_t d = cc->d, c = cc->c, G = cc->g, dk = cc->dk, no = cc->no, dq = dk + no, el = enc_size(enc);
@@ -238,7 +240,7 @@ static inline __attribute__((always_inline)) void block_portable_enc(
     if (enc == ENC_INT8) block_scales(cc, h, phys, nt, st, &ks, &vs);
     float sc[TILE_T];
     for (int64_t g = 0; g < G; g++) {
-        const float *q = qf + (h * G + g) * dq;
+        const float *q = qf + g * dq;
         for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
         for (int64_t j = 0; j < dk; j++) {
             const float qj = q[j];
@@ -418,7 +420,7 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const char *kb, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st) {
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
-    const float *q = qf + (h * cc->g + g0) * dq;
+    const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
     const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
     if (nt <= 16)
@@ -627,12 +629,13 @@ typedef struct {
     int64_t ncaches;
     int64_t *item_off;  /* ncaches + 1: first work item of each cache */
     int64_t *head_off;  /* ncaches + 1: first (cache, head) of each cache, for the merge */
-    int64_t *nsplit, *s, *part_off, *q_off;
+    int64_t *nsplit, *s, *part_off;
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
-    float *qf;   /* per cache (N, G, dq): the scaled float32 query */
     float *scratch;
     int64_t scratch_floats; /* per thread */
+    atomic_int *done;       /* per (cache, head): splits finished */
+    char *deferred;         /* per cache: its dense write is done by the item reading the row */
 } call_t;
 
 static int64_t find_cache(const int64_t *off, int64_t ncaches, int64_t item) {
@@ -651,10 +654,30 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
     float *p = mem + 2 * G + G * d;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
-                     .vsb = p + (TILE_G + 1) * TILE_T};
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T,
+                     .part1 = p + (TILE_G + 2) * TILE_T + G * d};
 }
 
-/* One work item: head h of cache i over its logical positions [l0, l1), block by block. */
+/* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
+static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf) {
+    const int64_t G = cc->g, d = cc->d;
+    if (!cc->order && cc->io == ENC_F32) {
+        const float *q = (const float *)cc->q + h * G * d;
+        for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
+        return;
+    }
+    const int64_t *order = cc->order ? cc->order + h * d : NULL;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < d; j++)
+            qf[g * d + j] = load_elem(cc->io, cc->q, (h * G + g) * d + (order ? order[j] : j)) * cc->qscale;
+}
+
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
+static void write_head(const gqa_cache_t *cc, int64_t h, int restore);
+
+/* One work item: head h of cache i over its logical positions [l0, l1), block by block. The
+ * item that completes a head's splits merges them (in split order, whoever runs it), while
+ * its partials are still in cache. */
 static void attend_item(void *ctx, int64_t item, int tid) {
     const call_t *call = ctx;
     const int64_t i = find_cache(call->item_off, call->ncaches, item);
@@ -670,7 +693,20 @@ static void attend_item(void *ctx, int64_t item, int tid) {
     }
     memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
     const block_fn block = call->block[i];
-    const float *qf = call->qf + call->q_off[i];
+    convert_query(cc, h, st.q);
+    const float *qf = st.q;
+    if (call->deferred[i]) { /* a dense step's write of this head, by the split that reads the row */
+        int64_t at = 0;
+        for (int64_t r = 0; r < cc->nruns; r++) {
+            const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+            if (cc->write_row >= a && cc->write_row < b) {
+                at += cc->write_row - a;
+                break;
+            }
+            at += b - a;
+        }
+        if (at >= l0 && at < l1) write_head(cc, h, 0);
+    }
     int64_t base = 0; /* logical position of the current run's start */
     for (int64_t r = 0; r < cc->nruns && base < l1; r++) {
         const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
@@ -684,33 +720,34 @@ static void attend_item(void *ctx, int64_t item, int tid) {
         }
         base += b - a;
     }
-    float *part = call->part + call->part_off[i] + local * G * (d + 2);
+    /* a head's partials: in the thread's state when it has one split, else in the call's */
+    float *part = nsplit == 1 ? st.part1 : call->part + call->part_off[i] + local * G * (d + 2);
     for (int64_t g = 0; g < G; g++) {
         memcpy(part + g * (d + 2), st.acc + g * d, (size_t)d * sizeof(float));
         part[g * (d + 2) + d] = st.m[g];
         part[g * (d + 2) + d + 1] = st.l[g];
     }
+    if (nsplit == 1 || atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
+        merge_head(call, i, h, nsplit == 1 ? st.part1 : call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
 }
 
 /* Merge of one (cache, head): every split's partial rescaled to the common max, in split order. */
-static void merge_item(void *ctx, int64_t item, int tid) {
-    const call_t *call = ctx;
-    const int64_t i = find_cache(call->head_off, call->ncaches, item);
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid) {
+    /* base: head h's partials (nsplit, G, D + 2) */
     const gqa_cache_t *cc = &call->caches[i];
     if (cc->status) return;
-    const int64_t h = item - call->head_off[i], nsplit = call->nsplit[i], G = cc->g, d = cc->d;
-    float *o = call->scratch + tid * call->scratch_floats;
+    const int64_t nsplit = call->nsplit[i], G = cc->g, d = cc->d;
+    float *o = call->scratch + tid * call->scratch_floats; /* the state's m, l, acc: done with */
     for (int64_t gi = 0; gi < G; gi++) {
-        const float *base = call->part + call->part_off[i];
         float mmax = -INFINITY;
         for (int64_t sp = 0; sp < nsplit; sp++) {
-            const float m = base[((h * nsplit + sp) * G + gi) * (d + 2) + d];
+            const float m = base[(sp * G + gi) * (d + 2) + d];
             if (m > mmax) mmax = m;
         }
         memset(o, 0, (size_t)d * sizeof(float));
         float total = 0.0f;
         for (int64_t sp = 0; sp < nsplit; sp++) {
-            const float *pt = base + ((h * nsplit + sp) * G + gi) * (d + 2);
+            const float *pt = base + (sp * G + gi) * (d + 2);
             if (pt[d + 1] == 0.0f) continue;
             const float w = expf(pt[d] - mmax);
             total += w * pt[d + 1];
@@ -845,15 +882,16 @@ static int int8_write(const gqa_cache_t *cc, float *buf) {
     return 0;
 }
 
-/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
-static void write_row(const gqa_cache_t *cc, int restore) {
+/* The step's write for KV head h: its key column and value row of ring row `write_row`, the
+ * old bytes to saved (or back, restore). */
+static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
     if (el == 4) { /* one key column: a strided gather and scatter */
         float *kk = (float *)k + row, *sv = (float *)saved;
         const float *src = (const float *)nk;
-        for (int64_t x = 0; x < n * d; x++) {
+        for (int64_t x = h * d; x < (h + 1) * d; x++) {
             if (restore) kk[x * cc->kstride] = sv[x];
             else {
                 sv[x] = kk[x * cc->kstride];
@@ -863,7 +901,7 @@ static void write_row(const gqa_cache_t *cc, int restore) {
     } else {
         uint16_t *kk = (uint16_t *)k + row, *sv = (uint16_t *)saved;
         const uint16_t *src = (const uint16_t *)nk;
-        for (int64_t x = 0; x < n * d; x++) {
+        for (int64_t x = h * d; x < (h + 1) * d; x++) {
             if (restore) kk[x * cc->kstride] = sv[x];
             else {
                 sv[x] = kk[x * cc->kstride];
@@ -871,15 +909,18 @@ static void write_row(const gqa_cache_t *cc, int restore) {
             }
         }
     }
-    for (int64_t h = 0; h < n; h++) {
-        char *cell = v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
-        if (restore) {
-            memcpy(cell, keep, (size_t)(d * el));
-        } else {
-            memcpy(keep, cell, (size_t)(d * el));
-            memcpy(cell, nv + h * d * el, (size_t)(d * el));
-        }
+    char *cell = v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
+    if (restore) {
+        memcpy(cell, keep, (size_t)(d * el));
+    } else {
+        memcpy(keep, cell, (size_t)(d * el));
+        memcpy(cell, nv + h * d * el, (size_t)(d * el));
     }
+}
+
+/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
+static void write_row(const gqa_cache_t *cc, int restore) {
+    for (int64_t h = 0; h < cc->n; h++) write_head(cc, h, restore);
 }
 
 int gqa_avx512_usable(void) {
@@ -940,7 +981,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
     if (threads <= 0) threads = gqa_threads();
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t *ints = malloc((size_t)(6 * ncaches + 2) * sizeof(int64_t));
+    int64_t *ints = malloc((size_t)(5 * ncaches + 2) * sizeof(int64_t));
     block_fn *blocks = malloc((size_t)ncaches * sizeof(block_fn));
     if (!ints || !blocks) {
         free(ints);
@@ -949,8 +990,8 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     }
     call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + ncaches + 1,
                    .nsplit = ints + 2 * ncaches + 2, .s = ints + 3 * ncaches + 2, .part_off = ints + 4 * ncaches + 2,
-                   .q_off = ints + 5 * ncaches + 2, .block = blocks};
-    int64_t items = 0, heads = 0, parts = 0, qs = 0, scratch = 0, work = 0, wneed = 1;
+                   .block = blocks};
+    int64_t items = 0, heads = 0, parts = 0, scratch = 0, work = 0, wneed = 1;
     int rc = 0;
     for (int64_t i = 0; i < ncaches && !rc; i++) {
         gqa_cache_t *cc = &caches[i];
@@ -963,12 +1004,10 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         call.item_off[i] = items;
         call.head_off[i] = heads;
         call.part_off[i] = parts;
-        call.q_off[i] = qs;
         items += cc->n * call.nsplit[i];
         heads += cc->n;
-        parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
-        qs += cc->n * cc->g * (cc->dk + cc->no);
-        const int64_t need = 2 * cc->g + cc->g * cc->d + (TILE_G + 2) * TILE_T + 16;
+        if (call.nsplit[i] > 1) parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
+        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16;
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
         if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
@@ -986,14 +1025,16 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     if (work < PARALLEL_MIN_WORK) threads = 1;
     if (threads > items) threads = (int)items;
     call.scratch_floats = (scratch + 15) / 16 * 16;
-    call.part = malloc((size_t)parts * sizeof(float));
-    call.qf = malloc((size_t)(qs ? qs : 1) * sizeof(float));
+    call.part = malloc((size_t)(parts ? parts : 1) * sizeof(float));
     call.scratch = aligned_alloc(64, (size_t)(threads * call.scratch_floats) * sizeof(float));
     float *wbuf = malloc((size_t)wneed * sizeof(float));
-    if (!call.part || !call.qf || !call.scratch || !wbuf) {
+    call.done = calloc((size_t)heads, sizeof(atomic_int));
+    call.deferred = malloc((size_t)ncaches);
+    if (!call.part || !call.scratch || !wbuf || !call.done || !call.deferred) {
+        free(call.deferred);
+        free(call.done);
         free(wbuf);
         free(call.part);
-        free(call.qf);
         free(call.scratch);
         free(ints);
         free(blocks);
@@ -1003,24 +1044,20 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
      * write, or an injected failure after it, which restores the row. */
     for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
+        call.deferred[i] = 0;
         if (cc->write_row >= 0) {
-            if (cc->enc == ENC_INT8) cc->status = int8_write(cc, wbuf);
-            else write_row(cc, 0);
-        }
-        const int64_t G = cc->g, d = cc->d;
-        float *qf = call.qf + call.q_off[i];
-        if (!cc->order && cc->io == ENC_F32) {
-            const float *q = cc->q;
-            for (int64_t x = 0; x < cc->n * G * d; x++) qf[x] = q[x] * cc->qscale;
-        } else {
-            for (int64_t hg = 0; hg < cc->n * G; hg++) {
-                const int64_t *order = cc->order ? cc->order + (hg / G) * d : NULL;
-                for (int64_t j = 0; j < d; j++)
-                    qf[hg * d + j] = load_elem(cc->io, cc->q, hg * d + (order ? order[j] : j)) * cc->qscale;
+            if (cc->enc == ENC_INT8) {
+                cc->status = int8_write(cc, wbuf);
+            } else { /* written by the work item that reads the row, if an attended row */
+                int attended = 0;
+                for (int64_t r = 0; r < cc->nruns; r++)
+                    attended |= cc->write_row >= cc->runs[2 * r] && cc->write_row < cc->runs[2 * r + 1];
+                if (attended) call.deferred[i] = 1;
+                else write_row(cc, 0);
             }
         }
     }
-    pool_run(attend_item, &call, items, threads);
+    pool_run(attend_item, &call, items, threads); /* and the merges */
     for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
         if ((cc->flags & FLAG_FAIL_AFTER_WRITE) && !cc->status) { /* tests: a failure after the write */
@@ -1031,10 +1068,10 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
             cc->status = -EIO;
         }
     }
-    pool_run(merge_item, &call, heads, threads);
+    free(call.deferred);
+    free(call.done);
     free(wbuf);
     free(call.part);
-    free(call.qf);
     free(call.scratch);
     free(ints);
     free(blocks);
