@@ -69,6 +69,9 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+#ifndef DENSE_L2
+#define DENSE_L2 1 /* dense blocks (16-32 KiB of keys, as much of values) are prefetched into L2, not L1 */
+#endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* measured against 2, 4, 8, 16, 32 and L2 hints: 1 is as fast or faster */
 #endif
@@ -330,7 +333,8 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         /* each channel's lines of the next block (see the header), when the item reads it */
         if (prefetch)
             for (int64_t x = 0; x < TILE_T * el; x += 64)
-                _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
+                if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
+                else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
         __m512 kf[4];
         for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
         for (int g = 0; g < gt; g++) {
@@ -371,7 +375,8 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         const char *row = vb + (t * d + j0) * el;
         if (j0 == 0 && prefetch)
             for (int64_t x = 0; x < d * el; x += 64)
-                _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T0);
+                if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T0);
+                else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
         __m512 vf[4];
         for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
         for (int g = 0; g < gt; g++) {
@@ -673,6 +678,17 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf) {
 }
 
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
+
+/* Asks for every line of a block at once (its D key rows and nt value rows are that many
+ * separate streams): the misses then overlap instead of following one another. */
+static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
+    const int64_t el = enc_size(cc->enc), d = cc->d;
+    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
+    for (int64_t j = 0; j < cc->dk; j++)
+        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * cc->kstride * el + x, 0, 3);
+    const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
+    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
+}
 static void write_head(const gqa_cache_t *cc, int64_t h, int restore);
 
 /* One work item: head h of cache i over its logical positions [l0, l1), block by block. The
@@ -715,6 +731,7 @@ static void attend_item(void *ctx, int64_t item, int tid) {
             /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
             const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
             nt = hi - x < to_grid ? hi - x : to_grid;
+            if (x == lo) prefetch_block(cc, h, a + (x - base), nt); /* later blocks: by the block before */
             st.prefetch = x + nt < hi;
             block(cc, qf, h, a + (x - base), nt, &st);
         }
