@@ -30,6 +30,12 @@ Layout, as in the CPU backend: key codes transposed (B, Hkv, D - O, C), float16 
 on, each key row is padded to a whole number of 64-byte lines (under 1/64 more), so that the
 kernel's blocks of 64 positions are whole lines; the reservation counts the padding.
 
+The step: after calibration (the first ``CALIBRATION_TOKENS`` keys, on the Python path) the
+whole step is one native call (``_prepare_native``): the new key reordered and quantized, its
+outlier channels in float16, the value rotated and quantized (the same codes as
+``quant.quantize_int8``, bit for bit), the codes written into the ring with the overwritten ones
+saved, the attention, and the output rotated back in the stream dtype.
+
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
 scales into the attention weights::
 

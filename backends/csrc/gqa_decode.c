@@ -25,26 +25,35 @@
  * being SPLIT_T consecutive attended positions (in logical order); it walks its positions a
  * block of up to TILE_T at a time on the physical TILE_T grid, scores the block for TILE_G query
  * heads at once (each key row is read once for the G heads that share it), keeps an online
- * softmax (running max, sum and float32 accumulator), and leaves a partial result. Partials are
- * merged by log-sum-exp in split order. Because the split size is fixed in tokens and the merge
- * order is fixed, an output does not depend on the other caches of the call, on the number of
- * threads or on which thread ran which item: it is bit-identical alone or batched.
+ * softmax (running max, sum and float32 accumulator), and leaves a partial result; the item
+ * that completes a head's splits merges them by log-sum-exp in split order. Because the split
+ * size is fixed in tokens and the merge order is fixed, an output does not depend on the other
+ * caches of the call, on the number of threads or on which thread ran which item: it is
+ * bit-identical alone or batched. Items are taken from one counter by the threads, so the work
+ * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
  *
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
  * once and widened to float32 in registers. Two implementations of the block: AVX-512 (F, BW,
  * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
  * portable C (the specification the fast path is tested against). The file builds with no
  * -march flag. The AVX-512 block prefetches the next block: the D key channels are D separate
- * streams, more than the hardware prefetcher follows.
+ * streams, more than the hardware prefetcher follows (dense blocks into L2: 64 positions of
+ * float32 keys and values are 64 KiB, more than L1; int8 blocks, 16 KiB, into L1). bfloat16
+ * is widened, not multiplied with vdpbf16ps: the widening block computes scores at ~27 GB/s
+ * of keys per core from L1 (vdpbf16ps ~55 GB/s, with keys interleaved by channel pairs and the
+ * weights rounded to bfloat16), above what DRAM gives two cores, so the step is bound by memory
+ * either way (measured 2026-11-30, see the kernels branch report).
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
  * fork), the calling thread working too. Parallel calls from several threads are serialized on
  * the pool; calls small enough to run on the calling thread alone run concurrently.
  *
- * The step (gqa_run with write_row >= 0, dense encodings): the new key and value are written
- * into their ring row, what they overwrite saved in `saved`; a failure after the write restores
- * it, so a failed step leaves the cache byte-identical. Then the attention, and the output is
- * written in the stream dtype.
+ * The step (gqa_run with write_row >= 0): the new key and value are written into their ring
+ * row, what they overwrite saved in `saved` (dense: by the work item that reads that row, per
+ * KV head; int8: before the attention, keys put in the stored channel order and quantized, the
+ * outlier channels as float16, values Hadamard-rotated (FLAG_ROTATE) and quantized as
+ * quant.quantize_int8 does); a failure after the write restores it, so a failed step leaves the
+ * cache byte-identical. The output is written in the stream dtype (int8: rotated back first).
  */
 #include <errno.h>
 #include <math.h>
