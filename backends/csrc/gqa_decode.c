@@ -340,10 +340,12 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     for (int64_t j = 0; j < dk; j++) {
         const char *row = kb + j * kstride * el;
         /* each channel's lines of the next block (see the header), when the item reads it */
-        if (prefetch)
-            for (int64_t x = 0; x < TILE_T * el; x += 64)
+        if (prefetch) {
+            for (int64_t x = 0; x < TILE_T * el; x += 64) {
                 if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
                 else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
+            }
+        }
         __m512 kf[4];
         for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
         for (int g = 0; g < gt; g++) {
@@ -382,10 +384,12 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
-        if (j0 == 0 && prefetch)
-            for (int64_t x = 0; x < d * el; x += 64)
+        if (j0 == 0 && prefetch) {
+            for (int64_t x = 0; x < d * el; x += 64) {
                 if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T0);
                 else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
+            }
+        }
         __m512 vf[4];
         for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
         for (int g = 0; g < gt; g++) {
