@@ -37,8 +37,9 @@
  * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
  * portable C (the specification the fast path is tested against). The file builds with no
  * -march flag. The AVX-512 block prefetches the next block: the D key channels are D separate
- * streams, more than the hardware prefetcher follows (dense blocks into L2: 64 positions of
- * float32 keys and values are 64 KiB, more than L1; int8 blocks, 16 KiB, into L1). bfloat16
+ * streams, more than the hardware prefetcher follows; into L2, not L1 (64 positions of float32
+ * keys and values are 64 KiB, more than L1; into L1 even int8 blocks, 16 KiB, pushed out the
+ * block being computed: measured 20-25% slower, hot and cold). bfloat16
  * is widened, not multiplied with vdpbf16ps: the widening block computes scores at ~27 GB/s
  * of keys per core from L1 (vdpbf16ps ~55 GB/s, with keys interleaved by channel pairs and the
  * weights rounded to bfloat16), above what DRAM gives two cores, so the step is bound by memory
@@ -78,11 +79,8 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
-#ifndef DENSE_L2
-#define DENSE_L2 1 /* dense blocks (16-32 KiB of keys, as much of values) are prefetched into L2, not L1 */
-#endif
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 1 /* measured against 2, 4, 8, 16, 32 and L2 hints: 1 is as fast or faster */
+#define PREFETCH_BLOCKS 1 /* measured against 2 and 4 (and, into L1, 8, 16, 32): 1 is as fast or faster */
 #endif
 
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
@@ -341,10 +339,7 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         const char *row = kb + j * kstride * el;
         /* each channel's lines of the next block (see the header), when the item reads it */
         if (prefetch) {
-            for (int64_t x = 0; x < TILE_T * el; x += 64) {
-                if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T0);
-                else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
-            }
+            for (int64_t x = 0; x < TILE_T * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
         }
         __m512 kf[4];
         for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
@@ -385,10 +380,7 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (j0 == 0 && prefetch) {
-            for (int64_t x = 0; x < d * el; x += 64) {
-                if (enc == ENC_INT8 || !DENSE_L2) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T0);
-                else _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
-            }
+            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
         }
         __m512 vf[4];
         for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
