@@ -440,6 +440,12 @@ class DenseRingCache(LayerCache):
     def nbytes(self) -> int:
         return self._k.untyped_storage().nbytes() + self._v.nbytes
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one position occupies: a key and a value per KV head of the batch."""
+        s = self.spec
+        return 2 * s.batch_size * s.num_kv_heads * s.head_dim * self._v.element_size()
+
     def _write_rows(self, start, keys, values):
         n = keys.shape[2]
         if self._keys_as_rows:

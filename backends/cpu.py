@@ -53,8 +53,9 @@ def _keys_as_rows(dtype: torch.dtype, kernel: str) -> bool:
 
 
 def dense_cpu_nbytes(spec: CacheSpec, kernel: str | None = None) -> int:
-    """What ``DenseCache(spec, kernel)`` allocates: values, and keys with their rows padded
-    (``key_row_stride``) unless they are stored as rows."""
+    """What ``DenseCache(spec, kernel)`` allocates for keys and values: keys with their rows
+    padded (``key_row_stride``) unless they are stored as rows. (The native step's saved row,
+    one position's bytes, is not counted: the service's reservation is the cache's storage.)"""
     return DenseRingCache.storage_nbytes(spec, _keys_as_rows(spec.dtype, kernel or default_kernel()))
 
 
