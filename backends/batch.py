@@ -5,8 +5,11 @@ lengths, policies) and returns, slot for slot, the ``StepOutcome`` or the except
 raised. A step that is refused (bad input, no room) is refused alone: its cache is unchanged and
 its batch-mates are computed. Each outcome is bit-identical to ``cache.step(...)`` run alone.
 
-This is the contract the server's batcher and the ``Batch`` RPC build on; backends with a
-compiled kernel compute a whole group of same-encoding caches in one native call.
+This is the contract the server's batcher and the ``Batch`` RPC build on. Every CPU cache with
+the compiled kernel (dense float32 / bfloat16 / float16, and int8 once calibrated; any mix of
+encodings, shapes and policies) is computed in one native call (``native.Kernel.run``); other
+caches (the torch fallback, int8 during calibration, the cuda backend) step one after the other
+in the same call to ``step_many``, with the same contract.
 """
 
 from __future__ import annotations
