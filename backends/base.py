@@ -14,9 +14,11 @@ as it was.
 from __future__ import annotations
 
 import abc
+import ctypes
 import math
+import os
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import torch
 
@@ -28,7 +30,9 @@ __all__ = [
     "Backend",
     "Capabilities",
     "CacheSpec",
+    "DenseRingCache",
     "LayerCache",
+    "NativeStep",
     "StepOutcome",
     "merge_runs",
     "row_runs",
@@ -92,6 +96,15 @@ class CacheSpec:
     @property
     def rows_shape(self) -> tuple[int, int, int, int]:
         return (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
+
+
+class NativeStep(NamedTuple):
+    """A step prepared for the native library (``LayerCache._prepare_native``)."""
+
+    desc: object  # native.CacheDesc, the cache's own
+    output: torch.Tensor  # (B, Hq, D) in the stream dtype, written by the call
+    attended: tuple  # the policy's attended ranges after the step
+    keep: tuple  # tensors the call reads (contiguous copies of the inputs where needed)
 
 
 @dataclass(frozen=True)
@@ -238,6 +251,11 @@ class LayerCache(abc.ABC):
         """Appends one token and attends to what the policy says; atomic."""
         self.check_step(query, new_key, new_value)
         t = self.tokens_seen
+        prepared = self._prepare_native(query, new_key, new_value)
+        if prepared is not None:  # the whole step in one native call (see native_step_done)
+            self._native.run(ctypes.addressof(prepared.desc), 1)
+            self.native_step_done(prepared.desc.status)
+            return self._commit(t, prepared.output, prepared.attended)
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
@@ -247,15 +265,39 @@ class LayerCache(abc.ABC):
         except BaseException:
             self._restore_rows(row, saved)
             raise
+        return self._commit(t, output, attended)
+
+    # -- the native step: one call writes the row, attends and writes the output -----------
+    # A cache with a compiled step sets ``_native`` (a ``native.Kernel``) and overrides
+    # ``_prepare_native``; ``step`` and ``batch.step_many`` run the prepared descriptors.
+    _native = None
+
+    def _prepare_native(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor):
+        """After ``check_step``: this step as a ``NativeStep`` (the cache's own descriptor filled
+        in, the output tensor the call writes, the attended ranges, the tensors the call reads,
+        kept alive), or None when this step takes the Python path. Writes nothing."""
+        return None
+
+    @staticmethod
+    def native_step_done(status: int) -> None:
+        """Raises for a descriptor whose step the kernel did not complete (its row restored)."""
+        if status:
+            raise RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
+
+    def _commit(self, t: int, output: torch.Tensor, attended: tuple[range, ...] | None = None) -> StepOutcome:
+        """The bookkeeping of a step from T = t whose row is written and output computed."""
         self.tokens_seen = t + 1
-        resident = self.policy.resident(t + 1)
+        p = self.policy
+        resident = p.resident(t + 1)
+        if attended is None:
+            attended = p.attended(t + 1)
         return StepOutcome(
             output=output,
             tokens_seen=t + 1,
-            resident=self.policy.resident_length(t + 1),
+            resident=p.resident_length(t + 1),
             first_position=resident[0].start,
             last_position=resident[-1].stop - 1,
-            evicted_tokens=self.policy.evicted_by_step(t),
+            evicted_tokens=p.evicted_by_step(t),
             bytes_written=self.row_bytes,
             bytes_moved=0,
             attended=sum(len(r) for r in attended),
@@ -371,6 +413,59 @@ class LayerCache(abc.ABC):
         self.tokens_seen -= k
 
 
+class DenseRingCache(LayerCache):
+    """Dense storage in the stream dtype for a ring: values (B, Hkv, C, D); keys as rows
+    (B, Hkv, C, D), or transposed (B, Hkv, D, K) with K = ``key_row_stride(C)`` (the first C
+    columns are the rows). The storage methods of the cpu and cuda caches; allocated once on
+    ``spec.device``."""
+
+    def __init__(self, spec: CacheSpec, keys_as_rows: bool):
+        super().__init__(spec)
+        b, h, c, d = spec.rows_shape
+        self._keys_as_rows = keys_as_rows
+        if keys_as_rows:
+            self._k = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+        else:
+            self._k = torch.zeros((b, h, d, key_row_stride(c)), dtype=spec.dtype, device=spec.device)[..., :c]
+        self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+
+    @staticmethod
+    def storage_nbytes(spec: CacheSpec, keys_as_rows: bool) -> int:
+        """What ``DenseRingCache(spec, keys_as_rows)`` allocates."""
+        b, h, c, d = spec.rows_shape
+        el = torch.empty((), dtype=spec.dtype).element_size()
+        return b * h * d * (c + (c if keys_as_rows else key_row_stride(c))) * el
+
+    @property
+    def nbytes(self) -> int:
+        return self._k.untyped_storage().nbytes() + self._v.nbytes
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one position occupies: a key and a value per KV head of the batch."""
+        s = self.spec
+        return 2 * s.batch_size * s.num_kv_heads * s.head_dim * self._v.element_size()
+
+    def _write_rows(self, start, keys, values):
+        n = keys.shape[2]
+        if self._keys_as_rows:
+            self._k[:, :, start : start + n] = keys
+        else:
+            self._k[:, :, :, start : start + n] = keys.transpose(2, 3)
+        self._v[:, :, start : start + n] = values
+
+    def _read_rows(self, start, stop):
+        if self._keys_as_rows:
+            return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
+        return self._k[:, :, :, start:stop].transpose(2, 3).clone(), self._v[:, :, start:stop].clone()
+
+    def _save_rows(self, start, stop):
+        return self._read_rows(start, stop)
+
+    def _restore_rows(self, start, saved):
+        self._write_rows(start, *saved)
+
+
 class Backend(abc.ABC):
     """A named way to store caches and attend. Capabilities are class data."""
 
@@ -383,8 +478,16 @@ class Backend(abc.ABC):
         """Reasons this backend cannot run on this machine at all (empty when it can)."""
         return []
 
+    def probe_reasons(self) -> list[str]:
+        """``probe()`` computed once for this instance (the registry keeps one instance per
+        backend per process), not on every cache created."""
+        probed = self.__dict__.get("_probed")
+        if probed is None:
+            probed = self.__dict__["_probed"] = list(self.probe())
+        return list(probed)
+
     def reasons_against(self, spec: CacheSpec) -> list[str]:
-        return self.probe() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
+        return self.probe_reasons() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
 
     def check(self, spec: CacheSpec) -> None:
         reasons = self.reasons_against(spec)
@@ -398,6 +501,13 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         ...
+
+
+def key_row_stride(capacity: int) -> int:
+    """Elements between a transposed key cache's channel rows: the capacity, padded to whole
+    64-element groups once that costs under 1/63 more (C >= 4032), so that the kernels' blocks
+    of 64 positions of one channel are whole cache lines."""
+    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
 
 
 def dense_nbytes(spec: CacheSpec) -> int:

@@ -5,17 +5,22 @@ lengths, policies) and returns, slot for slot, the ``StepOutcome`` or the except
 raised. A step that is refused (bad input, no room) is refused alone: its cache is unchanged and
 its batch-mates are computed. Each outcome is bit-identical to ``cache.step(...)`` run alone.
 
-This is the contract the server's batcher and the ``Batch`` RPC build on; backends with a
-compiled kernel compute a whole group of same-encoding caches in one native call.
+This is the contract the server's batcher and the ``Batch`` RPC build on. Every CPU cache with
+the compiled kernel (dense float32 / bfloat16 / float16, and int8 once calibrated; any mix of
+encodings, shapes and policies) is computed in one native call (``native.Kernel.run``); other
+caches (the torch fallback, int8 during calibration, the cuda backend) step one after the other
+in the same call to ``step_many``, with the same contract.
 """
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
+from . import native
 from .base import LayerCache, StepOutcome
 
 __all__ = ["BatchStep", "step_many"]
@@ -36,13 +41,56 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
 
     The caches must be distinct objects (``ValueError`` for the whole call otherwise, before
     anything is written): two steps of one cache in one batch would have no defined order.
+
+    Caches with a compiled step (``LayerCache._prepare_native``) are checked one by one (a
+    refused step is refused alone), then computed together in one native call per library
+    (``native.Kernel.run`` over their descriptors): the work is split across the kernels' pool
+    in items of at most a fixed number of positions, so each output is bit-identical to the
+    cache's ``step`` alone. Other caches step one after the other. The GIL is released during
+    the native call.
     """
     if len({id(s.cache) for s in steps}) != len(steps):
         raise ValueError("step_many: a cache appears twice in one batch")
-    results: list[StepOutcome | Exception] = []
-    for s in steps:
+    results: list[StepOutcome | Exception | None] = [None] * len(steps)
+    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, desc, output, keep)]
+    kernels = {}
+    for i, s in enumerate(steps):
+        cache = s.cache
+        if getattr(cache, "_native", None) is None:
+            try:
+                results[i] = cache.step(s.query, s.new_key, s.new_value)
+            except Exception as exc:  # refused alone; the cache restored itself
+                results[i] = exc
+            continue
         try:
-            results.append(s.cache.step(s.query, s.new_key, s.new_value))
-        except Exception as exc:  # refused alone; the cache restored itself
-            results.append(exc)
-    return results
+            cache.check_step(s.query, s.new_key, s.new_value)
+            prepared = cache._prepare_native(s.query, s.new_key, s.new_value)
+        except Exception as exc:
+            results[i] = exc
+            continue
+        if prepared is None:  # this step takes the Python path (e.g. int8 calibration)
+            try:
+                results[i] = cache.step(s.query, s.new_key, s.new_value)
+            except Exception as exc:
+                results[i] = exc
+            continue
+        kernels[id(cache._native)] = cache._native
+        groups.setdefault(id(cache._native), []).append((i, cache, cache.tokens_seen, prepared))
+    for key, members in groups.items():
+        descs = (native.CacheDesc * len(members))()
+        size = ctypes.sizeof(native.CacheDesc)
+        for j, (_, _, _, prepared) in enumerate(members):
+            ctypes.memmove(ctypes.addressof(descs) + j * size, ctypes.addressof(prepared.desc), size)
+        try:
+            kernels[key].run(descs, len(members))
+        except Exception as exc:  # the whole call refused: nothing was written
+            for i, *_ in members:
+                results[i] = exc
+            continue
+        for j, (i, cache, t, prepared) in enumerate(members):
+            try:
+                cache.native_step_done(descs[j].status)
+                results[i] = cache._commit(t, prepared.output, prepared.attended)
+            except Exception as exc:
+                results[i] = exc
+    return results  # type: ignore[return-value]

@@ -1,58 +1,116 @@
 """The CPU backend: dense float32 / bfloat16 / float16 caches in a ring, the embedded default.
 
-float32 keys are stored transposed, (B, Hkv, D, C), values as (B, Hkv, C, D): the score
-product ``q @ K^T`` is then a row-major GEMM over the sequence (see ``attention.py``).
-bfloat16/float16 keys are stored as rows, (B, Hkv, C, D), the layout torch's fused CPU attention
-kernel reads (``attend_rows``): widening half-precision blocks for ``attend`` was measured ~3x
-slower. Appending writes one key and one value; eviction writes nothing.
+Layout: keys transposed, (B, Hkv, D, K) with K = ``base.key_row_stride(C)`` >= C (the first C
+columns are the ring's rows), values (B, Hkv, C, D), both in the stream dtype. A block of
+positions of one key channel is then contiguous: the compiled kernel (``backends.native``,
+``csrc/gqa_decode.c``) scores a block of 64 positions for the G query heads of a KV head with
+broadcast multiply-adds and no horizontal sums, and torch's fallback ``q @ K^T`` is a row-major
+GEMM over the sequence. Appending writes one key column and one value row; eviction writes
+nothing.
+
+Kernels (``kernel=``): "native" (the default where the library builds and loads) computes the
+whole step in one call: the new token written into its ring row (the overwritten bytes saved
+so a failure restores them), the attention over the resident runs without copying them, the
+output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" pick
+one implementation (tests). "torch" is the fallback where no compiler exists: float32 through
+``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused CPU kernel, which needs keys
+as rows (B, Hkv, C, D), so those caches keep their keys as rows when they are created without
+the native kernel.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 
 import torch
 
+from . import native
 from .attention import attend, attend_rows
-from .base import Backend, Capabilities, CacheSpec, LayerCache, dense_nbytes, scaled_query
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, NativeStep, merge_runs, scaled_query
 
-__all__ = ["CPUBackend", "DenseCache"]
+__all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
+
+log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
+KERNELS = ("native", "native-portable", "native-avx512", "torch")
 
 
-class DenseCache(LayerCache):
-    def __init__(self, spec: CacheSpec):
-        super().__init__(spec)
-        b, h, c, d = spec.rows_shape
-        # Keys as rows for the fused half-precision kernel, transposed for float32's GEMMs.
-        self._keys_as_rows = spec.dtype in _FUSED_DTYPES
-        k_shape = (b, h, c, d) if self._keys_as_rows else (b, h, d, c)
-        self._k = torch.zeros(k_shape, dtype=spec.dtype, device=spec.device)
-        self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+@functools.cache
+def default_kernel() -> str:
+    """"native" where the compiled library loads, else "torch" (the reason logged once)."""
+    ok, reason = native.available()
+    if ok:
+        return "native"
+    log.warning("cpu: the native kernel is unavailable (%s); using torch's kernels", reason)
+    return "torch"
 
-    @property
-    def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
 
-    def _write_rows(self, start, keys, values):
-        n = keys.shape[2]
-        if self._keys_as_rows:
-            self._k[:, :, start : start + n] = keys
+def _keys_as_rows(dtype: torch.dtype, kernel: str) -> bool:
+    return kernel == "torch" and dtype in _FUSED_DTYPES
+
+
+def dense_cpu_nbytes(spec: CacheSpec, kernel: str | None = None) -> int:
+    """What ``DenseCache(spec, kernel)`` allocates for keys and values: keys with their rows
+    padded (``key_row_stride``) unless they are stored as rows. (The native step's saved row,
+    one position's bytes, is not counted: the service's reservation is the cache's storage.)"""
+    return DenseRingCache.storage_nbytes(spec, _keys_as_rows(spec.dtype, kernel or default_kernel()))
+
+
+class DenseCache(DenseRingCache):
+    def __init__(self, spec: CacheSpec, kernel: str = "auto"):
+        if kernel == "auto":
+            kernel = default_kernel()
+        if kernel not in KERNELS:
+            raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
+        super().__init__(spec, _keys_as_rows(spec.dtype, kernel))
+        d = spec.head_dim
+        self.kernel = kernel
+        if kernel.startswith("native"):
+            self._native = native.load()  # NativeUnavailable says why not
+            isa = kernel.partition("-")[2] or "auto"
+            if isa != "auto" and isa not in self._native.isas(d):
+                raise native.NativeUnavailable(
+                    f"cpu: kernel {kernel!r} does not run here at head_dim {d} (this CPU: {', '.join(self._native.isas(d))})"
+                )
+            self._desc = self._make_desc(isa)
+
+    def _make_desc(self, isa: str) -> native.CacheDesc:
+        s = self.spec
+        n = s.batch_size * s.num_kv_heads
+        enc = native.DTYPE_ENC[s.dtype]
+        self._saved = torch.empty((2, n, s.head_dim), dtype=s.dtype)
+        x = native.CacheDesc()
+        x.enc = x.io = enc
+        x.flags = native.ISA[isa] << native.FLAG_ISA_SHIFT
+        x.n, x.g, x.d, x.c = n, s.group_size, s.head_dim, s.capacity
+        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), s.head_dim, 0, 0
+        x.qscale = 1.0 / math.sqrt(s.head_dim)
+        x.k, x.v, x.saved = self._k.data_ptr(), self._v.data_ptr(), self._saved.data_ptr()
+        return x
+
+    # Tests set it to make the native step fail after its write (the kernel restores the row).
+    _fail_after_write = False
+
+    def _prepare_native(self, query, new_key, new_value):
+        if self._native is None:
+            return None
+        t = self.tokens_seen
+        s = self.spec
+        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+        out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+        x = self._desc
+        attended = self.policy.attended(t + 1)
+        x.set_runs(merge_runs(self._runs(attended)))
+        x.write_row = self.row_of(t)
+        x.q, x.new_k, x.new_v, x.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self._fail_after_write:
+            x.flags |= native.FLAG_FAIL_AFTER_WRITE
         else:
-            self._k[:, :, :, start : start + n] = keys.transpose(2, 3)
-        self._v[:, :, start : start + n] = values
-
-    def _read_rows(self, start, stop):
-        if self._keys_as_rows:
-            return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
-        return self._k[:, :, :, start:stop].transpose(2, 3).clone(), self._v[:, :, start:stop].clone()
-
-    def _save_rows(self, start, stop):
-        return self._read_rows(start, stop)
-
-    def _restore_rows(self, start, saved):
-        self._write_rows(start, *saved)
+            x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
+        return NativeStep(x, out, attended, (q, k, v))
 
     def _attend(self, query, runs):
         s = self.spec
@@ -76,9 +134,17 @@ class CPUBackend(Backend):
         devices=("cpu",),
     )
 
+    def __init__(self, kernel: str = "auto"):
+        if kernel != "auto" and kernel not in KERNELS:
+            raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
+        self.kernel = kernel
+
+    def _kernel(self) -> str:
+        return default_kernel() if self.kernel == "auto" else self.kernel
+
     def cache_nbytes(self, spec: CacheSpec) -> int:
-        return dense_nbytes(spec)
+        return dense_cpu_nbytes(spec, self._kernel())
 
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         self.check(spec)
-        return DenseCache(spec)
+        return DenseCache(spec, self._kernel())

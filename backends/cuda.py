@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Backend, Capabilities, CacheSpec, LayerCache, dense_nbytes
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, dense_nbytes
 
 __all__ = ["ATTENTION_PATHS", "CUDABackend", "CUDACache", "DeviceFacts", "device_facts", "sdpa_attention"]
 
@@ -72,36 +72,16 @@ def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     return out.squeeze(2)
 
 
-class CUDACache(LayerCache):
-    """Dense ring cache on one device. Device-agnostic in itself: the kernel tests run it on CPU
-    tensors under Triton's interpreter."""
+class CUDACache(DenseRingCache):
+    """Dense ring cache on one device, keys and values as rows (B, Hkv, C, D). Device-agnostic in
+    itself: the kernel tests run it on CPU tensors under Triton's interpreter."""
 
     def __init__(self, spec: CacheSpec, attention: str = "triton", kernel_config=None):
-        super().__init__(spec)
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {attention!r}")
+        super().__init__(spec, keys_as_rows=True)
         self.attention = attention
         self.kernel_config = kernel_config
-        self._k = torch.zeros(spec.rows_shape, dtype=spec.dtype, device=spec.device)
-        self._v = torch.zeros(spec.rows_shape, dtype=spec.dtype, device=spec.device)
-
-    @property
-    def nbytes(self) -> int:
-        return self._k.nbytes + self._v.nbytes
-
-    def _write_rows(self, start, keys, values):
-        n = keys.shape[2]
-        self._k[:, :, start : start + n] = keys
-        self._v[:, :, start : start + n] = values
-
-    def _read_rows(self, start, stop):
-        return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
-
-    def _save_rows(self, start, stop):
-        return self._read_rows(start, stop)
-
-    def _restore_rows(self, start, saved):
-        self._write_rows(start, *saved)
 
     def _attend(self, query, runs):
         if self.attention == "sdpa":

@@ -30,6 +30,12 @@ Layout, as in the CPU backend: key codes transposed (B, Hkv, D - O, C), float16 
 on, each key row is padded to a whole number of 64-byte lines (under 1/64 more), so that the
 kernel's blocks of 64 positions are whole lines; the reservation counts the padding.
 
+The step: after calibration (the first ``CALIBRATION_TOKENS`` keys, on the Python path) the
+whole step is one native call (``_prepare_native``): the new key reordered and quantized, its
+outlier channels in float16, the value rotated and quantized (the same codes as
+``quant.quantize_int8``, bit for bit), the codes written into the ring with the overwritten ones
+saved, the attention, and the output rotated back in the stream dtype.
+
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
 scales into the attention weights::
 
@@ -38,7 +44,7 @@ scales into the attention weights::
 and the two products run on the int8 codes themselves. Three kernels compute them (measured
 side by side by ``python -m tests.bench int8``):
 
-- ``"native"`` (the default on the CPU): ``backends/csrc/int8_decode.c`` through
+- ``"native"`` (the default on the CPU): ``backends/csrc/gqa_decode.c`` through
   ``backends.native``, built on first use. It reads each code once, widens it to float32 in
   registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
   but the output is written. On the reference machine at S = 32768: 2.5-2.8x faster than the
@@ -61,6 +67,7 @@ rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated 
 
 from __future__ import annotations
 
+import errno
 import functools
 import logging
 import math
@@ -68,10 +75,11 @@ from typing import NamedTuple
 
 import torch
 
+import quant.int8 as quant_int8
 from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from . import native
-from .base import Backend, Capabilities, CacheSpec, LayerCache, scaled_query
+from .base import Backend, Capabilities, CacheSpec, LayerCache, NativeStep, merge_runs, scaled_query
 from .validation import dtype_name
 
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
@@ -140,13 +148,27 @@ def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
 def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
     """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
     outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
-    under 1/64 more), plus the calibration rows of the first ``CALIBRATION_TOKENS`` keys."""
+    under 1/64 more), plus ``_fixed_bytes`` per KV head. The Hadamard matrix is shared per D
+    (``shared_rotation``), not a layer's."""
     b, h, c, d = spec.rows_shape
     o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    calibration = CALIBRATION_TOKENS * d * 4 if o else 0
-    padding = (d - o) * (_key_row_stride(c) - c)
-    return b * h * (c * _position_bytes(d, o, scale) + padding + calibration)
+    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (_key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
+
+
+def _fixed_bytes(d: int, o: int, scale: int) -> int:
+    """Per KV head, beside the positions: the calibration rows of the first keys (while they
+    are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
+    return (CALIBRATION_TOKENS * d * 4 if o else 0) + 8 * d + _position_bytes(d, o, scale)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_rotation(d: int, device: str) -> torch.Tensor:
+    """``quant.hadamard_rotation(d)`` float32 on ``device``, one per (D, device) in the process,
+    shared by every cache (read only): a D x D matrix per layer would cost more than the
+    layer's cache at small capacities. Built on first use (the CPU caches use the native
+    transform and never build it)."""
+    return hadamard_rotation(d, device=device)
 
 
 def _chunks(a: int, b: int, size: int):
@@ -190,12 +212,13 @@ class Int8Cache(LayerCache):
                     f"(this CPU: {', '.join(self._native.isas(spec.head_dim))})"
                 )
         self.kernel = kernel
+        self._desc = None
         self.scale_dtype = scale_dtype
         b, h, c, d = spec.rows_shape
         dev = spec.device
         # Values are stored rotated (``quant.hadamard_rotation``): H is symmetric and orthonormal,
-        # so the output rotates back with the same H.
-        self.rotation = hadamard_rotation(d, device=dev) if rotate else None
+        # so the output rotates back with the same H (``rotation``, shared per D).
+        self._rotated = rotate
         # On the CPU the native library computes the same product as a fast Walsh-Hadamard
         # transform without torch's thread pool (whose idle spinning would then slow the kernel);
         # for every kernel alike, so that the stored codes never depend on the kernel chosen.
@@ -210,6 +233,8 @@ class Int8Cache(LayerCache):
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
+        # what the native step overwrites, kept until it has succeeded
+        self._saved_row = torch.empty(b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev)
         # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
         self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
         # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
@@ -220,7 +245,14 @@ class Int8Cache(LayerCache):
     def nbytes(self) -> int:
         calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
         return (self._k.untyped_storage().nbytes() + self._ko.nbytes + self._v.nbytes + self._ks.nbytes
-                + self._vs.nbytes + (calibration if self.outliers else 0))
+                + self._vs.nbytes + (calibration if self.outliers else 0) + self._key_order.nbytes
+                + self._saved_row.nbytes)
+
+    @property
+    def rotation(self) -> torch.Tensor | None:
+        """The (D, D) float32 Hadamard matrix the values are stored rotated by (shared per D,
+        read only), or None without rotation."""
+        return shared_rotation(self.spec.head_dim, str(self.spec.device)) if self._rotated else None
 
     @property
     def row_bytes(self) -> int:
@@ -247,7 +279,7 @@ class Int8Cache(LayerCache):
     def _rotate(self, x: torch.Tensor) -> torch.Tensor:
         """Value rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
         x = x.to(torch.float32)
-        if self.rotation is None:
+        if not self._rotated:
             return x
         if self._hadamard is not None and x.numel():
             return self._hadamard(x)
@@ -470,6 +502,57 @@ class Int8Cache(LayerCache):
             self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
+
+    # -- the whole step in one native call (after calibration) -----------------------------------
+    _fail_after_write = False  # tests: the native step fails after its write
+
+    def _make_desc(self) -> native.CacheDesc:
+        s = self.spec
+        n, d, o = s.batch_size * s.num_kv_heads, s.head_dim, self.outliers
+        x = native.CacheDesc()
+        x.enc, x.io = native.ENC["int8"], native.DTYPE_ENC[s.dtype]
+        x.flags = native.ISA[self._isa] << native.FLAG_ISA_SHIFT
+        if self.scale_dtype == torch.float16:
+            x.flags |= native.FLAG_HALF_SCALES
+        elif quant_int8._bnb_quant is not None:  # quantize_int8's rounding with float32 scales
+            x.flags |= native.FLAG_RECIPROCAL
+        if self._rotated:
+            x.flags |= native.FLAG_ROTATE
+        x.n, x.g, x.d, x.c = n, s.group_size, d, s.capacity
+        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), d - o, o, s.capacity
+        x.qscale = 1.0 / math.sqrt(d)
+        x.k, x.v, x.ks, x.vs = self._k.data_ptr(), self._v.data_ptr(), self._ks.data_ptr(), self._vs.data_ptr()
+        x.ko = self._ko.data_ptr() if o else None
+        x.saved = self._saved_row.data_ptr()
+        return x
+
+    def _prepare_native(self, query, new_key, new_value):
+        t = self.tokens_seen
+        if self._native is None or (self._calibration is not None and t < CALIBRATION_TOKENS):
+            return None  # calibration: the Python path chooses the outlier channels
+        s = self.spec
+        x = self._desc
+        if x is None:
+            x = self._desc = self._make_desc()
+        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+        order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
+        out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+        attended = self.policy.attended(t + 1)
+        x.set_runs(merge_runs(self._runs(attended)))
+        x.write_row = self.row_of(t)
+        x.q, x.order, x.new_k, x.new_v, x.out = q.data_ptr(), order.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        if self._fail_after_write:
+            x.flags |= native.FLAG_FAIL_AFTER_WRITE
+        else:
+            x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
+        return NativeStep(x, out, attended, (q, k, v, order))
+
+    @staticmethod
+    def native_step_done(status: int) -> None:
+        if status == -errno.ERANGE:
+            raise ValueError("value: a row's absmax needs a scale beyond float16's range; use float32 scales "
+                             "(nothing was written)")
+        LayerCache.native_step_done(status)
 
     # -- attention ------------------------------------------------------------------------------
     def _attend(self, query, runs):

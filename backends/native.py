@@ -1,10 +1,12 @@
-"""The compiled int8 decode kernel (``backends/csrc/int8_decode.c``), built on first use.
+"""The compiled decode kernels (``backends/csrc/gqa_decode.c``), built on first use.
 
-torch on the CPU has no product of int8 codes with float operands, and widening the codes with
-torch ops writes a float copy to memory; the kernel widens them in registers instead and reads
-each code once (see the C file). It is plain C with no Python or torch headers, so it builds in
-well under a second with the system C compiler and is loaded with ``ctypes`` (as Triton builds
-and caches its launcher stubs).
+One C library serves every CPU cache: dense float32 / bfloat16 / float16 caches and the int8
+cache's codes, on one online-softmax / split / merge core and one thread pool (see the C file).
+torch on the CPU widens half-precision and int8 storage with ops that write a float copy to
+memory; the kernel widens in registers instead and reads each key and value once. It is plain C
+with no Python or torch headers, so it builds in about a second with the system C compiler and
+is loaded with ``ctypes`` (as Triton builds and caches its launcher stubs); ctypes releases the
+GIL for each call.
 
 The shared library is cached under ``GQA_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/gqa-serve``,
 else ``~/.cache/gqa-serve``), named by a hash of the source, the flags and the machine type, so
@@ -14,12 +16,17 @@ path is chosen at run time, so a library built into a container image runs on an
 image needs no compiler).
 
 Where no compiler or no writable cache exists, ``load`` raises ``NativeUnavailable`` with the
-reason and the int8 backend falls back to its torch kernels.
+reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces that).
+
+Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
+steps or attentions of ``n`` caches in one call; ``gqa_set_threads`` / ``gqa_threads`` size the
+pool; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``; ``gqa_read_bytes`` (the benchmark floor).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import functools
 import hashlib
 import os
@@ -32,18 +39,23 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ISA", "Int8Kernel", "NativeUnavailable", "available", "build", "cache_dir", "load", "set_threads", "threads"]
+__all__ = ["ENC", "ISA", "CacheDesc", "Int8Kernel", "Kernel", "NativeUnavailable", "available", "build", "cache_dir",
+           "load", "set_threads", "threads"]
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "int8_decode.c"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gqa_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
 LIBS = ("-lm",)
 # implementation choice passed to the kernel (the C enum)
 ISA = {"auto": 0, "portable": 1, "avx512": 2}
-# Below this many (position x KV head) pairs a step takes tens of microseconds: starting threads
-# would cost more than it saves.
-_PARALLEL_MIN_WORK = 1 << 13
-# A split of the positions below this many is not worth its partial result.
-_MIN_SPLIT = 512
+# storage / tensor encodings (the C enum)
+ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
+DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+FLAG_HALF_SCALES = 1
+FLAG_FAIL_AFTER_WRITE = 2  # tests: fail after the write (the kernel restores the row)
+FLAG_ROTATE = 4  # int8: values stored Hadamard-rotated (the step rotates the new value and the output)
+FLAG_RECIPROCAL = 8  # int8, float32 scales: codes = round(x * (127 / absmax)), bitsandbytes' rounding
+MAX_RUNS = 4
+FLAG_ISA_SHIFT = 4  # flags bits 4-5: a cache's own ISA (0: the call's)
 
 
 _threads = os.cpu_count() or 1
@@ -51,16 +63,24 @@ _threads = os.cpu_count() or 1
 
 def set_threads(n: int) -> None:
     """Sizes the process-wide pool the compiled kernels run on (the server's
-    ``--kernel-threads``); ``n`` >= 1."""
+    ``--kernel-threads``); ``n`` >= 1. The pool's threads are started on first use."""
     global _threads
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"kernel threads must be an int >= 1, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or n > 256:
+        raise ValueError(f"kernel threads must be an int in 1..256, got {n!r}")
     _threads = n
+    if load.cache_info().currsize:
+        try:
+            load()._lib.gqa_set_threads(n)
+        except NativeUnavailable:
+            pass
 
 
 def threads() -> int:
     """The size of the compiled kernels' thread pool."""
     return _threads
+
+
+threads_count = threads
 
 
 class NativeUnavailable(RuntimeError):
@@ -80,7 +100,7 @@ def _library_name() -> str:
     key.update(SOURCE.read_bytes())
     key.update(" ".join(CFLAGS + LIBS).encode())
     key.update(f"{sys.platform}-{platform.machine()}".encode())
-    return f"int8_decode-{key.hexdigest()[:16]}.so"
+    return f"gqa_decode-{key.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:
@@ -118,44 +138,86 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-class Int8Kernel:
+class CacheDesc(ctypes.Structure):
+    """One cache's part of a ``gqa_run`` call (``gqa_cache_t`` in the C file): storage
+    pointers and shapes, the attended runs, the step's tensors and where the output goes."""
+
+    _fields_ = [
+        ("enc", ctypes.c_int32), ("io", ctypes.c_int32), ("flags", ctypes.c_int32), ("nruns", ctypes.c_int32),
+        ("n", ctypes.c_int64), ("g", ctypes.c_int64), ("d", ctypes.c_int64), ("c", ctypes.c_int64),
+        ("kstride", ctypes.c_int64), ("dk", ctypes.c_int64), ("no", ctypes.c_int64), ("scale_stride", ctypes.c_int64),
+        ("runs", ctypes.c_int64 * (2 * MAX_RUNS)), ("write_row", ctypes.c_int64),
+        ("qscale", ctypes.c_float), ("status", ctypes.c_int32),
+        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
+        ("ko", ctypes.c_void_p), ("q", ctypes.c_void_p), ("order", ctypes.c_void_p), ("new_k", ctypes.c_void_p), ("new_v", ctypes.c_void_p),
+        ("saved", ctypes.c_void_p), ("out", ctypes.c_void_p),
+    ]
+
+    def set_runs(self, runs) -> None:
+        if not 1 <= len(runs) <= MAX_RUNS:
+            raise ValueError(f"native kernel: {len(runs)} runs (1..{MAX_RUNS})")
+        r = self.runs
+        for i, (a, b) in enumerate(runs):
+            r[2 * i] = a
+            r[2 * i + 1] = b
+        self.nruns = len(runs)
+
+
+class Kernel:
     """The loaded library, with typed entry points."""
 
     def __init__(self, path: Path):
         self.path = path
         lib = ctypes.CDLL(str(path))
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-        lib.gqa_int8_attend.argtypes = [p, p, p, p, p, i32, i64, i64, i64, i64, i64, i64, i64, p, i64, p, i64, i64, p, i32, i32]
-        lib.gqa_int8_attend.restype = i32
-        lib.gqa_int8_usable_isas.argtypes = [i64]
-        lib.gqa_int8_usable_isas.restype = i32
+        lib.gqa_run.argtypes = [p, i64, i32, i32]
+        lib.gqa_run.restype = i32
+        lib.gqa_usable_isas.argtypes = [i64]
+        lib.gqa_usable_isas.restype = i32
+        lib.gqa_set_threads.argtypes = [i32]
+        lib.gqa_set_threads.restype = i32
+        lib.gqa_threads.argtypes = []
+        lib.gqa_threads.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
         lib.gqa_read_bytes.argtypes = [p, i64, i32]
         lib.gqa_read_bytes.restype = ctypes.c_uint64
         self._lib = lib
+        self._run = lib.gqa_run
+        lib.gqa_set_threads(_threads)
 
     def isas(self, head_dim: int) -> list[str]:
         """The implementations that run on this CPU at ``head_dim``, the fastest last."""
-        mask = self._lib.gqa_int8_usable_isas(head_dim)
+        mask = self._lib.gqa_usable_isas(head_dim)
         return [name for name, bit in ISA.items() if bit and mask & (1 << bit)]
+
+    def run(self, descs, count: int, *, isa: str = "auto", threads: int = 0) -> None:
+        """``gqa_run`` over the first ``count`` descriptors of a ``CacheDesc`` array (each one's
+        ``status`` then says whether it was computed). ``threads``: at most this many of the pool
+        (0: all). Releases the GIL while it runs. ``RuntimeError`` for arguments the kernel
+        refuses (a caller's bug: the caches check their input first), ``MemoryError`` when it cannot allocate (nothing written either way)."""
+        rc = self._run(ctypes.addressof(descs) if not isinstance(descs, int) else descs, count, threads, ISA[isa])
+        if rc:
+            if rc == -errno.ENOMEM:
+                raise MemoryError("native kernel: out of memory")
+            raise RuntimeError(f"native kernel: {os.strerror(-rc)}")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                runs, ko: torch.Tensor | None = None, *, isa: str = "auto", threads: int | None = None) -> torch.Tensor:
-        """Attention of ``q`` over the int8 codes, see ``backends/csrc/int8_decode.c``.
+        """Attention of ``q`` over int8 codes (the int8 encoding of ``gqa_run``).
 
         q (N, G, Dk + O) float32 contiguous, already scaled, its channels in the cache's key
         order (the Dk coded channels, then the O outlier channels); k (N, Dk, C) int8 with unit
         position stride (rows may be padded, see ``Int8Cache``); ko (N, O, C) float16 contiguous
         or None (O = 0); v (N, C, D) int8 contiguous; ks, vs (N, C) float32 or float16 scales
-        of every row, contiguous; runs the physical (a, b) runs of the attended rows. Returns
-        (N, G, D) float32. Releases the GIL while it runs.
+        of every row, contiguous; runs the physical (a, b) runs of the attended rows, at most
+        ``MAX_RUNS``. Returns (N, G, D) float32. ``threads``: at most this many of the pool
+        (None: all); the result does not depend on it. Releases the GIL while it runs.
         """
         n, g, dq = q.shape
         c, d = v.shape[1], v.shape[2]
         dk = k.shape[1]
         no = 0 if ko is None else ko.shape[1]
-        total = sum(b - a for a, b in runs)
         for name, t in (("q", q), ("v", v)) + ((("ko", ko),) if ko is not None else ()):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"int8 kernel: {name} must be a contiguous CPU tensor")
@@ -170,18 +232,17 @@ class Int8Kernel:
             raise ValueError(f"int8 kernel: scales must be contiguous float32 or float16 (N, C) = ({n}, {c})")
         if q.dtype != torch.float32:
             raise ValueError("int8 kernel: q must be float32")
-        if threads is None:
-            threads = torch.get_num_threads() if total * n >= _PARALLEL_MIN_WORK else 1
-        nsplit = max(1, min(-(-4 * threads // n), total // _MIN_SPLIT)) if threads > 1 else 1
-        flat = (ctypes.c_int64 * (2 * len(runs)))(*(x for run in runs for x in run))
         out = torch.empty((n, g, d), dtype=torch.float32)
-        rc = self._lib.gqa_int8_attend(
-            q.data_ptr(), k.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr(), int(ks.dtype == torch.float16), c,
-            n, g, d, dk, c, k.stride(1), None if ko is None else ko.data_ptr(), no,
-            flat, len(runs), nsplit, out.data_ptr(), threads, ISA[isa],
-        )
-        if rc:
-            raise RuntimeError(f"int8 kernel failed: {os.strerror(-rc)}")
+        desc = (CacheDesc * 1)()
+        x = desc[0]
+        x.enc, x.io, x.flags = ENC["int8"], ENC["float32"], FLAG_HALF_SCALES if ks.dtype == torch.float16 else 0
+        x.n, x.g, x.d, x.c, x.kstride, x.dk, x.no, x.scale_stride = n, g, d, c, k.stride(1) if dk else c, dk, no, c
+        x.set_runs(runs)
+        x.write_row, x.qscale = -1, 1.0
+        x.k, x.v, x.ks, x.vs = k.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr()
+        x.ko = None if ko is None else ko.data_ptr()
+        x.q, x.out = q.data_ptr(), out.data_ptr()
+        self.run(desc, 1, isa=isa, threads=threads or 0)
         return out
 
     def hadamard(self, x: torch.Tensor) -> torch.Tensor:
@@ -197,19 +258,24 @@ class Int8Kernel:
         return y
 
     def read_bytes(self, t: torch.Tensor, threads: int | None = None) -> int:
-        """Reads a contiguous tensor's bytes once (the benchmark's memory floor)."""
+        """Reads a contiguous tensor's bytes once on the pool (the benchmark's memory floor)."""
         if not t.is_contiguous():
             raise ValueError("read_bytes: the tensor must be contiguous")
-        return self._lib.gqa_read_bytes(t.data_ptr(), t.nbytes, threads or torch.get_num_threads())
+        return self._lib.gqa_read_bytes(t.data_ptr(), t.nbytes, threads or threads_count())
+
+
+Int8Kernel = Kernel  # the name of the int8-only library this one replaced
 
 
 @functools.cache
-def load() -> Int8Kernel:
+def load() -> Kernel:
     """The kernel, built if needed; ``NativeUnavailable`` says why not (the result is cached)."""
+    if os.environ.get("GQA_NATIVE", "1") == "0":
+        raise NativeUnavailable("disabled by GQA_NATIVE=0")
     try:
-        return Int8Kernel(build())
+        return Kernel(build())
     except OSError as exc:  # dlopen failed
-        raise NativeUnavailable(f"cannot load the int8 kernel ({exc})") from None
+        raise NativeUnavailable(f"cannot load the native kernel ({exc})") from None
 
 
 def available() -> tuple[bool, str]:
@@ -230,7 +296,7 @@ def _main(argv: list[str]) -> int:
     except NativeUnavailable as exc:
         print(f"backends.native: {exc}", file=sys.stderr)
         return 1
-    kernel = Int8Kernel(path)
+    kernel = Kernel(path)
     print(f"{path} (on this CPU at head_dim 128: {', '.join(kernel.isas(128))})")
     return 0
 

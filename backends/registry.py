@@ -53,6 +53,7 @@ def get_backend(name: str) -> Backend:
     if reasons:
         raise BackendUnavailable(reasons)
     _instances[name] = backend = cls()
+    backend.__dict__["_probed"] = reasons  # probed once per process: see Backend.probe_reasons
     return backend
 
 

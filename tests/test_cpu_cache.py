@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends import registry
+from backends import native, registry
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import BackendUnavailable, CacheFullError
@@ -26,8 +26,18 @@ POLICIES = {
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def make_cache(policy: EvictionPolicy, dtype=torch.float32):
-    return CPUBackend().create_cache(CacheSpec(B, HQ, HKV, D, dtype, policy))
+# every kernel of the backend: the compiled step on each implementation, and torch's fallback
+KERNELS = ["native-portable", "native-avx512", "torch"]
+
+
+def _kernel_param(kernel: str):
+    ok, why = native.available()
+    usable = not kernel.startswith("native-") or (ok and kernel.partition("-")[2] in native.load().isas(D))
+    return pytest.param(kernel, marks=pytest.mark.skipif(not usable, reason=f"{kernel} does not run here {why}".strip()))
+
+
+def make_cache(policy: EvictionPolicy, dtype=torch.float32, kernel="auto"):
+    return CPUBackend(kernel).create_cache(CacheSpec(B, HQ, HKV, D, dtype, policy))
 
 
 class History:
@@ -45,11 +55,11 @@ class History:
         return torch.stack([self.keys[p] for p in positions], 2), torch.stack([self.values[p] for p in positions], 2)
 
 
-def run_stream(policy_name: str, dtype, steps=STEPS, prefill=11, seed=0, window_override=None):
+def run_stream(policy_name: str, dtype, steps=STEPS, prefill=11, seed=0, window_override=None, kernel="auto"):
     policy = POLICIES[policy_name]
     g = torch.Generator().manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, generator=g).to(dtype)  # noqa: E731
-    cache = make_cache(policy, dtype)
+    cache = make_cache(policy, dtype, kernel)
     hist = History()
     pk, pv = rnd(B, HKV, prefill, D), rnd(B, HKV, prefill, D)
     cache.prefill(pk, pv)
@@ -75,10 +85,11 @@ def run_stream(policy_name: str, dtype, steps=STEPS, prefill=11, seed=0, window_
     return cache, hist, evictions
 
 
+@pytest.mark.parametrize("kernel", [_kernel_param(k) for k in KERNELS])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("policy_name", list(POLICIES))
-def test_stream_matches_oracle(policy_name, dtype):
-    cache, hist, evictions = run_stream(policy_name, dtype)
+def test_stream_matches_oracle(policy_name, dtype, kernel):
+    cache, hist, evictions = run_stream(policy_name, dtype, kernel=kernel)
     if policy_name != "none":
         assert evictions >= 10, "the test must evict many times"
     # Export: the resident tokens in position order, exactly.
@@ -150,19 +161,28 @@ def test_rejected_step_leaves_cache_unchanged(name, make, exc):
     assert cache.tokens_seen == 41
 
 
-def test_failure_during_attention_restores_the_row(monkeypatch):
-    cache = make_cache(POLICIES["strict"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("kernel", [pytest.param("native", marks=pytest.mark.skipif(not native.available()[0], reason="no native kernel")), "torch"])
+def test_failure_after_the_write_restores_the_row(monkeypatch, kernel, dtype):
+    cache = make_cache(POLICIES["strict"], dtype, kernel)
     for _ in range(30):  # wrapped: the next write overwrites a live row
-        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+        cache.step(*(torch.randn(B, h, D).to(dtype) for h in (HQ, HKV, HKV)))
     snap = snapshot(cache)
+    storage = (cache._k.untyped_storage(), cache._v.untyped_storage())
+    before = [bytes(s) for s in storage]
+    if kernel == "native":  # the compiled step fails after writing the row and attending
+        monkeypatch.setattr(cache, "_fail_after_write", True)
+        match = "native step failed"
+    else:
+        def boom(*a, **k):
+            raise RuntimeError("injected")
 
-    def boom(*a, **k):
-        raise RuntimeError("injected")
-
-    monkeypatch.setattr(cache, "_attend", boom)
-    with pytest.raises(RuntimeError, match="injected"):
-        cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
+        monkeypatch.setattr(cache, "_attend", boom)
+        match = "injected"
+    with pytest.raises(RuntimeError, match=match):
+        cache.step(*(torch.randn(B, h, D).to(dtype) for h in (HQ, HKV, HKV)))
     assert_unchanged(cache, snap)
+    assert [bytes(s) for s in storage] == before  # byte-identical, padding included
 
 
 def test_append_is_in_place_and_eviction_moves_nothing():

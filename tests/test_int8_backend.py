@@ -11,6 +11,10 @@ rollback), non-finite refusal and the raw codes' export/load round trip.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -257,7 +261,9 @@ def test_reserved_bytes_are_codes_outliers_scales_and_calibration(policy_name, s
     o = cache.outliers
     assert o == 4
     row = (d - o) + 2 * o + d + 2 * scale_bytes  # key codes, float16 key channels, value codes, scales
-    expected = b * hkv * (spec.capacity * row + CALIBRATION_TOKENS * d * 4)
+    # per KV head beside the positions: the calibration keys, the key channel order (int64) and
+    # the native step's saved row
+    expected = b * hkv * (spec.capacity * row + CALIBRATION_TOKENS * d * 4 + 8 * d + row)
     assert backend.cache_nbytes(spec) == cache.nbytes == expected
     assert cache.row_bytes == b * hkv * row
     float16_row = 2 * b * hkv * d * 2
@@ -281,7 +287,8 @@ def test_long_key_rows_are_padded_to_lines_and_counted():
     spec = _spec(hq, hkv, d, policy=EvictionPolicy.strict(c))
     cache = backend.create_cache(spec)
     padded, o = 5056, cache.outliers
-    expected = b * hkv * ((d - o) * padded + 2 * o * c + d * c + 2 * c * 2 + CALIBRATION_TOKENS * d * 4)
+    row = (d - o) + 2 * o + d + 2 * 2
+    expected = b * hkv * ((d - o) * padded + 2 * o * c + d * c + 2 * c * 2 + CALIBRATION_TOKENS * d * 4 + 8 * d + row)
     assert backend.cache_nbytes(spec) == cache.nbytes == expected
     assert cache._k.stride(-2) == padded and cache._k.shape[-1] == c
     assert cache.row_bytes / (2 * b * hkv * d * 2) <= BYTES_RATIO_TARGET
@@ -612,3 +619,69 @@ def test_int8_cache_on_a_cuda_device(policy_name):
     keys, values = _attended_rows(cache, policy_name)
     ref = attention_ref(q.double().cpu().numpy(), keys, values, hq, hkv)
     assert _rel(out.cpu(), ref) <= KERNEL_RTOL[torch.float16]
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32], ids=["f16-scales", "f32-scales"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+def test_native_step_stores_and_outputs_what_the_python_step_does(dtype, scale_dtype, monkeypatch):
+    """After calibration the whole step is one native call (rotate, quantize, write, attend);
+    it stores the same codes bit for bit and gives the same outputs as the Python path."""
+    spec = CacheSpec(1, 8, 2, 64, dtype, EvictionPolicy.sink(40, 3))
+    native_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
+    python_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
+    monkeypatch.setattr(python_cache, "_prepare_native", lambda *a: None)
+    gen = torch.Generator().manual_seed(5)
+    for step in range(70):  # past calibration, around the wrapped window
+        q, k, v = (torch.randn(1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
+        k[..., 3] *= 30  # an outlier channel
+        if step == 50:
+            k[0, 1] = 0.0  # an all-zero row
+        a, b = native_cache.step(q, k, v), python_cache.step(q, k, v)
+        assert torch.equal(a.output, b.output), step
+    for x, y in zip(native_cache.export_quantized(), python_cache.export_quantized()):
+        assert torch.equal(x, y)
+
+
+def test_native_step_failure_after_the_write_restores_bytes(monkeypatch):
+    cache = Int8Backend().create_cache(CacheSpec(1, 8, 2, 64, torch.float32, EvictionPolicy.strict(20)))
+    gen = torch.Generator().manual_seed(6)
+    for _ in range(30):
+        cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (8, 2, 2)))
+    tensors = (cache._k, cache._ko, cache._v, cache._ks, cache._vs)
+    before = [bytes(t.untyped_storage()) for t in tensors]
+    monkeypatch.setattr(cache, "_fail_after_write", True)
+    with pytest.raises(RuntimeError, match="native step failed"):
+        cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (8, 2, 2)))
+    assert [bytes(t.untyped_storage()) for t in tensors] == before and cache.tokens_seen == 30
+
+
+RSS_SCRIPT = """
+import sys, torch
+from backends.base import CacheSpec
+from backends.int8 import Int8Backend
+from backends.policy import EvictionPolicy
+
+def rss():
+    with open('/proc/self/statm') as f:
+        return int(f.read().split()[1]) * 4096
+
+backend = Int8Backend()
+spec = CacheSpec(1, 32, 8, 1024, torch.float16, EvictionPolicy.strict(int(sys.argv[1])))
+backend.create_cache(spec)  # the library loaded, the allocator warmed
+before = rss()
+caches = [backend.create_cache(spec) for _ in range(int(sys.argv[2]))]
+print(rss() - before, sum(c.nbytes for c in caches), sum(backend.cache_nbytes(spec) for _ in caches))
+"""
+
+
+@pytest.mark.parametrize("capacity,layers", [(1, 64), (4096, 2)], ids=["C1x64", "C4096x2"])
+def test_opening_int8_caches_grows_rss_by_their_reservation(capacity, layers):
+    """#17 item 10: the Hadamard matrix is shared per D and nothing per layer lies outside the
+    reservation. Bound: RSS growth <= reserved bytes + 8 MiB (one shared D=1024 matrix, 4 MiB,
+    and allocator slack); before, each layer added a 4 MiB matrix and float64 temporaries."""
+    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(capacity), str(layers)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    assert done.returncode == 0, done.stderr
+    grown, held, reserved = map(int, done.stdout.split()[-3:])
+    assert held == reserved
+    assert grown <= reserved + 8 * 2**20, (grown, reserved)

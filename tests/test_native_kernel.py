@@ -1,4 +1,4 @@
-"""The compiled int8 decode kernel (``backends/csrc/int8_decode.c`` via ``backends.native``).
+"""The compiled int8 decode kernel (``backends/csrc/gqa_decode.c`` via ``backends.native``).
 
 The kernel is called directly on synthetic codes and scales and checked against the float64
 oracle on the same codes (it adds no quantization of its own), over each implementation this

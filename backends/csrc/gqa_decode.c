@@ -1,0 +1,1163 @@
+/*
+ * GQA decode attention on the CPU, straight from a cache's storage: dense float32, bfloat16 or
+ * float16 keys and values, or int8 codes plus scales. One library, one core.
+ *
+ * For every cache of a call, every KV head n (N = B * Hkv) and each of its G query heads g:
+ *
+ *     score[t] = q[n,g,:] . key[n,:,t]                    (q scaled by qscale first)
+ *     out[n,g] = sum_t softmax(score)[t] * value[n,t,:]
+ *
+ * over the attended positions, which lie in the cache's ring as a few physical runs [a, b)
+ * (a wrapped window, sinks plus window), read where they are, never copied.
+ *
+ * Encodings (gqa_cache_t.enc). Dense: keys (N, D, kstride) transposed (a block of positions of
+ * one channel is contiguous; rows kstride >= C apart), values (N, C, D), both in the stream
+ * dtype. int8: key codes (N, dk, kstride) of the dk coded channels, `no` outlier channels
+ * ko (N, no, C) float16, value codes (N, C, D), scales (N, C) float32 or float16 by physical
+ * position (row n at ks + n * scale_stride), so that
+ *
+ *     score[t] = (q[:dk] . kcode[:,t]) * kscale[t] + q[dk:] . kout[:,t]
+ *     out      = sum_t (softmax[t] * vscale[t]) * vcode[t,:]
+ *
+ * (q in the cache's key channel order, see backends/int8.py).
+ *
+ * The core, shared by every encoding: each work item is one (cache, KV head, split), a split
+ * being SPLIT_T consecutive attended positions (in logical order); it walks its positions a
+ * block of up to TILE_T at a time on the physical TILE_T grid, scores the block for TILE_G query
+ * heads at once (each key row is read once for the G heads that share it), keeps an online
+ * softmax (running max, sum and float32 accumulator), and leaves a partial result; the item
+ * that completes a head's splits merges them by log-sum-exp in split order. Because the split
+ * size is fixed in tokens and the merge order is fixed, an output does not depend on the other
+ * caches of the call, on the number of threads or on which thread ran which item: it is
+ * bit-identical alone or batched. Items are taken from one counter by the threads, so the work
+ * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
+ *
+ * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
+ * once and widened to float32 in registers. Two implementations of the block: AVX-512 (F, BW,
+ * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
+ * portable C (the specification the fast path is tested against). The file builds with no
+ * -march flag. The AVX-512 block prefetches the next block: the D key channels are D separate
+ * streams, more than the hardware prefetcher follows; into L2, not L1 (64 positions of float32
+ * keys and values are 64 KiB, more than L1; into L1 even int8 blocks, 16 KiB, pushed out the
+ * block being computed: measured 20-25% slower, hot and cold). bfloat16
+ * is widened, not multiplied with vdpbf16ps: the widening block computes scores at ~27 GB/s
+ * of keys per core from L1 (vdpbf16ps ~55 GB/s, with keys interleaved by channel pairs and the
+ * weights rounded to bfloat16), above what DRAM gives two cores, so the step is bound by memory
+ * either way (measured 2026-11-30, see the kernels branch report).
+ *
+ * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
+ * fork), the calling thread working too. Parallel calls from several threads are serialized on
+ * the pool; calls small enough to run on the calling thread alone run concurrently.
+ *
+ * The step (gqa_run with write_row >= 0): the new key and value are written into their ring
+ * row, what they overwrite saved in `saved` (dense: by the work item that reads that row, per
+ * KV head; int8: before the attention, keys put in the stored channel order and quantized, the
+ * outlier channels as float16, values Hadamard-rotated (FLAG_ROTATE) and quantized as
+ * quant.quantize_int8 does); a failure after the write restores it, so a failed step leaves the
+ * cache byte-identical. The output is written in the stream dtype (int8: rotated back first).
+ */
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define GQA_HAVE_AVX512 1
+#else
+#define GQA_HAVE_AVX512 0
+#endif
+
+#define TILE_T 64   /* positions per block: 64 int8 codes of one channel are one cache line */
+#define TILE_G 4    /* query heads scored together against one block */
+#ifndef SPLIT_T
+#define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
+#endif
+#define MAX_RUNS 4
+#define MAX_THREADS 256
+#define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1 /* measured against 2 and 4 (and, into L1, 8, 16, 32): 1 is as fast or faster */
+#endif
+
+enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
+enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
+enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
+#define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
+
+/* One cache's part of a call (mirrored by backends/native.py's CacheDesc). */
+typedef struct {
+    int32_t enc;   /* storage: ENC_* */
+    int32_t io;    /* q, new_k, new_v and out: ENC_F32, ENC_BF16 or ENC_F16 */
+    int32_t flags; /* FLAG_* */
+    int32_t nruns;
+    int64_t n, g, d, c; /* KV heads (B * Hkv), query heads per KV head, head width, capacity */
+    int64_t kstride;    /* keys: elements from one channel's row to the next (>= c) */
+    int64_t dk, no;     /* key channels stored in `enc`, and as float16 outliers (int8 only) */
+    int64_t scale_stride;
+    int64_t runs[2 * MAX_RUNS]; /* physical [a, b) pairs in logical order */
+    int64_t write_row;          /* the ring row the new token goes to; -1: attention only */
+    float qscale;               /* q is multiplied by it (1/sqrt(D), or 1 when pre-scaled) */
+    int32_t status;             /* out: 0, or -errno for this cache (its rows restored) */
+    void *k, *v;                /* keys (N, dk, kstride), values (N, C, D) */
+    const void *ks, *vs;        /* int8: scales */
+    const uint16_t *ko;         /* int8: outlier channels (N, no, C) float16 bits */
+    const void *q;              /* (N, G, D) in io; int8: channels in the stored key order, or
+                                   in model order with `order` given */
+    const int64_t *order;       /* int8: (N, D) the stored key order (coded, then outliers); or NULL */
+    const void *new_k, *new_v;  /* (N, D) in io (= enc): the step's token */
+    void *saved;                /* the overwritten row: dense 2 * N * D elements of enc; int8
+                                   N * (dk + 2 no + D + 2 * scale bytes) bytes */
+    void *out;                  /* (N, G, D) in io */
+} gqa_cache_t;
+
+/* Per-thread state of one work item: running max m, running sum l, accumulator acc[G * D]. */
+typedef struct {
+    float *m, *l, *acc;
+    float *p;         /* weights of one block: p[TILE_G * TILE_T] */
+    float *ksb, *vsb; /* one block's float16 scales as float32 */
+    int prefetch;     /* the item reads the next block of this run: prefetch it */
+    float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    float *part1;     /* a one-split head's partial (G, D + 2) */
+} state_t;
+
+static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * Scalar conversions (IEEE binary16 and bfloat16, round to nearest even).
+ */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (!mant) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113u;
+        while (!(mant & 0x400u)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u; /* NaN */
+    if (ax >= 0x477FF000u) return sign | 0x7C00u; /* rounds to infinity */
+    if (ax < 0x38800000u) {                       /* a binary16 subnormal (or zero) */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return sign | (uint16_t)lrintf(a * 16777216.0f); /* units of 2^-24, exact scaling */
+    }
+    return sign | (uint16_t)((ax - 0x38000000u + 0xFFFu + ((ax >> 13) & 1u)) >> 13);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* Element i of an array in encoding enc, as float (a constant enc folds the switch away). */
+static inline float load_elem(const int enc, const void *p, int64_t i) {
+    switch (enc) {
+        case ENC_F32: return ((const float *)p)[i];
+        case ENC_BF16: return bf16_to_float(((const uint16_t *)p)[i]);
+        case ENC_F16: return half_to_float(((const uint16_t *)p)[i]);
+        default: return (float)((const int8_t *)p)[i];
+    }
+}
+
+static inline void store_elem(int enc, void *p, int64_t i, float x) {
+    switch (enc) {
+        case ENC_F32: ((float *)p)[i] = x; break;
+        case ENC_BF16: ((uint16_t *)p)[i] = float_to_bf16(x); break;
+        default: ((uint16_t *)p)[i] = float_to_half(x); break;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The shared online-softmax update, portable: sc[t] holds a block's scores and becomes the
+ * weights exp(score - m) (times vs[t] when vs is given: int8's value scales).
+ */
+static void softmax_portable(float *sc, int64_t nt, const float *vs, int64_t d, float *m, float *l, float *acc) {
+    float bmax = -INFINITY;
+    for (int64_t t = 0; t < nt; t++)
+        if (sc[t] > bmax) bmax = sc[t];
+    if (bmax > *m) {
+        const float alpha = expf(*m - bmax); /* 0 on the first block (m = -inf) */
+        *l *= alpha;
+        for (int64_t j = 0; j < d; j++) acc[j] *= alpha;
+        *m = bmax;
+    }
+    float sum = 0.0f;
+    for (int64_t t = 0; t < nt; t++) {
+        const float e = expf(sc[t] - *m);
+        sum += e;
+        sc[t] = vs ? e * vs[t] : e;
+    }
+    *l += sum;
+}
+
+/* int8: the block's scales as float32, in place for float32 scales, else converted. */
+static void block_scales(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st, const float **ks,
+                         const float **vs) {
+    const int64_t at = h * cc->scale_stride + phys;
+    if (!(cc->flags & FLAG_HALF_SCALES)) {
+        *ks = (const float *)cc->ks + at;
+        *vs = (const float *)cc->vs + at;
+        return;
+    }
+    const uint16_t *kh = (const uint16_t *)cc->ks + at, *vh = (const uint16_t *)cc->vs + at;
+    for (int64_t t = 0; t < nt; t++) {
+        st->ksb[t] = half_to_float(kh[t]);
+        st->vsb[t] = half_to_float(vh[t]);
+    }
+    *ks = st->ksb;
+    *vs = st->vsb;
+}
+
+/* Portable block of any encoding: plain loops (the compiler vectorizes what it can at the
+ * baseline ISA). qf is head h's (G, dk + no) float32 query, already scaled. */
+static inline __attribute__((always_inline)) void block_portable_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    const int64_t d = cc->d, c = cc->c, G = cc->g, dk = cc->dk, no = cc->no, dq = dk + no, el = enc_size(enc);
+    const char *kb = (const char *)cc->k + (h * dk * cc->kstride + phys) * el;
+    const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
+    const float *ks = NULL, *vs = NULL;
+    if (enc == ENC_INT8) block_scales(cc, h, phys, nt, st, &ks, &vs);
+    float sc[TILE_T];
+    for (int64_t g = 0; g < G; g++) {
+        const float *q = qf + g * dq;
+        for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
+        for (int64_t j = 0; j < dk; j++) {
+            const float qj = q[j];
+            const char *row = kb + j * cc->kstride * el;
+            for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t);
+        }
+        if (enc == ENC_INT8) {
+            for (int64_t t = 0; t < nt; t++) sc[t] *= ks[t];
+            const uint16_t *kob = cc->ko + h * no * c + phys;
+            for (int64_t o = 0; o < no; o++) {
+                const float qo = q[dk + o];
+                for (int64_t t = 0; t < nt; t++) sc[t] += qo * half_to_float(kob[o * c + t]);
+            }
+        }
+        float *acc = st->acc + g * d;
+        softmax_portable(sc, nt, vs, d, st->m + g, st->l + g, acc);
+        for (int64_t t = 0; t < nt; t++) {
+            const float w = sc[t];
+            const char *row = vb + t * d * el;
+            for (int64_t j = 0; j < d; j++) acc[j] += w * load_elem(enc, row, j);
+        }
+    }
+}
+
+static void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    switch (cc->enc) {
+        case ENC_F32: block_portable_enc(ENC_F32, cc, qf, h, phys, nt, st); break;
+        case ENC_BF16: block_portable_enc(ENC_BF16, cc, qf, h, phys, nt, st); break;
+        case ENC_F16: block_portable_enc(ENC_F16, cc, qf, h, phys, nt, st); break;
+        default: block_portable_enc(ENC_INT8, cc, qf, h, phys, nt, st); break;
+    }
+}
+
+#if GQA_HAVE_AVX512
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+
+/* exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
+ * polynomial for e^r (relative error below 1e-8, under float32's rounding). */
+AVX512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scalef */
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 y = _mm512_set1_ps(1.0f / 5040.0f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The lanes of the i-th group of 16 positions that a block of nt positions fills. */
+static inline __mmask16 lanes16(int64_t nt, int i) {
+    const int64_t left = nt - 16 * i;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 consecutive elements of encoding enc widened to float32 in a register (masked lanes 0). */
+AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc, const void *p, __mmask16 mask) {
+    switch (enc) {
+        case ENC_F32: return _mm512_maskz_loadu_ps(mask, p);
+        case ENC_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+        case ENC_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+        default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+    }
+}
+
+/* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
+ * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
+AVX512 static inline __attribute__((always_inline)) void scores_avx512(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kstride, const uint16_t *kob,
+    int64_t c, const float *ks, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
+    const int64_t dq = dk + no, el = enc_size(enc);
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) {
+        mask[i] = lanes16(nt, i);
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
+    }
+    for (int64_t j = 0; j < dk; j++) {
+        const char *row = kb + j * kstride * el;
+        /* each channel's lines of the next block (see the header), when the item reads it */
+        if (prefetch) {
+            for (int64_t x = 0; x < TILE_T * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
+        }
+        __m512 kf[4];
+        for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+        for (int g = 0; g < gt; g++) {
+            const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
+            for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+        }
+    }
+    if (enc == ENC_INT8) {
+        for (int i = 0; i < 4; i++) {
+            const __m512 s = _mm512_maskz_loadu_ps(mask[i], ks + 16 * i);
+            for (int g = 0; g < gt; g++) acc[g][i] = _mm512_mul_ps(acc[g][i], s);
+        }
+        for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
+            const uint16_t *row = kob + o * c;
+            for (int i = 0; i < 4; i++) {
+                const __m512 x = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask[i], row + 16 * i));
+                for (int g = 0; g < gt; g++)
+                    acc[g][i] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + dk + o]), x, acc[g][i]);
+            }
+        }
+    }
+    for (int i = 0; i < 4; i++)
+        for (int g = 0; g < gt; g++)
+            _mm512_storeu_ps(out + g * TILE_T + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], acc[g][i]));
+}
+
+/* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv registers of
+ * 16 channels per query head, all constants after inlining so the accumulators stay in
+ * registers. The first pass over a block also prefetches the rows of a later block. */
+AVX512 static inline __attribute__((always_inline)) void pv_avx512(
+    const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
+    const int nv, const int prefetch) {
+    const int64_t el = enc_size(enc);
+    __m512 acc[TILE_G][4];
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
+    for (int64_t t = 0; t < nt; t++) {
+        const char *row = vb + (t * d + j0) * el;
+        if (j0 == 0 && prefetch) {
+            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
+        }
+        __m512 vf[4];
+        for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
+        for (int g = 0; g < gt; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_mem + g * d + j0 + 16 * i, acc[g][i]);
+}
+
+/* The shared online-softmax update of one block for `gt` query heads: p[g][t] holds the scores
+ * (-inf past nt) and becomes exp(score - m) (times vs[t] when given); the running max m, sum l
+ * and accumulators acc (gt x d) are rescaled when the max grows. */
+AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
+    float *p, int64_t nt, const float *vs, int64_t d, const int gt, float *ms, float *ls, float *accs) {
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
+    for (int g = 0; g < gt; g++) {
+        float *pg = p + g * TILE_T;
+        __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(pg), _mm512_loadu_ps(pg + 16)),
+                                  _mm512_max_ps(_mm512_loadu_ps(pg + 32), _mm512_loadu_ps(pg + 48)));
+        const float bmax = _mm512_reduce_max_ps(mx);
+        float *m = ms + g, *l = ls + g, *acc = accs + g * d;
+        if (bmax > *m) {
+            const float alpha = expf(*m - bmax);
+            *l *= alpha;
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(a, _mm512_loadu_ps(acc + j)));
+            *m = bmax;
+        }
+        const __m512 mm = _mm512_set1_ps(*m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            const __m512 e = _mm512_maskz_mov_ps(mask[i], exp512(_mm512_sub_ps(_mm512_loadu_ps(pg + 16 * i), mm)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(pg + 16 * i, vs ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask[i], vs + 16 * i)) : e);
+        }
+        *l += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* Scores, online softmax and the weighted sum of the values for one query tile. */
+AVX512 static inline __attribute__((always_inline)) void tile_avx512(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
+    const char *kb, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st) {
+    const int64_t d = cc->d, dq = cc->dk + cc->no;
+    float *p = st->p;
+    const float *q = qf + g0 * dq;
+    const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
+    const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
+    if (nt <= 16)
+        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 1, pf, p);
+    else
+        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 4, pf, p);
+    softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    int64_t j0 = 0;
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
+}
+
+AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    const int64_t d = cc->d, c = cc->c, el = enc_size(enc);
+    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
+    const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
+    const float *ks = NULL, *vs = NULL;
+    if (enc == ENC_INT8) {
+        const int64_t at = h * cc->scale_stride + phys;
+        if (cc->flags & FLAG_HALF_SCALES) { /* 64 scales in four conversions */
+            for (int i = 0; i < 4; i++) {
+                const __mmask16 m = lanes16(nt, i);
+                _mm512_storeu_ps(st->ksb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)cc->ks + at + 16 * i)));
+                _mm512_storeu_ps(st->vsb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)cc->vs + at + 16 * i)));
+            }
+            ks = st->ksb;
+            vs = st->vsb;
+        } else {
+            ks = (const float *)cc->ks + at;
+            vs = (const float *)cc->vs + at;
+        }
+    }
+    for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
+            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, vb, ks, vs, nt, st); break;
+            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, vb, ks, vs, nt, st); break;
+            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, vb, ks, vs, nt, st); break;
+            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, vb, ks, vs, nt, st); break;
+        }
+    }
+}
+
+AVX512 static void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx512_enc(ENC_F32, cc, qf, h, phys, nt, st);
+}
+AVX512 static void block_avx512_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx512_enc(ENC_BF16, cc, qf, h, phys, nt, st);
+}
+AVX512 static void block_avx512_f16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx512_enc(ENC_F16, cc, qf, h, phys, nt, st);
+}
+AVX512 static void block_avx512_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx512_enc(ENC_INT8, cc, qf, h, phys, nt, st);
+}
+#endif /* GQA_HAVE_AVX512 */
+
+typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+
+static block_fn choose_block(int enc, int isa) {
+#if GQA_HAVE_AVX512
+    if (isa == ISA_AVX512) {
+        switch (enc) {
+            case ENC_F32: return block_avx512_f32;
+            case ENC_BF16: return block_avx512_bf16;
+            case ENC_F16: return block_avx512_f16;
+            default: return block_avx512_int8;
+        }
+    }
+#endif
+    (void)enc;
+    (void)isa;
+    return block_portable;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The thread pool: created once, sized by gqa_set_threads, the caller working as thread 0.
+ */
+typedef void (*task_fn)(void *ctx, int64_t item, int tid);
+
+static struct {
+    pthread_mutex_t call_lock; /* one parallel call at a time */
+    pthread_mutex_t m;
+    pthread_cond_t wake, done;
+    pthread_t tids[MAX_THREADS];
+    int size;    /* threads in all, the caller included; 0 until set */
+    int started; /* workers running (size - 1 once started) */
+    int stop;
+    uint64_t gen, start_gen;
+    task_fn fn;
+    void *ctx;
+    int64_t nitems;
+    atomic_long next;
+    int want, finished;
+} pool = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .m = PTHREAD_MUTEX_INITIALIZER,
+          .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
+
+static void run_items(task_fn fn, void *ctx, int64_t nitems, int tid) {
+    for (;;) {
+        const int64_t item = atomic_fetch_add(&pool.next, 1);
+        if (item >= nitems) break;
+        fn(ctx, item, tid);
+    }
+}
+
+static void *pool_worker(void *arg) {
+    const int idx = (int)(intptr_t)arg; /* 1 .. started */
+    pthread_mutex_lock(&pool.m);
+    uint64_t seen = pool.start_gen; /* the generation before its first task, however late it runs */
+    for (;;) {
+        while (pool.gen == seen && !pool.stop) pthread_cond_wait(&pool.wake, &pool.m);
+        if (pool.stop) break;
+        seen = pool.gen;
+        const int part = idx <= pool.want;
+        task_fn fn = pool.fn;
+        void *ctx = pool.ctx;
+        const int64_t nitems = pool.nitems;
+        pthread_mutex_unlock(&pool.m);
+        if (part) run_items(fn, ctx, nitems, idx);
+        pthread_mutex_lock(&pool.m);
+        if (part && ++pool.finished == pool.want) pthread_cond_signal(&pool.done);
+    }
+    pthread_mutex_unlock(&pool.m);
+    return NULL;
+}
+
+static void pool_stop_locked(void) { /* call_lock held */
+    pthread_mutex_lock(&pool.m);
+    pool.stop = 1;
+    pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.m);
+    for (int i = 0; i < pool.started; i++) pthread_join(pool.tids[i], NULL);
+    pool.started = 0;
+    pool.stop = 0;
+}
+
+static void pool_start_locked(void) { /* call_lock held, no workers running */
+    const int want = (pool.size > 0 ? pool.size : 1) - 1;
+    pool.start_gen = pool.gen;
+    for (int i = 0; i < want && i < MAX_THREADS - 1; i++) {
+        if (pthread_create(&pool.tids[i], NULL, pool_worker, (void *)(intptr_t)(i + 1))) break; /* fewer: still correct */
+        pool.started = i + 1;
+    }
+}
+
+static void pool_after_fork_child(void) { /* the workers did not survive the fork */
+    pthread_mutex_init(&pool.call_lock, NULL);
+    pthread_mutex_init(&pool.m, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+    pthread_cond_init(&pool.done, NULL);
+    pool.started = 0;
+    pool.stop = 0;
+}
+
+__attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
+
+/* Runs fn(ctx, item, tid) for item in [0, nitems) on up to `threads` threads (tid < threads). */
+static void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
+    if (threads <= 1 || nitems <= 1) {
+        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+        return;
+    }
+    pthread_mutex_lock(&pool.call_lock);
+    if (pool.started + 1 < pool.size) {
+        if (pool.started) pool_stop_locked();
+        pool_start_locked();
+    }
+    int want = threads - 1;
+    if (want > pool.started) want = pool.started;
+    if (want > nitems - 1) want = (int)(nitems - 1);
+    pthread_mutex_lock(&pool.m);
+    pool.fn = fn;
+    pool.ctx = ctx;
+    pool.nitems = nitems;
+    atomic_store(&pool.next, 0);
+    pool.want = want;
+    pool.finished = 0;
+    pool.gen++;
+    if (want) pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.m);
+    run_items(fn, ctx, nitems, 0);
+    pthread_mutex_lock(&pool.m);
+    while (pool.finished < want) pthread_cond_wait(&pool.done, &pool.m);
+    pthread_mutex_unlock(&pool.m);
+    pthread_mutex_unlock(&pool.call_lock);
+}
+
+int gqa_set_threads(int n) {
+    if (n < 1 || n > MAX_THREADS) return -EINVAL;
+    pthread_mutex_lock(&pool.call_lock);
+    if (pool.started) pool_stop_locked();
+    pool.size = n;
+    pthread_mutex_unlock(&pool.call_lock);
+    return 0;
+}
+
+int gqa_threads(void) { return pool.size > 0 ? pool.size : 1; }
+
+/* ---------------------------------------------------------------------------------------------
+ * A call: writes, work items (cache, head, split), merge.
+ */
+int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block);
+
+typedef struct {
+    gqa_cache_t *caches;
+    int64_t ncaches;
+    int64_t *item_off;  /* ncaches + 1: first work item of each cache */
+    int64_t *head_off;  /* ncaches + 1: first (cache, head) of each cache, for the merge */
+    int64_t *nsplit, *s, *part_off;
+    block_fn *block;
+    float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
+    float *scratch;
+    int64_t scratch_floats; /* per thread */
+    atomic_int *done;       /* per (cache, head): splits finished */
+    char *deferred;         /* per cache: its dense write is done by the item reading the row */
+} call_t;
+
+static int64_t find_cache(const int64_t *off, int64_t ncaches, int64_t item) {
+    int64_t lo = 0, hi = ncaches - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (off[mid] <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) {
+    float *mem = call->scratch + tid * call->scratch_floats;
+    const int64_t G = cc->g, d = cc->d;
+    float *p = mem + 2 * G + G * d;
+    p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T,
+                     .part1 = p + (TILE_G + 2) * TILE_T + G * d};
+}
+
+/* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
+static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf) {
+    const int64_t G = cc->g, d = cc->d;
+    if (!cc->order && cc->io == ENC_F32) {
+        const float *q = (const float *)cc->q + h * G * d;
+        for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
+        return;
+    }
+    const int64_t *order = cc->order ? cc->order + h * d : NULL;
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < d; j++)
+            qf[g * d + j] = load_elem(cc->io, cc->q, (h * G + g) * d + (order ? order[j] : j)) * cc->qscale;
+}
+
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
+
+/* Asks for every line of a block at once (its D key rows and nt value rows are that many
+ * separate streams): the misses then overlap instead of following one another. */
+static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
+    const int64_t el = enc_size(cc->enc), d = cc->d;
+    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
+    for (int64_t j = 0; j < cc->dk; j++)
+        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * cc->kstride * el + x, 0, 3);
+    const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
+    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
+}
+static void write_head(const gqa_cache_t *cc, int64_t h, int restore);
+
+/* One work item: head h of cache i over its logical positions [l0, l1), block by block. The
+ * item that completes a head's splits merges them (in split order, whoever runs it), while
+ * its partials are still in cache. */
+static void attend_item(void *ctx, int64_t item, int tid) {
+    const call_t *call = ctx;
+    const int64_t i = find_cache(call->item_off, call->ncaches, item);
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
+    const int64_t h = local / nsplit, split = local % nsplit, s = call->s[i];
+    const int64_t l0 = split * SPLIT_T, l1 = l0 + SPLIT_T < s ? l0 + SPLIT_T : s;
+    const int64_t G = cc->g, d = cc->d;
+    state_t st = thread_state(call, cc, tid);
+    for (int64_t g = 0; g < G; g++) {
+        st.m[g] = -INFINITY;
+        st.l[g] = 0.0f;
+    }
+    memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
+    const block_fn block = call->block[i];
+    convert_query(cc, h, st.q);
+    const float *qf = st.q;
+    if (call->deferred[i]) { /* a dense step's write of this head, by the split that reads the row */
+        int64_t at = 0;
+        for (int64_t r = 0; r < cc->nruns; r++) {
+            const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+            if (cc->write_row >= a && cc->write_row < b) {
+                at += cc->write_row - a;
+                break;
+            }
+            at += b - a;
+        }
+        if (at >= l0 && at < l1) write_head(cc, h, 0);
+    }
+    int64_t base = 0; /* logical position of the current run's start */
+    for (int64_t r = 0; r < cc->nruns && base < l1; r++) {
+        const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+        const int64_t lo = l0 > base ? l0 : base, hi = l1 < base + (b - a) ? l1 : base + (b - a);
+        for (int64_t x = lo, nt; x < hi; x += nt) {
+            /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
+            const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
+            nt = hi - x < to_grid ? hi - x : to_grid;
+            if (x == lo) prefetch_block(cc, h, a + (x - base), nt); /* later blocks: by the block before */
+            st.prefetch = x + nt < hi;
+            block(cc, qf, h, a + (x - base), nt, &st);
+        }
+        base += b - a;
+    }
+    /* a head's partials: in the thread's state when it has one split, else in the call's */
+    float *part = nsplit == 1 ? st.part1 : call->part + call->part_off[i] + local * G * (d + 2);
+    for (int64_t g = 0; g < G; g++) {
+        memcpy(part + g * (d + 2), st.acc + g * d, (size_t)d * sizeof(float));
+        part[g * (d + 2) + d] = st.m[g];
+        part[g * (d + 2) + d + 1] = st.l[g];
+    }
+    if (nsplit == 1 || atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
+        merge_head(call, i, h, nsplit == 1 ? st.part1 : call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
+}
+
+/* Merge of one (cache, head): every split's partial rescaled to the common max, in split order. */
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid) {
+    /* base: head h's partials (nsplit, G, D + 2) */
+    const gqa_cache_t *cc = &call->caches[i];
+    if (cc->status) return;
+    const int64_t nsplit = call->nsplit[i], G = cc->g, d = cc->d;
+    float *o = call->scratch + tid * call->scratch_floats; /* the state's m, l, acc: done with */
+    for (int64_t gi = 0; gi < G; gi++) {
+        float mmax = -INFINITY;
+        for (int64_t sp = 0; sp < nsplit; sp++) {
+            const float m = base[(sp * G + gi) * (d + 2) + d];
+            if (m > mmax) mmax = m;
+        }
+        memset(o, 0, (size_t)d * sizeof(float));
+        float total = 0.0f;
+        for (int64_t sp = 0; sp < nsplit; sp++) {
+            const float *pt = base + (sp * G + gi) * (d + 2);
+            if (pt[d + 1] == 0.0f) continue;
+            const float w = expf(pt[d] - mmax);
+            total += w * pt[d + 1];
+            for (int64_t j = 0; j < d; j++) o[j] += w * pt[j];
+        }
+        const float inv = 1.0f / total;
+        const int64_t at = (h * G + gi) * d;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+        if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+        if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
+        else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
+        else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
+    }
+}
+
+/* int8: quantizes rows (rows, len) float32 per row, absmax / 127, as quant.quantize_int8 does:
+ * float16 scales: codes = round(x / stored scale) (a stored 0 divides by 1), clamped to 127;
+ * float32 scales with FLAG_RECIPROCAL (bitsandbytes' rounding, which quant uses when it loads):
+ * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
+ * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
+ * -ERANGE when a float16 scale would overflow. */
+static int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+    const int half = flags & FLAG_HALF_SCALES;
+    int reciprocal = !half && (flags & FLAG_RECIPROCAL);
+    const float tiny = (float)(127.0 / 3.4028234663852886e38);
+    for (int64_t r = 0; r < rows; r++) {
+        float amax = 0.0f;
+        for (int64_t j = 0; j < len; j++) amax = fmaxf(amax, fabsf(x[r * len + j]));
+        scale[r] = amax;
+        if (amax < tiny && amax > 0.0f) reciprocal = 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float amax = scale[r], s32 = amax / 127.0f;
+        const float *xr = x + r * len;
+        int8_t *cr = codes + r * len;
+        if (reciprocal) {
+            const float inv = amax == 0.0f ? 0.0f : (1.0f / amax) * 127.0f; /* torch's 127 / t: reciprocal, then product */
+            for (int64_t j = 0; j < len; j++) cr[j] = amax == 0.0f ? 0 : (int8_t)rintf(xr[j] * inv);
+            scale[r] = s32;
+            continue;
+        }
+        float stored = s32;
+        if (half) {
+            if (s32 > 65504.0f) return -ERANGE;
+            stored = half_to_float(float_to_half(s32));
+        }
+        scale[r] = stored;
+        const float div = stored == 0.0f ? 1.0f : stored;
+        for (int64_t j = 0; j < len; j++) {
+            float c = rintf(xr[j] / div);
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+            cr[j] = (int8_t)c;
+        }
+    }
+    return 0;
+}
+
+/* int8: the new token's bytes per KV head in `saved` (key codes, outlier channels, value codes,
+ * two scales), so that a failure puts them back. */
+static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
+    return cc->dk + 2 * cc->no + cc->d + 2 * ((cc->flags & FLAG_HALF_SCALES) ? 2 : 4);
+}
+
+static void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
+    for (int64_t h = 0; h < n; h++) {
+        char *sv = (char *)cc->saved + h * per;
+        char *cells[4];
+        int64_t sizes[4];
+        for (int64_t j = 0; j < dk; j++) {
+            char *cell = (char *)cc->k + (h * dk + j) * cc->kstride + row;
+            if (restore) *cell = sv[j];
+            else sv[j] = *cell;
+        }
+        for (int64_t o = 0; o < no; o++) {
+            char *cell = (char *)(cc->ko + (h * no + o) * c + row);
+            if (restore) memcpy(cell, sv + dk + 2 * o, 2);
+            else memcpy(sv + dk + 2 * o, cell, 2);
+        }
+        cells[0] = (char *)cc->v + (h * c + row) * d;
+        sizes[0] = d;
+        cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
+        cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
+        sizes[1] = sizes[2] = sel;
+        char *at = sv + dk + 2 * no;
+        for (int x = 0; x < 3; x++) {
+            if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
+            else memcpy(at, cells[x], (size_t)sizes[x]);
+            at += sizes[x];
+        }
+    }
+}
+
+/* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
+ * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
+ * values rotated (FLAG_ROTATE) and quantized. -ERANGE (nothing written) if a scale overflows. */
+static int int8_write(const gqa_cache_t *cc, float *buf) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
+    int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
+    float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
+    for (int64_t h = 0; h < n; h++)
+        for (int64_t j = 0; j < d; j++) {
+            const float x = load_elem(cc->io, cc->new_k, h * d + cc->order[h * d + j]);
+            if (j < dk) coded[h * dk + j] = x;
+            else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
+        }
+    float *outl = keys + n * dk;
+    memmove(outl, vals, (size_t)(n * no) * sizeof(float));
+    int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
+    if (rc) return rc;
+    for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
+    rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+    if (rc) return rc;
+    int8_swap_row(cc, 0);
+    const int half = cc->flags & FLAG_HALF_SCALES;
+    for (int64_t h = 0; h < n; h++) {
+        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[(h * dk + j) * cc->kstride + row] = kcodes[h * dk + j];
+        for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
+        memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
+        const int64_t at = h * cc->scale_stride + row;
+        if (half) {
+            ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
+            ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
+        } else {
+            ((float *)cc->ks)[at] = ksc[h];
+            ((float *)cc->vs)[at] = vsc[h];
+        }
+    }
+    return 0;
+}
+
+/* The step's write for KV head h: its key column and value row of ring row `write_row`, the
+ * old bytes to saved (or back, restore). */
+static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
+    const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
+    char *k = cc->k, *v = cc->v, *saved = cc->saved;
+    const char *nk = cc->new_k, *nv = cc->new_v;
+    if (el == 4) { /* one key column: a strided gather and scatter */
+        float *kk = (float *)k + row, *sv = (float *)saved;
+        const float *src = (const float *)nk;
+        for (int64_t x = h * d; x < (h + 1) * d; x++) {
+            if (restore) kk[x * cc->kstride] = sv[x];
+            else {
+                sv[x] = kk[x * cc->kstride];
+                kk[x * cc->kstride] = src[x];
+            }
+        }
+    } else {
+        uint16_t *kk = (uint16_t *)k + row, *sv = (uint16_t *)saved;
+        const uint16_t *src = (const uint16_t *)nk;
+        for (int64_t x = h * d; x < (h + 1) * d; x++) {
+            if (restore) kk[x * cc->kstride] = sv[x];
+            else {
+                sv[x] = kk[x * cc->kstride];
+                kk[x * cc->kstride] = src[x];
+            }
+        }
+    }
+    char *cell = v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
+    if (restore) {
+        memcpy(cell, keep, (size_t)(d * el));
+    } else {
+        memcpy(keep, cell, (size_t)(d * el));
+        memcpy(cell, nv + h * d * el, (size_t)(d * el));
+    }
+}
+
+/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
+static void write_row(const gqa_cache_t *cc, int restore) {
+    for (int64_t h = 0; h < cc->n; h++) write_head(cc, h, restore);
+}
+
+int gqa_avx512_usable(void) {
+#if GQA_HAVE_AVX512
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        atomic_store(&known, v);
+    }
+    return v;
+#else
+    return 0;
+#endif
+}
+
+/* The implementations that can run here for head width d (a bit per ISA_* value). */
+int gqa_usable_isas(int64_t d) {
+    int m = 1 << ISA_PORTABLE;
+    if (gqa_avx512_usable() && d % 16 == 0) m |= 1 << ISA_AVX512;
+    return m;
+}
+
+static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *chosen) {
+    if (cc->enc < ENC_F32 || cc->enc > ENC_INT8 || cc->io < ENC_F32 || cc->io > ENC_F16) return -EINVAL;
+    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->kstride < cc->c) return -EINVAL;
+    if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
+    if (cc->enc == ENC_INT8) {
+        if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;
+        if (cc->scale_stride < cc->c || cc->dk + cc->no != cc->d || cc->write_row >= cc->c) return -EINVAL;
+        if (cc->write_row >= 0 && (!cc->new_k || !cc->new_v || !cc->saved || !cc->order)) return -EINVAL;
+    } else {
+        if (cc->dk != cc->d || cc->no != 0) return -EINVAL;
+        if (cc->write_row >= cc->c || (cc->write_row >= 0 && (cc->io != cc->enc || !cc->new_k || !cc->new_v || !cc->saved)))
+            return -EINVAL;
+    }
+    int64_t s = 0;
+    for (int64_t r = 0; r < cc->nruns; r++) {
+        if (cc->runs[2 * r] < 0 || cc->runs[2 * r + 1] > cc->c || cc->runs[2 * r] >= cc->runs[2 * r + 1]) return -EINVAL;
+        s += cc->runs[2 * r + 1] - cc->runs[2 * r];
+    }
+    const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
+    if (own) isa = own;
+    if (isa == ISA_AUTO) isa = usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
+    if (isa < ISA_PORTABLE || isa > ISA_AVX512 || !(usable & (1 << isa))) return -ENOTSUP;
+    *attended = s;
+    *chosen = isa;
+    return 0;
+}
+
+/* Computes the steps (or attentions) of `ncaches` caches; see the header. threads: at most this
+ * many (0: the pool's size). isa: ISA_* for every cache (ISA_AUTO: the fastest each can run).
+ * Returns 0 (each cache's own `status` then says whether it was computed), or a negative
+ * errno-style code for the whole call with nothing written (bad arguments, no memory). */
+int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
+    if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
+    if (threads <= 0) threads = gqa_threads();
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int64_t *ints = malloc((size_t)(5 * ncaches + 2) * sizeof(int64_t));
+    block_fn *blocks = malloc((size_t)ncaches * sizeof(block_fn));
+    if (!ints || !blocks) {
+        free(ints);
+        free(blocks);
+        return -ENOMEM;
+    }
+    call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + ncaches + 1,
+                   .nsplit = ints + 2 * ncaches + 2, .s = ints + 3 * ncaches + 2, .part_off = ints + 4 * ncaches + 2,
+                   .block = blocks};
+    int64_t items = 0, heads = 0, parts = 0, scratch = 0, work = 0, wneed = 1;
+    int rc = 0;
+    for (int64_t i = 0; i < ncaches && !rc; i++) {
+        gqa_cache_t *cc = &caches[i];
+        int chosen;
+        rc = check_cache(cc, isa, &call.s[i], &chosen);
+        if (rc) break;
+        cc->status = 0;
+        call.block[i] = choose_block(cc->enc, chosen);
+        call.nsplit[i] = (call.s[i] + SPLIT_T - 1) / SPLIT_T;
+        call.item_off[i] = items;
+        call.head_off[i] = heads;
+        call.part_off[i] = parts;
+        items += cc->n * call.nsplit[i];
+        heads += cc->n;
+        if (call.nsplit[i] > 1) parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
+        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16;
+        if (need > scratch) scratch = need;
+        work += cc->n * call.s[i];
+        if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
+            const int64_t w = 2 * cc->n * cc->d + 2 * cc->n + (2 * cc->n * cc->d + 3) / 4 + 1;
+            if (w > wneed) wneed = w;
+        }
+    }
+    if (rc) {
+        free(ints);
+        free(blocks);
+        return rc;
+    }
+    call.item_off[ncaches] = items;
+    call.head_off[ncaches] = heads;
+    if (work < PARALLEL_MIN_WORK) threads = 1;
+    if (threads > items) threads = (int)items;
+    call.scratch_floats = (scratch + 15) / 16 * 16;
+    call.part = malloc((size_t)(parts ? parts : 1) * sizeof(float));
+    call.scratch = aligned_alloc(64, (size_t)(threads * call.scratch_floats) * sizeof(float));
+    float *wbuf = malloc((size_t)wneed * sizeof(float));
+    call.done = calloc((size_t)heads, sizeof(atomic_int));
+    call.deferred = malloc((size_t)ncaches);
+    if (!call.part || !call.scratch || !wbuf || !call.done || !call.deferred) {
+        free(call.deferred);
+        free(call.done);
+        free(wbuf);
+        free(call.part);
+        free(call.scratch);
+        free(ints);
+        free(blocks);
+        return -ENOMEM;
+    }
+    /* From here on a cache fails alone (its status): an int8 scale out of range before its
+     * write, or an injected failure after it, which restores the row. */
+    for (int64_t i = 0; i < ncaches; i++) {
+        gqa_cache_t *cc = &caches[i];
+        call.deferred[i] = 0;
+        if (cc->write_row >= 0) {
+            if (cc->enc == ENC_INT8) {
+                cc->status = int8_write(cc, wbuf);
+            } else { /* written by the work item that reads the row, if an attended row */
+                int attended = 0;
+                for (int64_t r = 0; r < cc->nruns; r++)
+                    attended |= cc->write_row >= cc->runs[2 * r] && cc->write_row < cc->runs[2 * r + 1];
+                if (attended) call.deferred[i] = 1;
+                else write_row(cc, 0);
+            }
+        }
+    }
+    pool_run(attend_item, &call, items, threads); /* and the merges */
+    for (int64_t i = 0; i < ncaches; i++) {
+        gqa_cache_t *cc = &caches[i];
+        if ((cc->flags & FLAG_FAIL_AFTER_WRITE) && !cc->status) { /* tests: a failure after the write */
+            if (cc->write_row >= 0) {
+                if (cc->enc == ENC_INT8) int8_swap_row(cc, 1);
+                else write_row(cc, 1);
+            }
+            cc->status = -EIO;
+        }
+    }
+    free(call.deferred);
+    free(call.done);
+    free(wbuf);
+    free(call.part);
+    free(call.scratch);
+    free(ints);
+    free(blocks);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The int8 cache's value rotation, and the benchmark's floor.
+ */
+
+/* x (rows, d) float32 times the normalized block-diagonal Sylvester Hadamard matrix with blocks
+ * of `block` (a power of two dividing d), in place: quant.hadamard_rotation's H, which is
+ * symmetric, so this is also H x. A fast Walsh-Hadamard transform, d log(block) adds, and no
+ * threads: torch's matrix product here would start its thread pool, whose idle spinning then
+ * competes with the attention kernel for the cores. */
+int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
+    if (rows < 0 || d < 1 || block < 1 || (block & (block - 1)) || d % block) return -EINVAL;
+    const float norm = 1.0f / sqrtf((float)block);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        for (int64_t b0 = 0; b0 < d; b0 += block) {
+            float *y = row + b0;
+            for (int64_t len = 1; len < block; len <<= 1)
+                for (int64_t i = 0; i < block; i += 2 * len)
+                    for (int64_t j = i; j < i + len; j++) {
+                        const float a = y[j], b = y[j + len];
+                        y[j] = a + b;
+                        y[j + len] = a - b;
+                    }
+            for (int64_t j = 0; j < block; j++) y[j] *= norm;
+        }
+    }
+    return 0;
+}
+
+/* The bandwidth floor: read `nbytes` once on the pool (an xor of 8-byte words, so nothing is
+ * optimized away and the loop is bound by memory at any ISA). The benchmark times it over the
+ * bytes a step reads. */
+typedef struct {
+    const uint8_t *p;
+    int64_t nbytes, per;
+    atomic_ullong sum;
+} read_job_t;
+
+#define READ_CHUNK (1 << 20)
+
+static void read_item(void *ctx, int64_t item, int tid) {
+    (void)tid;
+    read_job_t *job = ctx;
+    const int64_t lo = item * READ_CHUNK, hi = lo + READ_CHUNK < job->nbytes ? lo + READ_CHUNK : job->nbytes;
+    uint64_t x = 0;
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) {
+        uint64_t w;
+        memcpy(&w, job->p + i, 8);
+        x ^= w;
+    }
+    for (; i < hi; i++) x ^= job->p[i];
+    atomic_fetch_xor(&job->sum, x);
+}
+
+uint64_t gqa_read_bytes(const void *p, int64_t nbytes, int nthreads) {
+    read_job_t job = {.p = p, .nbytes = nbytes};
+    atomic_init(&job.sum, 0);
+    pool_run(read_item, &job, (nbytes + READ_CHUNK - 1) / READ_CHUNK, nthreads < 1 ? 1 : nthreads);
+    return atomic_load(&job.sum);
+}

@@ -1,0 +1,262 @@
+"""The compiled dense step (``csrc/gqa_decode.c`` through ``backends.cpu.DenseCache``) and the
+batched entry (``backends.batch.step_many``).
+
+Each implementation (portable C, AVX-512) against the float64 oracle over head widths, group
+sizes around the kernel's tile of 4 query heads, lengths around its 64-position blocks and
+512-position splits, and every policy's run shapes; outputs bit-identical alone, in batches of
+1, 7 and 64, and on 1 or 2 threads; the batch contract (refusals alone, distinct caches,
+read-only inputs, several Python threads at once); and the torch fallback when the library is
+unavailable.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+from backends import cpu, native
+from backends.base import CacheSpec
+from backends.batch import BatchStep, step_many
+from backends.cpu import CPUBackend, DenseCache
+from backends.errors import CacheFullError
+from backends.int8 import Int8Backend
+from backends.policy import EvictionPolicy
+from tests.conftest import assert_close_to_oracle
+from tests.oracle import attention_ref
+
+KERNEL = native.load()  # this project's machines have a C compiler: failing to build is a failure
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+HEAD_DIMS = [1, 2, 64, 80, 128, 256]
+GROUPS = [1, 4, 5, 8]
+ISAS = ["portable", "avx512"]
+HKV = 2
+
+
+def _dt(d):
+    return str(d).removeprefix("torch.")
+
+
+def _params():
+    for isa in ISAS:
+        for d in HEAD_DIMS:
+            usable = isa in KERNEL.isas(d)
+            for g in GROUPS:
+                yield pytest.param(isa, d, g, id=f"{isa}-D{d}-G{g}",
+                                   marks=pytest.mark.skipif(not usable, reason=f"{isa} does not run at D={d} here"))
+
+
+def _stream(dtype, d, g, policy, prefill, isa, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen).to(dtype)  # noqa: E731
+    cache = DenseCache(CacheSpec(1, HKV * g, HKV, d, dtype, policy), f"native-{isa}")
+    keys, values = rnd(1, HKV, prefill, d), rnd(1, HKV, prefill, d)
+    cache.prefill(keys, values)
+    return cache, keys, values, rnd
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("isa,d,g", list(_params()))
+def test_single_run_matches_oracle(isa, d, g, dtype):
+    """Policy none: one run from row 0; S (the attended count) around blocks and splits."""
+    lengths = [1, 64, 97, 513] + ([4096] if d in (64, 128) else [])
+    for s in lengths:
+        cache, keys, values, rnd = _stream(dtype, d, g, EvictionPolicy.none(s), s - 1, isa, seed=s + d)
+        q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
+        out = cache.step(q, k, v).output
+        assert out.dtype == dtype and out.shape == (1, HKV * g, d)
+        ref = attention_ref(q.double(), torch.cat([keys, k[:, :, None]], 2).double(),
+                            torch.cat([values, v[:, :, None]], 2).double(), HKV * g, HKV)
+        assert_close_to_oracle(out, ref, dtype, what=f"S={s}")
+
+
+POLICY_SHAPES = {
+    "strict-wrapped": (EvictionPolicy.strict(150), 200),  # a window that wraps: two runs
+    "greedy-wrapped": (EvictionPolicy.greedy(100, 170), 260),
+    "sink-wrapped": (EvictionPolicy.sink(130, 5), 300),  # sinks, then a wrapped window: three runs
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+@pytest.mark.parametrize("shape", list(POLICY_SHAPES))
+@pytest.mark.parametrize("isa", [pytest.param(i, marks=pytest.mark.skipif(i not in KERNEL.isas(64), reason="not here")) for i in ISAS])
+def test_policy_run_shapes_match_oracle(isa, shape, dtype):
+    policy, prefill = POLICY_SHAPES[shape]
+    d, g = 64, 4
+    cache, keys, values, rnd = _stream(dtype, d, g, policy, prefill, isa, seed=prefill)
+    hist_k, hist_v = list(keys.unbind(2)), list(values.unbind(2))
+    for _ in range(70):  # the ring turns past its end
+        q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
+        hist_k.append(k)
+        hist_v.append(v)
+        out = cache.step(q, k, v)
+        pos = [p for r in policy.attended(out.tokens_seen) for p in r]
+        ref = attention_ref(q.double(), torch.stack([hist_k[p] for p in pos], 2).double(),
+                            torch.stack([hist_v[p] for p in pos], 2).double(), HKV * g, HKV)
+        assert_close_to_oracle(out.output, ref, dtype, what=f"T={out.tokens_seen}")
+
+
+def _fleet(seed: int, count: int = 64):
+    """``count`` caches of mixed encodings, dtypes, head shapes, policies and lengths (1..1500), and one
+    step's tensors for each: the same for the same seed."""
+    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
+    steps = []
+    for i in range(count):
+        dtype = DTYPES[i % 3]
+        d = [64, 80, 128, 2][i % 4]
+        g = [1, 4, 5][i % 3]
+        s = int(rng.integers(1, 1500))
+        policy = [EvictionPolicy.none(s + 2), EvictionPolicy.strict(max(1, s // 2)), EvictionPolicy.sink(max(1, s // 3), 3)][i % 3]
+        spec = CacheSpec(1, HKV * g, HKV, d, dtype, policy)
+        # every fifth an int8 cache (prefilled, so calibrated: its whole step is native too)
+        cache = Int8Backend().create_cache(spec) if i % 5 == 4 else DenseCache(spec, "native")
+        cache.prefill(torch.randn(1, HKV, s, d, generator=gen).to(dtype), torch.randn(1, HKV, s, d, generator=gen).to(dtype))
+        steps.append(BatchStep(cache, *(torch.randn(1, h, d, generator=gen).to(dtype) for h in (HKV * g, HKV, HKV))))
+    return steps
+
+
+@pytest.fixture
+def pool_size():
+    before = native.threads()
+    yield native.set_threads
+    native.set_threads(before)
+
+
+def test_outputs_are_bit_identical_alone_batched_and_on_any_thread_count(pool_size):
+    pool_size(1)
+    alone = [s.cache.step(s.query, s.new_key, s.new_value).output for s in _fleet(7)]
+    for threads in (1, 2):
+        pool_size(threads)
+        for size in (1, 7, 64):
+            steps = _fleet(7)
+            outs = []
+            for start in range(0, len(steps), size):
+                for r in step_many(steps[start : start + size]):
+                    assert not isinstance(r, Exception), r
+                    outs.append(r.output)
+            for i, (a, b) in enumerate(zip(alone, outs)):
+                assert torch.equal(a, b), (threads, size, i)
+
+
+def test_batch_equals_steps_and_keeps_bookkeeping():
+    steps = _fleet(3, 9)
+    results = step_many(steps)
+    for s, r in zip(_fleet(3, 9), results):
+        want = s.cache.step(s.query, s.new_key, s.new_value)
+        assert torch.equal(r.output, want.output)
+        assert dataclasses.replace(r, output=None) == dataclasses.replace(want, output=None)
+
+
+def test_refused_steps_are_refused_alone():
+    steps = _fleet(5, 6)
+    full = DenseCache(CacheSpec(1, 4, 2, 64, torch.float32, EvictionPolicy.none(3)), "native")
+    full.prefill(torch.randn(1, 2, 3, 64), torch.randn(1, 2, 3, 64))
+    bad = steps[1]
+    steps[1] = BatchStep(bad.cache, bad.query.double(), bad.new_key, bad.new_value)  # wrong dtype
+    steps.append(BatchStep(full, torch.randn(1, 4, 64), torch.randn(1, 2, 64), torch.randn(1, 2, 64)))
+    before = [(s.cache.tokens_seen, s.cache._k.clone(), s.cache._v.clone()) for s in steps]
+    results = step_many(steps)
+    assert isinstance(results[1], TypeError) and isinstance(results[-1], CacheFullError)
+    for i, (s, r, (t, k, v)) in enumerate(zip(steps, results, before)):
+        if i in (1, len(steps) - 1):
+            assert s.cache.tokens_seen == t and torch.equal(s.cache._k, k) and torch.equal(s.cache._v, v)
+        else:
+            assert r.tokens_seen == t + 1
+
+
+def test_a_failure_after_the_write_restores_that_cache_alone(monkeypatch):
+    steps = _fleet(11, 5)
+    victim = steps[2].cache
+    storage = [bytes(victim._k.untyped_storage()), bytes(victim._v.untyped_storage())]
+    monkeypatch.setattr(victim, "_fail_after_write", True)
+    results = step_many(steps)
+    assert isinstance(results[2], RuntimeError) and "native step failed" in str(results[2])
+    assert [bytes(victim._k.untyped_storage()), bytes(victim._v.untyped_storage())] == storage
+    assert all(not isinstance(r, Exception) for i, r in enumerate(results) if i != 2)
+
+
+def test_one_cache_twice_is_refused_before_anything_is_written():
+    steps = _fleet(2, 2)
+    before = steps[0].cache._k.clone()
+    with pytest.raises(ValueError, match="twice"):
+        step_many([steps[0], steps[1], steps[0]])
+    assert torch.equal(steps[0].cache._k, before) and steps[0].cache.tokens_seen == _fleet(2, 2)[0].cache.tokens_seen
+
+
+def test_read_only_inputs_are_never_written():
+    (s,) = _fleet(4, 1)
+    frozen = []
+    for t in (s.query, s.new_key, s.new_value):
+        raw = bytes(t.contiguous().view(torch.uint8).numpy())
+        with warnings.catch_warnings():  # torch warns (once) that the buffer is not writable
+            warnings.simplefilter("ignore", UserWarning)
+            frozen.append((torch.frombuffer(raw, dtype=t.dtype).view(t.shape), raw))
+    (r,) = step_many([BatchStep(s.cache, *(f for f, _ in frozen))])
+    assert not isinstance(r, Exception), r
+    assert all(bytes(f.view(torch.uint8).numpy()) == raw for f, raw in frozen)
+
+
+def test_several_python_threads_at_once(pool_size):
+    pool_size(2)
+    want = [[r.output for r in step_many(_fleet(seed, 8))] for seed in range(4)]
+    fleets = [_fleet(seed, 8) for seed in range(4)]
+    got: list = [None] * 4
+
+    def work(i):
+        got[i] = [r.output for r in step_many(fleets[i])]
+
+    workers = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    for a, b in zip(want, got):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_set_threads_sizes_the_pool(pool_size):
+    pool_size(3)
+    assert native.threads() == 3 and KERNEL._lib.gqa_threads() == 3
+    with pytest.raises(ValueError):
+        native.set_threads(0)
+
+
+def test_torch_fallback_when_the_library_is_unavailable(monkeypatch, caplog):
+    def unavailable():
+        raise native.NativeUnavailable("no C compiler (faked)")
+
+    monkeypatch.setattr(native, "load", unavailable)
+    cpu.default_kernel.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING):
+            assert cpu.default_kernel() == "torch"
+        assert "no C compiler (faked)" in caplog.text
+        spec = CacheSpec(1, 8, 2, 64, torch.float16, EvictionPolicy.sink(40, 2))
+        cache = CPUBackend().create_cache(spec)
+        assert cache.kernel == "torch" and cache._native is None
+        assert CPUBackend().cache_nbytes(spec) == cache.nbytes
+        gen = torch.Generator().manual_seed(0)
+        keys, values = torch.randn(1, 2, 50, 64, generator=gen).half(), torch.randn(1, 2, 50, 64, generator=gen).half()
+        cache.prefill(keys, values)
+        q, k, v = torch.randn(1, 8, 64).half(), torch.randn(1, 2, 64).half(), torch.randn(1, 2, 64).half()
+        (r,) = step_many([BatchStep(cache, q, k, v)])
+        pos = [p for rr in spec.policy.attended(51) for p in rr]
+        allk, allv = torch.cat([keys, k[:, :, None]], 2), torch.cat([values, v[:, :, None]], 2)
+        ref = attention_ref(q.double(), allk[:, :, pos].double(), allv[:, :, pos].double(), 8, 2)
+        assert_close_to_oracle(r.output, ref, torch.float16)
+    finally:
+        cpu.default_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
+def test_reserved_bytes_count_the_key_row_padding(dtype):
+    spec = CacheSpec(1, 4, 2, 64, dtype, EvictionPolicy.none(5000))
+    cache = CPUBackend().create_cache(spec)
+    assert CPUBackend().cache_nbytes(spec) == cache.nbytes
+    assert cache._k.stride(2) == 5056 and cache.nbytes < 2 * 2 * 64 * 5000 * cache._v.element_size() * 65 / 64
