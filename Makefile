@@ -37,9 +37,10 @@ $(VENV)/.installed: pyproject.toml | $(VENV)/.created
 	$(BIN)/python -m backends.native build || echo "gqa-serve: the int8 kernel did not build (above); int8 streams will use the torch kernels"
 	touch $@
 
-# Tests also run the Triton kernels through its CPU interpreter, so they take the triton extra.
+# Tests also run the Triton kernels through its CPU interpreter (the triton extra) and every
+# benchmark module in a smoke mode beside ONNX Runtime (the bench extra).
 $(VENV)/.installed-test: $(VENV)/.installed
-	$(PIP) -e '.[test,triton]'
+	$(PIP) -e '.[test,triton,bench]'
 	touch $@
 
 $(VENV)/.installed-bench: $(VENV)/.installed

@@ -117,7 +117,10 @@ def test_backend_failure_mid_step_is_internal_and_changes_nothing(monkeypatch):
         def boom(*args, **kwargs):
             raise RuntimeError(f"kernel failed in {ROOT}/backends/cpu.py")
 
+        # after the row is written, in either compute path: torch's attention, or the compiled
+        # step's injected failure (the kernel restores the row itself)
         monkeypatch.setattr(cache, "_attend", boom)
+        monkeypatch.setattr(cache, "_fail_after_write", True, raising=False)
         reply = victim.step(0, *_x(g))
         assert reply.step.status.code == grpc.StatusCode.INTERNAL.value[0]
         assert ROOT not in reply.step.status.message and "Traceback" not in reply.step.status.message
