@@ -7,8 +7,8 @@ the kernels are tested on machines without a GPU.
 
 Shapes (``N = B * Hkv``, ``G = Hq / Hkv``, ``C`` the cache's capacity in rows):
 
-- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (DECODE-STEP.md), so the
-  G heads of KV head ``h`` are the rows ``g`` of ``query.view(N, G, D)[b*Hkv + h]``.
+- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (README, "The operation"),
+  so the G heads of KV head ``h`` are the rows ``g`` of ``query.view(N, G, D)[b*Hkv + h]``.
 - ``keys``, ``values``: (N, C, D), rows contiguous in D (the cache's ``(B, Hkv, C, D)`` viewed).
 - ``runs``: at most ``MAX_RUNS`` half-open row runs ``[start, stop)`` of the ring that hold the
   attended positions (sinks, then a window that may wrap). Attention does not depend on the
@@ -20,6 +20,12 @@ loads the G queries of that head together as a (G_PAD, D) block, so every key an
 read from memory once for all G heads, and keeps an online softmax (running max and sum, in
 float32, base 2). Each split writes its normalized partial output and its log-sum-exp; a second
 small kernel combines the splits. With a single split the first kernel writes the output itself.
+
+``decode_batched`` is the same loop for the steps of many caches in one launch (the cuda
+cache's step and ``step_many``): one packed int64 descriptor per cache (base addresses, runs,
+lengths), a fixed split size in rows, and the last split of a KV head to finish merging all of
+its splits in split order, so that a step's output does not depend on its batch (see the
+comment above it).
 
 The int8 variant reads symmetric int8 codes (N, C, D) and one float scale per (row, KV head),
 (N, C): ``x ~= code * scale``. Codes are widened to the query's dtype (exact: |code| <= 127) for

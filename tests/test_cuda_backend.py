@@ -25,7 +25,7 @@ from backends.base import CacheSpec
 from backends.cuda import CUDABackend, CUDACache, DeviceFacts
 from backends.errors import BackendUnavailable
 from backends.policy import EvictionPolicy
-from tests.oracle import attended_positions, attention_ref
+from tests.oracle import attended_positions, attention_ref, resident_positions
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (run by `make gpu-check`)")
@@ -57,7 +57,7 @@ POLICIES = {
     "greedy": ("greedy", dict(window=6, capacity=10), 0, 27),
     "sink": ("sink", dict(window=7, sinks=3), 5, 24),
 }
-# Before this step, drop the last 2 tokens (exact there: EVICTION.md's rollback rule).
+# Before this step, drop the last 2 tokens (exact there: the rollback rule of docs/eviction.md).
 ROLLBACK_AT = {"none": 10, "strict": None, "greedy": 13, "sink": None}
 
 
@@ -137,21 +137,6 @@ def test_cache_nbytes_is_dense_keys_plus_values():
 
 # -- running a cache step by step against the oracle ---------------------------------------
 
-def _resident_positions(kind: str, t: int, kw: dict) -> list[int]:
-    """Straight from EVICTION.md's table (independent of backends/policy.py)."""
-    if kind == "none":
-        return list(range(t))
-    if kind == "strict":
-        return list(range(max(0, t - kw["window"]), t))
-    if kind == "greedy":
-        c, w = kw["capacity"], kw["window"]
-        g = c - w + 1
-        length = t if t <= c else t - g * math.ceil((t - c) / g)
-        return list(range(t - length, t))
-    sinks, w = kw["sinks"], kw["window"]
-    return list(range(min(t, sinks))) + [p for p in range(max(0, t - w), t) if p >= sinks]
-
-
 def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
     """Drives ``cache`` through ``prefill`` + ``steps`` tokens; checks each output and the
     final export against the oracle. Returns the largest output error seen."""
@@ -190,7 +175,7 @@ def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
                                    msg=lambda m: f"{kind} step {i} (T={t}): {m}")
         worst = max(worst, float(np.abs(got.numpy() - ref).max()))
     ek, ev = cache.export()
-    resident = _resident_positions(kind, len(hist_k), kw)
+    resident = resident_positions(kind, len(hist_k), **kw)
     assert torch.equal(ek.cpu(), torch.stack([hist_k[p] for p in resident], 2))
     assert torch.equal(ev.cpu(), torch.stack([hist_v[p] for p in resident], 2))
     return worst
