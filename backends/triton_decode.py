@@ -413,14 +413,9 @@ def _field(d, F: tl.constexpr):
 
 @triton.jit
 def _as_ptr(addr, ty):
-    return addr.to(tl.pointer_type(ty))
-
-
-@triton.jit
-def _as_aligned_ptr(addr, ty):
-    # A cache's storage is a torch allocation, 16-byte aligned (checked on the host); saying so
-    # lets the compiler vectorize the row loads.
-    return tl.multiple_of(addr, 16).to(tl.pointer_type(ty))
+    # Every address in a descriptor is 16-byte aligned (the host checks or copies); saying so
+    # lets the compiler vectorize the loads (a hint on the integer is lost in the cast).
+    return tl.multiple_of(addr.to(tl.pointer_type(ty)), 16)
 
 
 @triton.jit
@@ -437,8 +432,8 @@ def _batched_kernel(
     ty = OUT.dtype.element_ty
     cap = _field(d, _F_CAP)
     q_ptr = _as_ptr(_field(d, _F_Q), ty) + n * (G * D)
-    k_ptr = _as_aligned_ptr(_field(d, _F_K), ty) + n * cap * D
-    v_ptr = _as_aligned_ptr(_field(d, _F_V), ty) + n * cap * D
+    k_ptr = _as_ptr(_field(d, _F_K), ty) + n * cap * D
+    v_ptr = _as_ptr(_field(d, _F_V), ty) + n * cap * D
     s0 = _field(d, _F_S0).to(tl.int32)
     l0 = _field(d, _F_L0).to(tl.int32)
     s1 = _field(d, _F_S1).to(tl.int32)
@@ -518,8 +513,8 @@ def _write_rows_kernel(DESC, WORK, SAVED, D: tl.constexpr, D_PAD: tl.constexpr, 
     offs = tl.arange(0, D_PAD)
     mask = offs < D
     at = (n * _field(d, _F_CAP) + _field(d, _F_ROW)) * D + offs
-    k_ptr = _as_aligned_ptr(_field(d, _F_K), ty) + at
-    v_ptr = _as_aligned_ptr(_field(d, _F_V), ty) + at
+    k_ptr = _as_ptr(_field(d, _F_K), ty) + at
+    v_ptr = _as_ptr(_field(d, _F_V), ty) + at
     saved = SAVED + (_field(d, _F_SAVED) + n) * (2 * D) + offs
     tl.store(saved, tl.load(k_ptr, mask=mask), mask=mask)
     tl.store(saved + D, tl.load(v_ptr, mask=mask), mask=mask)
@@ -578,6 +573,14 @@ def _check_batched(step: BatchedStep, key: tuple, config: KernelConfig) -> tuple
     return _normalize_runs(step.runs, k.shape[1])
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address (a copy only where it is not: a request's
+    tensors may be views at any offset of its bytes)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)  # a new allocation: aligned
+
+
 def decode_batched(
     steps: Sequence[BatchedStep], *, config: KernelConfig = DEFAULT_CONFIG, scale: float | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
@@ -614,9 +617,9 @@ def decode_batched(
     saved_n = np.where(writes, heads, 0)
     saved_off = np.cumsum(saved_n) - saved_n
 
-    queries = [s.query.contiguous() for s in steps]
-    new_k = [s.new_key.contiguous() if s.row >= 0 else None for s in steps]
-    new_v = [s.new_value.contiguous() if s.row >= 0 else None for s in steps]
+    queries = [_aligned(s.query) for s in steps]
+    new_k = [_aligned(s.new_key) if s.row >= 0 else None for s in steps]
+    new_v = [_aligned(s.new_value) if s.row >= 0 else None for s in steps]
     desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
     desc[:, 0] = [q.data_ptr() for q in queries]
     desc[:, 1] = [s.keys.data_ptr() for s in steps]
