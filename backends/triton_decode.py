@@ -36,6 +36,7 @@ probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -479,24 +480,28 @@ def _batched_kernel(
     if splits == 1:
         tl.store(out_ptrs, (acc / l_i[:, None]).to(ty), mask=out_mask)
     else:
+        # Partials hold the G real rows only: (split, G, D) float32 and (split, G) log-sum-exps.
         first = _field(d, _F_PART) + n * splits  # this head's first partial
-        part = (first + s) * G_PAD
-        tl.store(PART + (part + offs_g[:, None]) * D_PAD + offs_d[None, :], acc / l_i[:, None])
-        tl.store(LSE + part + offs_g, m_i + tl.log2(l_i))
+        part = (first + s) * G
+        tl.store(PART + (part + offs_g[:, None]) * D + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(LSE + part + offs_g, m_i + tl.log2(l_i), mask=g_mask)
         # Every thread's partial is stored before the counter moves; the last split to arrive
         # reads them all (acquire), whatever order the splits ran in.
         tl.debug_barrier()
         arrived = tl.atomic_add(COUNT + _field(d, _F_COUNT) + n, 1, sem="acq_rel")
         if arrived == splits - 1:
+            # Padding rows read 0 (finite weights, zero partials) and are never stored.
             m = tl.full([G_PAD], float("-inf"), tl.float32)
             for j in range(0, splits):
-                m = tl.maximum(m, tl.load(LSE + (first + j) * G_PAD + offs_g, cache_modifier=".cg"))
+                lse = tl.load(LSE + (first + j) * G + offs_g, mask=g_mask, other=0.0, cache_modifier=".cg")
+                m = tl.maximum(m, lse)
             num = tl.zeros([G_PAD, D_PAD], tl.float32)
             den = tl.zeros([G_PAD], tl.float32)
-            for j in range(0, splits):
-                w = tl.exp2(tl.load(LSE + (first + j) * G_PAD + offs_g, cache_modifier=".cg") - m)
-                o = tl.load(PART + ((first + j) * G_PAD + offs_g[:, None]) * D_PAD + offs_d[None, :],
-                            cache_modifier=".cg")
+            for j in range(0, splits):  # in split order, whichever split merges
+                lse = tl.load(LSE + (first + j) * G + offs_g, mask=g_mask, other=0.0, cache_modifier=".cg")
+                w = tl.exp2(lse - m)
+                o = tl.load(PART + ((first + j) * G + offs_g[:, None]) * D + offs_d[None, :], mask=out_mask,
+                            other=0.0, cache_modifier=".cg")
                 num += w[:, None] * o
                 den += w
             tl.store(out_ptrs, (num / den[:, None]).to(ty), mask=out_mask)
@@ -547,7 +552,7 @@ def group_key(query: torch.Tensor, num_kv_heads: int) -> tuple:
     return (query.device, query.dtype, query.shape[-1], query.shape[1] // num_kv_heads)
 
 
-def _check_batched(step: BatchedStep, key: tuple, config: KernelConfig) -> tuple[list[int], int]:
+def _check_batched(step: BatchedStep, key: tuple) -> tuple[list[int], int]:
     """Refuses a step that does not fit the group (``key``) or whose tensors the kernel cannot
     read; returns its run arguments and total."""
     q, k, v = step.query, step.keys, step.values
@@ -601,7 +606,7 @@ def decode_batched(
     first = steps[0]
     key = group_key(first.query, first.num_kv_heads)
     device, dtype, d, g = key
-    runs = [_check_batched(s, key, config) for s in steps]
+    runs = [_check_batched(s, key) for s in steps]
 
     chunk = config.split_tokens
     heads = np.array([s.query.shape[0] * s.num_kv_heads for s in steps], dtype=np.int64)
@@ -620,22 +625,18 @@ def decode_batched(
     queries = [_aligned(s.query) for s in steps]
     new_k = [_aligned(s.new_key) if s.row >= 0 else None for s in steps]
     new_v = [_aligned(s.new_value) if s.row >= 0 else None for s in steps]
+    run_args = np.array([r for r, _ in runs], dtype=np.int64).reshape(len(steps), 5)
+    columns = dict(
+        q=[t.data_ptr() for t in queries], k=[st.keys.data_ptr() for st in steps],
+        v=[st.values.data_ptr() for st in steps], cap=[st.keys.shape[1] for st in steps],
+        s0=run_args[:, 0], l0=run_args[:, 1], s1=run_args[:, 2], l1=run_args[:, 3], s2=run_args[:, 4],
+        total=totals, chunk=chunk, splits=splits, out=out_off, part=part_off, count=count_off,
+        row=[st.row for st in steps], new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
+        new_v=[t.data_ptr() if t is not None else 0 for t in new_v], saved=saved_off,
+    )
     desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
-    desc[:, 0] = [q.data_ptr() for q in queries]
-    desc[:, 1] = [s.keys.data_ptr() for s in steps]
-    desc[:, 2] = [s.values.data_ptr() for s in steps]
-    desc[:, 3] = [s.keys.shape[1] for s in steps]
-    desc[:, 4:9] = [r for r, _ in runs]
-    desc[:, 9] = totals
-    desc[:, 10] = chunk
-    desc[:, 11] = splits
-    desc[:, 12] = out_off
-    desc[:, 13] = part_off
-    desc[:, 14] = count_off
-    desc[:, 15] = [s.row for s in steps]
-    desc[:, 16] = [t.data_ptr() if t is not None else 0 for t in new_k]
-    desc[:, 17] = [t.data_ptr() if t is not None else 0 for t in new_v]
-    desc[:, 18] = saved_off
+    for name, values in columns.items():
+        desc[:, _DESC_FIELDS.index(name)] = values
 
     # (cache, head, split) per attention program; (cache, head) per row-writing program.
     per = heads * splits
@@ -658,27 +659,32 @@ def decode_batched(
     g_pad = max(_MIN_DOT, triton.next_power_of_2(g))
     saved = torch.empty((max(1, int(saved_n.sum())), 2, d), dtype=dtype, device=device)
     if len(write_work):
-        _write_rows_kernel[(len(write_work),)](desc_t, write_t, saved, D=d, D_PAD=d_pad, DESC_W=_DESC_W)
+        with _on(device):
+            _write_rows_kernel[(len(write_work),)](desc_t, write_t, saved, D=d, D_PAD=d_pad, DESC_W=_DESC_W)
     out = torch.empty(int((heads * g * d).sum()), dtype=dtype, device=device)
     n_part = int(part_n.sum())
-    part = torch.empty((max(1, n_part) * g_pad, d_pad), dtype=torch.float32, device=device)
-    lse = torch.empty(max(1, n_part) * g_pad, dtype=torch.float32, device=device)
+    part = torch.empty((max(1, n_part) * g, d), dtype=torch.float32, device=device)
+    lse = torch.empty(max(1, n_part) * g, dtype=torch.float32, device=device)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else scale) * _LOG2E
     saves = [saved[o : o + h] if w else None for o, h, w in zip(saved_off.tolist(), heads.tolist(), writes.tolist())]
-    keep = (queries, new_k, new_v)  # alive until the launches are queued
     try:
-        _launch_batched(
-            (len(work),), desc_t, work_t, count_t, part, lse, out, qk_scale,
-            G=g, D=d, G_PAD=g_pad, D_PAD=d_pad, BLOCK_N=config.block_n,
-            UPCAST=device.type != "cuda" and dtype == torch.bfloat16, DESC_W=_DESC_W,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
+        with _on(device):
+            _launch_batched(
+                (len(work),), desc_t, work_t, count_t, part, lse, out, qk_scale,
+                G=g, D=d, G_PAD=g_pad, D_PAD=d_pad, BLOCK_N=config.block_n,
+                UPCAST=device.type != "cuda" and dtype == torch.bfloat16, DESC_W=_DESC_W,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
     except BaseException:
         restore_rows(steps, saves)
         raise
-    del keep
     outputs = [out[o : o + h * g * d].view(s.query.shape) for o, h, s in zip(out_off.tolist(), heads.tolist(), steps)]
     return outputs, saves
+
+
+def _on(device: torch.device):
+    """Launches go to the tensors' device, whichever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def restore_rows(steps: Sequence[BatchedStep], saves: Sequence[torch.Tensor | None]) -> None:
