@@ -11,7 +11,11 @@ lengths, several splits and one split (the direct-write path), G in {1, 3, 4, 8}
 a head width that is not a power of two, extreme scores, float16, bfloat16, float32, and the
 int8 variant (against the oracle on the dequantized cache, and against the original data within
 a documented budget); then the ``cuda`` backend's cache itself (CPU tensors, Triton attention)
-stepped through every policy with prefill, wrap-around and a rollback.
+stepped through every policy with prefill, wrap-around and a rollback; then the batched step
+(``decode_batched`` through ``backends.batch.step_many``): a grid of float16/bfloat16, D in
+{64, 128}, G in {1, 4} over one split, several splits, a wrapped window and sinks, against the
+oracle and bit-identical to the same steps alone; batches of 1, 7 and 16 bit-identical to alone;
+refused steps refused alone; a failure injected after the row writes restoring every row.
 
 bfloat16 note: the interpreter (Triton 3.9) multiplies bfloat16 ``tl.dot`` operands wrongly and
 converts int8 to bfloat16 wrongly, so for bfloat16 on CPU tensors the kernel widens the operands
