@@ -1,5 +1,6 @@
 """The ``cuda`` backend: selection and probing without a device, the SDPA baseline path on CPU
-tensors, and (marked ``gpu``) the backend itself on a real GPU against the float64 oracle.
+tensors, and (marked ``gpu``) the backend itself on a real GPU against the float64 oracle: each
+cache stepped alone, and ``step_many`` over many caches (bit-identical to alone, atomic).
 
 The Triton kernel's own correctness without a GPU is in ``test_triton_kernel.py`` (interpreter).
 Nothing here imports ``triton`` in this process.
