@@ -98,6 +98,9 @@ class CUDACache(DenseRingCache):
         super().__init__(spec, keys_as_rows=True)
         self.attention = attention
         self.kernel_config = kernel_config
+        n = spec.batch_size * spec.num_kv_heads
+        # The storage as the kernel reads it, (B*Hkv, C, D); allocated once, so viewed once.
+        self._rows = self._k.view(n, spec.capacity, spec.head_dim), self._v.view(n, spec.capacity, spec.head_dim)
 
     def _attend(self, query, runs):
         if self.attention == "sdpa":
@@ -116,12 +119,7 @@ class CUDACache(DenseRingCache):
         """This cache's step as a ``triton_decode.BatchedStep`` (the storage viewed (B*Hkv, C, D))."""
         from . import triton_decode
 
-        s = self.spec
-        n = s.batch_size * s.num_kv_heads
-        return triton_decode.BatchedStep(
-            query, self._k.view(n, s.capacity, s.head_dim), self._v.view(n, s.capacity, s.head_dim),
-            runs, s.num_kv_heads, row, new_key, new_value,
-        )
+        return triton_decode.BatchedStep(query, *self._rows, runs, self.spec.num_kv_heads, row, new_key, new_value)
 
     @classmethod
     def step_group(cls, steps) -> list[StepOutcome | Exception]:
