@@ -7,9 +7,10 @@ its batch-mates are computed. Each outcome is bit-identical to ``cache.step(...)
 
 This is the contract the server's batcher and the ``Batch`` RPC build on. Every CPU cache with
 the compiled kernel (dense float32 / bfloat16 / float16, and int8 once calibrated; any mix of
-encodings, shapes and policies) is computed in one native call (``native.Kernel.run``); other
-caches (the torch fallback, int8 during calibration, the cuda backend) step one after the other
-in the same call to ``step_many``, with the same contract.
+encodings, shapes and policies) is computed in one native call (``native.Kernel.run``); a cache
+class with its own batched step (``step_group``: the cuda backend's ``step_many_cuda``, one
+Triton launch per dtype and head shape) gets its slots; other caches (the torch fallback, int8
+during calibration) step one after the other in the same call, with the same contract.
 """
 
 from __future__ import annotations
@@ -54,8 +55,13 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     results: list[StepOutcome | Exception | None] = [None] * len(steps)
     groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, desc, output, keep)]
     kernels = {}
+    by_class: dict = {}  # a cache class's own batched step (``step_group``, e.g. cuda) -> slots
     for i, s in enumerate(steps):
         cache = s.cache
+        step_group = getattr(type(cache), "step_group", None)
+        if step_group is not None:
+            by_class.setdefault(step_group, []).append(i)
+            continue
         if getattr(cache, "_native", None) is None:
             try:
                 results[i] = cache.step(s.query, s.new_key, s.new_value)
@@ -93,4 +99,7 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
                 results[i] = cache._commit(t, prepared.output, prepared.attended)
             except Exception as exc:
                 results[i] = exc
+    for step_group, slots in by_class.items():
+        for i, result in zip(slots, step_group([steps[i] for i in slots])):
+            results[i] = result
     return results  # type: ignore[return-value]

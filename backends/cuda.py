@@ -7,6 +7,14 @@ most three row runs (sinks, then a window that may wrap) and the kernel maps its
 to ring rows itself (``triton_decode.py``). Exports come out in position order through the
 base class.
 
+Steps of many caches go together (``step_many_cuda``, which ``backends.batch.step_many`` calls
+for these caches): the steps of every cache with the same device, dtype, head width and group
+size are one launch that writes their rows and one launch that attends over every cache at once
+(``triton_decode.decode_batched``). Each KV head's attended rows are cut into splits of a fixed
+number of rows and merged in a fixed order, so a step's output is bit-identical alone
+(``step``) or in any batch. The batch keeps the step's contract: a refused step is refused
+alone, before anything is written, and a failure after the writes puts the rows back.
+
 ``attention="sdpa"`` swaps the kernel for PyTorch's ``scaled_dot_product_attention`` with
 ``enable_gqa=True`` over a contiguous view of the attended rows (a copy when the runs are
 several): the baseline the kernel is measured against.
@@ -23,9 +31,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, dense_nbytes
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, StepOutcome, dense_nbytes, merge_runs
 
-__all__ = ["ATTENTION_PATHS", "CUDABackend", "CUDACache", "DeviceFacts", "device_facts", "sdpa_attention"]
+__all__ = [
+    "ATTENTION_PATHS",
+    "CUDABackend",
+    "CUDACache",
+    "DeviceFacts",
+    "device_facts",
+    "sdpa_attention",
+    "step_many_cuda",
+]
 
 ATTENTION_PATHS = ("triton", "sdpa")
 
@@ -82,23 +98,91 @@ class CUDACache(DenseRingCache):
         super().__init__(spec, keys_as_rows=True)
         self.attention = attention
         self.kernel_config = kernel_config
+        n = spec.batch_size * spec.num_kv_heads
+        # The storage as the kernel reads it, (B*Hkv, C, D); allocated once, so viewed once.
+        self._rows = self._k.view(n, spec.capacity, spec.head_dim), self._v.view(n, spec.capacity, spec.head_dim)
 
     def _attend(self, query, runs):
         if self.attention == "sdpa":
             return sdpa_attention(query, self._k, self._v, runs)
         from . import triton_decode
 
-        s = self.spec
-        n = s.batch_size * s.num_kv_heads
-        config = self.kernel_config or triton_decode.DEFAULT_CONFIG
-        return triton_decode.decode_attention(
-            query,
-            self._k.view(n, s.capacity, s.head_dim),
-            self._v.view(n, s.capacity, s.head_dim),
-            runs,
-            num_kv_heads=s.num_kv_heads,
-            config=config,
-        )
+        (out,), _ = triton_decode.decode_batched([self._batched(query, runs)], config=self._config())
+        return out
+
+    def _config(self):
+        from . import triton_decode
+
+        return self.kernel_config or triton_decode.DEFAULT_CONFIG
+
+    def _batched(self, query, runs, row=-1, new_key=None, new_value=None):
+        """This cache's step as a ``triton_decode.BatchedStep`` (the storage viewed (B*Hkv, C, D))."""
+        from . import triton_decode
+
+        return triton_decode.BatchedStep(query, *self._rows, runs, self.spec.num_kv_heads, row, new_key, new_value)
+
+    @classmethod
+    def step_group(cls, steps) -> list[StepOutcome | Exception]:
+        """``backends.batch.step_many``'s hook for these caches: ``step_many_cuda``."""
+        return step_many_cuda(steps)
+
+
+def step_many_cuda(steps) -> list[StepOutcome | Exception]:
+    """``backends.batch.step_many`` for cuda caches: slot ``i`` holds step ``i``'s outcome or the
+    exception it raised (``steps``: ``BatchStep``-like, with ``cache``, ``query``, ``new_key``,
+    ``new_value``; distinct caches).
+
+    Every step is checked first (``check_step``: a refused step is refused alone, its cache
+    untouched). Triton caches that share (device, dtype, head width, group size, kernel config)
+    are one ``triton_decode.decode_batched`` call: one launch writes their rows (saving what it
+    overwrites), one launch attends. A failure after the writes restores every row of the call
+    and fails its steps; outputs are bit-identical to each cache's ``step`` alone. Caches on
+    the SDPA path step one by one.
+    """
+    from . import triton_decode
+
+    results: list[StepOutcome | Exception | None] = [None] * len(steps)
+    groups: dict[tuple, list] = {}
+    for i, st in enumerate(steps):
+        cache = st.cache
+        if not isinstance(cache, CUDACache) or cache.attention != "triton":
+            try:
+                results[i] = cache.step(st.query, st.new_key, st.new_value)
+            except Exception as exc:  # refused alone; the cache restored itself
+                results[i] = exc
+            continue
+        try:
+            cache.check_step(st.query, st.new_key, st.new_value)
+        except Exception as exc:
+            results[i] = exc
+            continue
+        t = cache.tokens_seen
+        attended = cache.policy.attended(t + 1)
+        item = cache._batched(st.query, merge_runs(cache._runs(attended)), cache.row_of(t), st.new_key, st.new_value)
+        key = (triton_decode.group_key(st.query, cache.spec.num_kv_heads), cache._config())
+        groups.setdefault(key, []).append((i, cache, t, attended, item))
+    for (_, config), members in groups.items():
+        items = [m[-1] for m in members]
+        try:  # decode_batched puts the rows back itself if its attention launch fails
+            outputs, saves = triton_decode.decode_batched(items, config=config)
+        except Exception as exc:
+            for i, *_ in members:
+                results[i] = exc
+            continue
+        try:
+            outcomes = [cache._commit(t, out, attended) for (_, cache, t, attended, _), out in zip(members, outputs)]
+        except BaseException as exc:  # nothing is committed unless everything is
+            for _, cache, t, *_ in members:
+                cache.tokens_seen = t
+            triton_decode.restore_rows(items, saves)
+            if not isinstance(exc, Exception):
+                raise
+            for i, *_ in members:
+                results[i] = exc
+            continue
+        for (i, *_), outcome in zip(members, outcomes):
+            results[i] = outcome
+    return results  # type: ignore[return-value]
 
 
 class CUDABackend(Backend):

@@ -7,8 +7,8 @@ the kernels are tested on machines without a GPU.
 
 Shapes (``N = B * Hkv``, ``G = Hq / Hkv``, ``C`` the cache's capacity in rows):
 
-- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (DECODE-STEP.md), so the
-  G heads of KV head ``h`` are the rows ``g`` of ``query.view(N, G, D)[b*Hkv + h]``.
+- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (README, "The operation"),
+  so the G heads of KV head ``h`` are the rows ``g`` of ``query.view(N, G, D)[b*Hkv + h]``.
 - ``keys``, ``values``: (N, C, D), rows contiguous in D (the cache's ``(B, Hkv, C, D)`` viewed).
 - ``runs``: at most ``MAX_RUNS`` half-open row runs ``[start, stop)`` of the ring that hold the
   attended positions (sinks, then a window that may wrap). Attention does not depend on the
@@ -21,6 +21,12 @@ read from memory once for all G heads, and keeps an online softmax (running max 
 float32, base 2). Each split writes its normalized partial output and its log-sum-exp; a second
 small kernel combines the splits. With a single split the first kernel writes the output itself.
 
+``decode_batched`` is the same loop for the steps of many caches in one launch (the cuda
+cache's step and ``step_many``): one packed int64 descriptor per cache (base addresses, runs,
+lengths), a fixed split size in rows, and the last split of a KV head to finish merging all of
+its splits in split order, so that a step's output does not depend on its batch (see the
+comment above it).
+
 The int8 variant reads symmetric int8 codes (N, C, D) and one float scale per (row, KV head),
 (N, C): ``x ~= code * scale``. Codes are widened to the query's dtype (exact: |code| <= 127) for
 the matrix products and the scales are applied to the float32 scores and probabilities, so the
@@ -30,21 +36,28 @@ probabilities.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
 __all__ = [
+    "BatchedStep",
     "DEFAULT_CONFIG",
     "KernelConfig",
     "MAX_RUNS",
     "decode_attention",
     "decode_attention_int8",
+    "decode_batched",
+    "group_key",
     "plan_splits",
+    "restore_rows",
 ]
 
 MAX_RUNS = 3
@@ -67,6 +80,9 @@ class KernelConfig:
     num_stages: int = 3  # software pipelining depth of the K/V loads
     programs_per_sm: int = 2  # splits are chosen so that B*Hkv*splits ~= this many per SM
     min_blocks_per_split: int = 4  # a split streams at least this many blocks of block_n rows
+    # decode_batched (the cuda cache's step): every KV head's attended rows are cut into splits
+    # of this many rows, whatever the batch, so a step's output does not depend on its batch.
+    split_tokens: int = 512
 
 
 DEFAULT_CONFIG = KernelConfig()
@@ -364,3 +380,321 @@ def decode_attention_int8(
         raise TypeError(f"query: dtype {query.dtype} not supported")
     return _launch(query, key_codes, value_codes, key_scales, value_scales, runs, num_kv_heads, scale, config, num_splits)
 
+
+
+# -- the batched step: many caches in one launch ------------------------------------------------
+#
+# A group of caches with the same dtype, head width D and group size G is described by one packed
+# int64 tensor (copied to the device once per call): a row of ``_DESC_W`` fields per cache, then
+# a work table of (cache, KV head, split) triples, one per program, then zeroed split counters,
+# one per (cache, KV head). Each program attends over one split of ``split_tokens`` logical rows
+# of one KV head; a head with one split writes its output directly, the splits of a longer head
+# write float32 partials and the last of them to finish (an atomic counter) merges them all by
+# log-sum-exp in split order. Neither the number of splits of a cache nor the order of the merge
+# depends on the other caches of the launch, so a step's output is bit-identical alone or in any
+# batch. Row writes (and the saved copies of the rows they overwrite) are a second small launch.
+
+# Descriptor fields (int64, one row per cache), in this order: the query's, keys' and values'
+# base addresses, the capacity C (rows per KV head), the runs (s0, l0, s1, l1, s2) and their
+# total, the split size and the number of splits, the output's element offset, the first
+# partial's index, the first counter's index, the ring row written, the new key's and value's
+# base addresses, the first saved row's index.
+_DESC_FIELDS = ("q", "k", "v", "cap", "s0", "l0", "s1", "l1", "s2", "total", "chunk", "splits",
+                "out", "part", "count", "row", "new_k", "new_v", "saved")
+_F_Q, _F_K, _F_V, _F_CAP, _F_S0, _F_L0, _F_S1, _F_L1, _F_S2, _F_TOTAL = (tl.constexpr(i) for i in range(10))
+_F_CHUNK, _F_SPLITS, _F_OUT, _F_PART, _F_COUNT, _F_ROW, _F_NEWK, _F_NEWV, _F_SAVED = (
+    tl.constexpr(i) for i in range(10, 19))
+_DESC_W = len(_DESC_FIELDS)
+
+
+@triton.jit
+def _field(d, F: tl.constexpr):
+    return tl.load(d + F)
+
+
+@triton.jit
+def _as_ptr(addr, ty):
+    # Every address in a descriptor is 16-byte aligned (the host checks or copies); saying so
+    # lets the compiler vectorize the loads (a hint on the integer is lost in the cast).
+    return tl.multiple_of(addr.to(tl.pointer_type(ty)), 16)
+
+
+@triton.jit
+def _batched_kernel(
+    DESC, WORK, COUNT, PART, LSE, OUT, qk_scale,
+    G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DESC_W: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    c = tl.load(WORK + pid * 3)
+    n = tl.load(WORK + pid * 3 + 1)
+    s = tl.load(WORK + pid * 3 + 2)
+    d = DESC + c * DESC_W
+    ty = OUT.dtype.element_ty
+    cap = _field(d, _F_CAP)
+    q_ptr = _as_ptr(_field(d, _F_Q), ty) + n * (G * D)
+    k_ptr = _as_ptr(_field(d, _F_K), ty) + n * cap * D
+    v_ptr = _as_ptr(_field(d, _F_V), ty) + n * cap * D
+    s0 = _field(d, _F_S0).to(tl.int32)
+    l0 = _field(d, _F_L0).to(tl.int32)
+    s1 = _field(d, _F_S1).to(tl.int32)
+    l1 = _field(d, _F_L1).to(tl.int32)
+    s2 = _field(d, _F_S2).to(tl.int32)
+    total = _field(d, _F_TOTAL).to(tl.int32)
+    chunk = _field(d, _F_CHUNK).to(tl.int32)
+    splits = _field(d, _F_SPLITS)
+
+    offs_g = tl.arange(0, G_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    offs_b = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < G
+    d_mask = offs_d < D
+    q = tl.load(q_ptr + offs_g[:, None] * D + offs_d[None, :], mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+
+    lo = s.to(tl.int32) * chunk
+    hi = tl.minimum(lo + chunk, total)
+    m_i = tl.full([G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([G_PAD], tl.float32)
+    acc = tl.zeros([G_PAD, D_PAD], tl.float32)
+    for i in range(0, tl.cdiv(hi - lo, BLOCK_N)):
+        idx = lo + i * BLOCK_N + offs_b
+        n_mask = idx < hi
+        row = _row_of(idx, s0, l0, s1, l1, s2)
+        if D_PAD == D:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & d_mask[None, :]
+        k = tl.load(k_ptr + row[:, None] * D + offs_d[None, :], mask=kv_mask, other=0)
+        v = tl.load(v_ptr + row[:, None] * D + offs_d[None, :], mask=kv_mask, other=0)
+        qk = _mm(q, tl.trans(k), UPCAST) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _mm(p.to(ty), v, UPCAST)
+        m_i = m_new
+
+    out_ptrs = OUT + _field(d, _F_OUT) + (n * G + offs_g[:, None]) * D + offs_d[None, :]
+    out_mask = g_mask[:, None] & d_mask[None, :]
+    if splits == 1:
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(ty), mask=out_mask)
+    else:
+        # Partials hold the G real rows only: (split, G, D) float32 and (split, G) log-sum-exps.
+        first = _field(d, _F_PART) + n * splits  # this head's first partial
+        part = (first + s) * G
+        tl.store(PART + (part + offs_g[:, None]) * D + offs_d[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(LSE + part + offs_g, m_i + tl.log2(l_i), mask=g_mask)
+        # Every thread's partial is stored before the counter moves; the last split to arrive
+        # reads them all (acquire), whatever order the splits ran in.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(COUNT + _field(d, _F_COUNT) + n, 1, sem="acq_rel")
+        if arrived == splits - 1:
+            # Padding rows read 0 (finite weights, zero partials) and are never stored.
+            m = tl.full([G_PAD], float("-inf"), tl.float32)
+            for j in range(0, splits):
+                lse = tl.load(LSE + (first + j) * G + offs_g, mask=g_mask, other=0.0, cache_modifier=".cg")
+                m = tl.maximum(m, lse)
+            num = tl.zeros([G_PAD, D_PAD], tl.float32)
+            den = tl.zeros([G_PAD], tl.float32)
+            for j in range(0, splits):  # in split order, whichever split merges
+                lse = tl.load(LSE + (first + j) * G + offs_g, mask=g_mask, other=0.0, cache_modifier=".cg")
+                w = tl.exp2(lse - m)
+                o = tl.load(PART + ((first + j) * G + offs_g[:, None]) * D + offs_d[None, :], mask=out_mask,
+                            other=0.0, cache_modifier=".cg")
+                num += w[:, None] * o
+                den += w
+            tl.store(out_ptrs, (num / den[:, None]).to(ty), mask=out_mask)
+
+
+@triton.jit
+def _write_rows_kernel(DESC, WORK, SAVED, D: tl.constexpr, D_PAD: tl.constexpr, DESC_W: tl.constexpr):
+    # One program per (cache, KV head): saves the ring row the step overwrites, then writes it.
+    pid = tl.program_id(0)
+    c = tl.load(WORK + pid * 2)
+    n = tl.load(WORK + pid * 2 + 1)
+    d = DESC + c * DESC_W
+    ty = SAVED.dtype.element_ty
+    offs = tl.arange(0, D_PAD)
+    mask = offs < D
+    at = (n * _field(d, _F_CAP) + _field(d, _F_ROW)) * D + offs
+    k_ptr = _as_ptr(_field(d, _F_K), ty) + at
+    v_ptr = _as_ptr(_field(d, _F_V), ty) + at
+    saved = SAVED + (_field(d, _F_SAVED) + n) * (2 * D) + offs
+    tl.store(saved, tl.load(k_ptr, mask=mask), mask=mask)
+    tl.store(saved + D, tl.load(v_ptr, mask=mask), mask=mask)
+    tl.store(k_ptr, tl.load(_as_ptr(_field(d, _F_NEWK), ty) + n * D + offs, mask=mask), mask=mask)
+    tl.store(v_ptr, tl.load(_as_ptr(_field(d, _F_NEWV), ty) + n * D + offs, mask=mask), mask=mask)
+
+
+class BatchedStep(NamedTuple):
+    """One cache's step in ``decode_batched``.
+
+    ``query`` (B, Hq, D); ``keys``/``values`` the cache's storage viewed (B*Hkv, C, D),
+    contiguous, 16-byte aligned, in the query's dtype; ``runs`` at most ``MAX_RUNS`` row runs
+    holding the attended positions (the new token's row included); ``row``: the ring row the
+    step's token goes to, with ``new_key``/``new_value`` (B, Hkv, D), or -1 for a step that
+    writes nothing (its rows already stored).
+    """
+
+    query: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    runs: Sequence[tuple[int, int]]
+    num_kv_heads: int
+    row: int = -1
+    new_key: torch.Tensor | None = None
+    new_value: torch.Tensor | None = None
+
+
+def group_key(query: torch.Tensor, num_kv_heads: int) -> tuple:
+    """Steps with equal keys can share one ``decode_batched`` launch."""
+    return (query.device, query.dtype, query.shape[-1], query.shape[1] // num_kv_heads)
+
+
+def _check_batched(step: BatchedStep, key: tuple) -> tuple[list[int], int]:
+    """Refuses a step that does not fit the group (``key``) or whose tensors the kernel cannot
+    read; returns its run arguments and total."""
+    q, k, v = step.query, step.keys, step.values
+    if q.dim() != 3 or step.num_kv_heads < 1 or q.shape[1] % step.num_kv_heads:
+        raise ValueError(f"query: shape {tuple(q.shape)} does not split into {step.num_kv_heads} KV heads")
+    if group_key(q, step.num_kv_heads) != key:
+        raise ValueError(f"step (device, dtype, D, G) {group_key(q, step.num_kv_heads)} differs from the group's {key}")
+    n, d = q.shape[0] * step.num_kv_heads, q.shape[2]
+    for name, t in (("keys", k), ("values", v)):
+        _check_kv(name, t, n, d, q)
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from the query's {q.dtype}")
+        if not t.is_contiguous() or t.data_ptr() % 16:
+            raise ValueError(f"{name}: the cache's storage must be contiguous and 16-byte aligned")
+    if v.shape != k.shape:
+        raise ValueError(f"values: shape {tuple(v.shape)} differs from keys {tuple(k.shape)}")
+    if step.row >= 0:
+        if step.row >= k.shape[1]:
+            raise ValueError(f"row {step.row} lies outside the {k.shape[1]} cache rows")
+        for name, t in (("new_key", step.new_key), ("new_value", step.new_value)):
+            if t is None or t.numel() != n * d or t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name}: expected {n * d} elements of {q.dtype} on {q.device}")
+    return _normalize_runs(step.runs, k.shape[1])
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous at a 16-byte aligned address (a copy only where it is not: a request's
+    tensors may be views at any offset of its bytes)."""
+    if t.is_contiguous() and t.data_ptr() % 16 == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)  # a new allocation: aligned
+
+
+def decode_batched(
+    steps: Sequence[BatchedStep], *, config: KernelConfig = DEFAULT_CONFIG, scale: float | None = None,
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The steps of many caches: their rows written, then attention, in two launches.
+
+    Every step must share the device, dtype, head width D and group size G (``group_key``);
+    batch sizes, KV heads, capacities, runs and lengths are free. Each KV head is cut along its
+    attended rows into splits of ``config.split_tokens`` rows and merged in split order, so a
+    step's output is bit-identical whatever else is in the launch. Returns the (B, Hq, D)
+    outputs, slot for slot, and for each writing step the saved rows it overwrote, (B*Hkv, 2, D)
+    (keys then values), for ``restore`` if anything fails later. Everything is checked before
+    anything is written (``ValueError``/``TypeError`` for the whole call).
+    """
+    if not steps:
+        return [], []
+    if config.split_tokens < config.block_n or config.split_tokens % config.block_n:
+        raise ValueError(f"split_tokens {config.split_tokens} must be a multiple of block_n {config.block_n}")
+    first = steps[0]
+    key = group_key(first.query, first.num_kv_heads)
+    device, dtype, d, g = key
+    runs = [_check_batched(s, key) for s in steps]
+
+    chunk = config.split_tokens
+    heads = np.array([s.query.shape[0] * s.num_kv_heads for s in steps], dtype=np.int64)
+    totals = np.array([t for _, t in runs], dtype=np.int64)
+    splits = -(-totals // chunk)
+    writes = np.array([s.row >= 0 for s in steps])
+    many = splits > 1
+    out_off = np.cumsum(heads * g * d) - heads * g * d
+    part_n = np.where(many, heads * splits, 0)
+    part_off = np.cumsum(part_n) - part_n
+    count_n = np.where(many, heads, 0)
+    count_off = np.cumsum(count_n) - count_n
+    saved_n = np.where(writes, heads, 0)
+    saved_off = np.cumsum(saved_n) - saved_n
+
+    queries = [_aligned(s.query) for s in steps]
+    new_k = [_aligned(s.new_key) if s.row >= 0 else None for s in steps]
+    new_v = [_aligned(s.new_value) if s.row >= 0 else None for s in steps]
+    run_args = np.array([r for r, _ in runs], dtype=np.int64).reshape(len(steps), 5)
+    columns = dict(
+        q=[t.data_ptr() for t in queries], k=[st.keys.data_ptr() for st in steps],
+        v=[st.values.data_ptr() for st in steps], cap=[st.keys.shape[1] for st in steps],
+        s0=run_args[:, 0], l0=run_args[:, 1], s1=run_args[:, 2], l1=run_args[:, 3], s2=run_args[:, 4],
+        total=totals, chunk=chunk, splits=splits, out=out_off, part=part_off, count=count_off,
+        row=[st.row for st in steps], new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
+        new_v=[t.data_ptr() if t is not None else 0 for t in new_v], saved=saved_off,
+    )
+    desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
+    for name, values in columns.items():
+        desc[:, _DESC_FIELDS.index(name)] = values
+
+    # (cache, head, split) per attention program; (cache, head) per row-writing program.
+    per = heads * splits
+    cache_of = np.repeat(np.arange(len(steps)), per)
+    local = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    split_of = np.repeat(splits, per)
+    work = np.stack([cache_of, local // split_of, local % split_of], 1)
+    w_heads = heads[writes]
+    w_cache = np.repeat(np.flatnonzero(writes), w_heads)
+    w_local = np.arange(w_heads.sum()) - np.repeat(np.cumsum(w_heads) - w_heads, w_heads)
+    write_work = np.stack([w_cache, w_local], 1)
+    packed_np = np.concatenate([desc.ravel(), work.ravel(), write_work.ravel(), np.zeros(int(count_n.sum()), np.int64)])
+    packed = torch.from_numpy(packed_np)
+    if device.type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    a, b, c = desc.size, desc.size + work.size, desc.size + work.size + write_work.size
+    desc_t, work_t, write_t, count_t = packed[:a], packed[a:b], packed[b:c], packed[c:]
+
+    d_pad = max(_MIN_DOT, triton.next_power_of_2(d))
+    g_pad = max(_MIN_DOT, triton.next_power_of_2(g))
+    saved = torch.empty((max(1, int(saved_n.sum())), 2, d), dtype=dtype, device=device)
+    if len(write_work):
+        with _on(device):
+            _write_rows_kernel[(len(write_work),)](desc_t, write_t, saved, D=d, D_PAD=d_pad, DESC_W=_DESC_W)
+    out = torch.empty(int((heads * g * d).sum()), dtype=dtype, device=device)
+    n_part = int(part_n.sum())
+    part = torch.empty((max(1, n_part) * g, d), dtype=torch.float32, device=device)
+    lse = torch.empty(max(1, n_part) * g, dtype=torch.float32, device=device)
+    qk_scale = (1.0 / math.sqrt(d) if scale is None else scale) * _LOG2E
+    saves = [saved[o : o + h] if w else None for o, h, w in zip(saved_off.tolist(), heads.tolist(), writes.tolist())]
+    try:
+        with _on(device):
+            _launch_batched(
+                (len(work),), desc_t, work_t, count_t, part, lse, out, qk_scale,
+                G=g, D=d, G_PAD=g_pad, D_PAD=d_pad, BLOCK_N=config.block_n,
+                UPCAST=device.type != "cuda" and dtype == torch.bfloat16, DESC_W=_DESC_W,
+                num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+    except BaseException:
+        restore_rows(steps, saves)
+        raise
+    outputs = [out[o : o + h * g * d].view(s.query.shape) for o, h, s in zip(out_off.tolist(), heads.tolist(), steps)]
+    return outputs, saves
+
+
+def _on(device: torch.device):
+    """Launches go to the tensors' device, whichever is current."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def restore_rows(steps: Sequence[BatchedStep], saves: Sequence[torch.Tensor | None]) -> None:
+    """Puts back, byte for byte, the rows ``decode_batched`` overwrote (its ``saves``)."""
+    for step, saved in zip(steps, saves):
+        if saved is not None:
+            step.keys[:, step.row] = saved[:, 0]
+            step.values[:, step.row] = saved[:, 1]
+
+
+def _launch_batched(grid, *args, **kwargs) -> None:
+    """The attention launch of ``decode_batched`` (after the row writes; tests make it fail)."""
+    _batched_kernel[grid](*args, **kwargs)

@@ -5,6 +5,8 @@ It shares no code with ``backends/``: K/V repeated per query head, float64 every
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -36,7 +38,8 @@ def decode_step_ref(query, new_key, new_value, key_cache, value_cache, num_query
 
 
 def attended_positions(policy: str, t: int, window: int = 0, sinks: int = 0) -> list[int]:
-    """Positions the token at position t-1 attends to, straight from EVICTION.md's table."""
+    """Positions the token at position t-1 attends to, straight from the table of
+    docs/eviction.md ("What each policy keeps and attends")."""
     if policy == "none":
         return list(range(t))
     if policy in ("strict", "greedy"):
@@ -45,4 +48,20 @@ def attended_positions(policy: str, t: int, window: int = 0, sinks: int = 0) -> 
         head = list(range(min(t, sinks)))
         tail = [p for p in range(max(0, t - window), t) if p >= sinks]
         return head + tail
+    raise ValueError(policy)
+
+
+def resident_positions(policy: str, t: int, window: int = 0, sinks: int = 0, capacity: int = 0) -> list[int]:
+    """Positions resident after t tokens, in position order, from docs/eviction.md (greedy's
+    L(T) from its "greedy: L(T)" section; ``capacity`` is read by ``none`` and ``greedy``)."""
+    if policy == "none":
+        return list(range(t))
+    if policy == "strict":
+        return list(range(max(0, t - window), t))
+    if policy == "greedy":
+        g = capacity - window + 1
+        length = t if t <= capacity else t - g * math.ceil((t - capacity) / g)
+        return list(range(t - length, t))
+    if policy == "sink":
+        return attended_positions("sink", t, window, sinks)
     raise ValueError(policy)

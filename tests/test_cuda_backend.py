@@ -1,5 +1,6 @@
 """The ``cuda`` backend: selection and probing without a device, the SDPA baseline path on CPU
-tensors, and (marked ``gpu``) the backend itself on a real GPU against the float64 oracle.
+tensors, and (marked ``gpu``) the backend itself on a real GPU against the float64 oracle: each
+cache stepped alone, and ``step_many`` over many caches (bit-identical to alone, atomic).
 
 The Triton kernel's own correctness without a GPU is in ``test_triton_kernel.py`` (interpreter).
 Nothing here imports ``triton`` in this process.
@@ -25,7 +26,7 @@ from backends.base import CacheSpec
 from backends.cuda import CUDABackend, CUDACache, DeviceFacts
 from backends.errors import BackendUnavailable
 from backends.policy import EvictionPolicy
-from tests.oracle import attended_positions, attention_ref
+from tests.oracle import attended_positions, attention_ref, resident_positions
 
 HAS_CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device (run by `make gpu-check`)")
@@ -57,7 +58,7 @@ POLICIES = {
     "greedy": ("greedy", dict(window=6, capacity=10), 0, 27),
     "sink": ("sink", dict(window=7, sinks=3), 5, 24),
 }
-# Before this step, drop the last 2 tokens (exact there: EVICTION.md's rollback rule).
+# Before this step, drop the last 2 tokens (exact there: the rollback rule of docs/eviction.md).
 ROLLBACK_AT = {"none": 10, "strict": None, "greedy": 13, "sink": None}
 
 
@@ -137,21 +138,6 @@ def test_cache_nbytes_is_dense_keys_plus_values():
 
 # -- running a cache step by step against the oracle ---------------------------------------
 
-def _resident_positions(kind: str, t: int, kw: dict) -> list[int]:
-    """Straight from EVICTION.md's table (independent of backends/policy.py)."""
-    if kind == "none":
-        return list(range(t))
-    if kind == "strict":
-        return list(range(max(0, t - kw["window"]), t))
-    if kind == "greedy":
-        c, w = kw["capacity"], kw["window"]
-        g = c - w + 1
-        length = t if t <= c else t - g * math.ceil((t - c) / g)
-        return list(range(t - length, t))
-    sinks, w = kw["sinks"], kw["window"]
-    return list(range(min(t, sinks))) + [p for p in range(max(0, t - w), t) if p >= sinks]
-
-
 def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
     """Drives ``cache`` through ``prefill`` + ``steps`` tokens; checks each output and the
     final export against the oracle. Returns the largest output error seen."""
@@ -190,7 +176,7 @@ def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
                                    msg=lambda m: f"{kind} step {i} (T={t}): {m}")
         worst = max(worst, float(np.abs(got.numpy() - ref).max()))
     ek, ev = cache.export()
-    resident = _resident_positions(kind, len(hist_k), kw)
+    resident = resident_positions(kind, len(hist_k), **kw)
     assert torch.equal(ek.cpu(), torch.stack([hist_k[p] for p in resident], 2))
     assert torch.equal(ev.cpu(), torch.stack([hist_v[p] for p in resident], 2))
     return worst
@@ -315,3 +301,95 @@ def test_gpu_bench_script_runs_on_cpu_under_the_interpreter(tmp_path):
     shapes = [r for r in records if r["kind"] == "shape"]
     assert len(shapes) == 2 and all(r["max_abs_diff_vs_sdpa"] < 1e-2 for r in shapes), shapes
     assert any(r["kind"] == "sweep" for r in records) and any(r["kind"] == "target" for r in records)
+
+
+# -- the batched step on a GPU (its interpreter tests are in test_triton_kernel.py) ----------
+
+# (policy kwargs, prefill): one row, one split, several splits, wrapped windows, sinks.
+GPU_BATCH_STREAMS = [
+    ("greedy", dict(window=64, capacity=96), 0),
+    ("none", dict(capacity=5000), 4095),
+    ("strict", dict(window=1000), 2500),
+    ("sink", dict(window=700, sinks=4), 1500),
+    ("greedy", dict(window=300, capacity=400), 999),
+    ("none", dict(capacity=600), 511),
+]
+
+
+def _gpu_caches(count: int, dtype, heads, seed: int):
+    """``count`` cuda caches cycling through GPU_BATCH_STREAMS, prefilled, with one step's
+    tensors each; the same seed gives the same caches."""
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    out = []
+    for j in range(count):
+        kind, kw, prefill = GPU_BATCH_STREAMS[j % len(GPU_BATCH_STREAMS)]
+        spec = CacheSpec(1, hq, hkv, d, dtype, EvictionPolicy.create(kind, **kw), device="cuda")
+        cache = CUDABackend().create_cache(spec)
+        if prefill:
+            cache.prefill(*(torch.randn(1, hkv, prefill, d, device="cuda", generator=gen).to(dtype) for _ in range(2)))
+        step = tuple(torch.randn(1, h, d, device="cuda", generator=gen).to(dtype) for h in (hq, hkv, hkv))
+        out.append((cache, (kind, kw), step))
+    return out
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
+def test_gpu_step_many_is_bit_identical_to_alone_and_matches_oracle(dtype):
+    """64 caches of mixed policies and lengths (1 to 4096 rows), in two head shapes (two launches
+    of one step_many), against the same caches stepped alone and the float64 oracle."""
+    pytest.importorskip("triton")
+    from backends.batch import BatchStep, step_many
+
+    shapes = [(32, 8, 128), (8, 8, 64)]
+    alone = [c for i, h in enumerate(shapes) for c in _gpu_caches(32, dtype, h, seed=i)]
+    together = [c for i, h in enumerate(shapes) for c in _gpu_caches(32, dtype, h, seed=i)]
+    expected = []
+    for cache, (kind, kw), step in alone:
+        before_k, before_v = cache.export()
+        expected.append((cache.step(*step).output, before_k, before_v))
+    outcomes = step_many([BatchStep(c, *step) for c, _, step in together])
+    atol, rtol = TOLERANCES[dtype]
+    for j, ((cache, (kind, kw), (q, k, v)), outcome, (want, pk, pv)) in enumerate(zip(together, outcomes, expected)):
+        assert not isinstance(outcome, Exception), outcome
+        assert torch.equal(outcome.output, want), f"cache {j} ({kind}): batched differs from alone"
+        t = cache.tokens_seen
+        pos = attended_positions(kind, t, kw.get("window", 0), kw.get("sinks", 0))
+        resident = resident_positions(kind, t - 1, **kw)
+        hist_k = dict(zip(resident, pk.unbind(2)))
+        hist_v = dict(zip(resident, pv.unbind(2)))
+        hist_k[t - 1], hist_v[t - 1] = k, v
+        kk = torch.stack([hist_k[p] for p in pos], 2).double().cpu().numpy()
+        vv = torch.stack([hist_v[p] for p in pos], 2).double().cpu().numpy()
+        ref = attention_ref(q.double().cpu().numpy(), kk, vv, q.shape[1], k.shape[1])
+        torch.testing.assert_close(outcome.output.double().cpu(), torch.from_numpy(ref), atol=atol, rtol=rtol,
+                                   msg=lambda m: f"cache {j} ({kind}, T={t}): {m}")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_step_many_failure_after_the_writes_restores_every_row(monkeypatch):
+    pytest.importorskip("triton")
+    from backends import triton_decode
+    from backends.batch import BatchStep, step_many
+
+    caches = _gpu_caches(12, torch.float16, (32, 8, 128), seed=5)
+    before = [(c._k.clone(), c._v.clone(), c.tokens_seen) for c, _, _ in caches]
+    real = triton_decode._launch_batched
+    written = []
+
+    def failing(*args, **kwargs):
+        torch.cuda.synchronize()
+        written.append(sum(not torch.equal(b[0], c._k) for b, (c, _, _) in zip(before, caches)))
+        raise RuntimeError("injected after the writes")
+
+    monkeypatch.setattr(triton_decode, "_launch_batched", failing)
+    outcomes = step_many([BatchStep(c, *step) for c, _, step in caches])
+    monkeypatch.setattr(triton_decode, "_launch_batched", real)
+    assert written == [12]
+    assert all(isinstance(o, RuntimeError) for o in outcomes)
+    for (k, v, t), (c, _, _) in zip(before, caches):
+        assert c.tokens_seen == t
+        assert torch.equal(k.view(torch.int16), c._k.view(torch.int16))
+        assert torch.equal(v.view(torch.int16), c._v.view(torch.int16))

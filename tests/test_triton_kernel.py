@@ -11,7 +11,11 @@ lengths, several splits and one split (the direct-write path), G in {1, 3, 4, 8}
 a head width that is not a power of two, extreme scores, float16, bfloat16, float32, and the
 int8 variant (against the oracle on the dequantized cache, and against the original data within
 a documented budget); then the ``cuda`` backend's cache itself (CPU tensors, Triton attention)
-stepped through every policy with prefill, wrap-around and a rollback.
+stepped through every policy with prefill, wrap-around and a rollback; then the batched step
+(``decode_batched`` through ``backends.batch.step_many``): a grid of float16/bfloat16, D in
+{64, 128}, G in {1, 4} over one split, several splits, a wrapped window and sinks, against the
+oracle and bit-identical to the same steps alone; batches of 1, 7 and 16 bit-identical to alone;
+refused steps refused alone; a failure injected after the row writes restoring every row.
 
 bfloat16 note: the interpreter (Triton 3.9) multiplies bfloat16 ``tl.dot`` operands wrongly and
 converts int8 to bfloat16 wrongly, so for bfloat16 on CPU tensors the kernel widens the operands
@@ -23,7 +27,6 @@ on the GPU; the bfloat16 products themselves are checked by the ``gpu`` tests.
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import subprocess
 import sys
@@ -34,7 +37,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.oracle import attended_positions, attention_ref
+from tests.oracle import attended_positions, attention_ref, resident_positions
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
@@ -51,6 +54,7 @@ TOLERANCES = {
 INT8_BUDGET = (6e-2, 6e-2)
 
 BLOCK_N = 16  # the smallest tl.dot block: several blocks per split on tiny shapes
+SPLIT_TOKENS = 32  # the batched kernel's split: several splits per KV head on tiny shapes
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,49 @@ CACHE_CASES = [
 ]
 
 
+# The batched step (``triton_decode.decode_batched`` through ``backends.batch.step_many``): a grid
+# of dtypes and head shapes (G in {1, 4}, D in {64, 128}), each with caches whose attended rows
+# make one split, several splits, a wrapped window and sinks plus a wrapped window
+# (SPLIT_TOKENS rows per split), stepped ROUNDS times alone and in one batch. Kept small: each
+# interpreted program costs ~30 ms.
+BATCH_DTYPES = ["float16", "bfloat16"]
+BATCH_HEADS = [(2, 2, 64), (8, 2, 64), (2, 2, 128), (8, 2, 128)]  # (Hq, Hkv, D)
+ROUNDS = 1
+
+
+@dataclass(frozen=True)
+class Stream:
+    policy: str
+    kw: dict
+    prefill: int
+    batch: int = 1
+
+
+STREAMS = [
+    Stream("greedy", dict(window=6, capacity=9), 0, batch=2),  # 1 row: one split, B = 2
+    Stream("none", dict(capacity=80), 70),  # 71 rows: three splits
+    Stream("strict", dict(window=40), 55),  # a wrapped window of 40: two splits
+    Stream("sink", dict(window=30, sinks=3), 50),  # 3 sinks plus a wrapped window of 30
+]
+# Bit-identity alone vs batches of 1 (one cache per stream kind), 7 and IDENTITY_CACHES (one
+# launch), on one head shape.
+IDENTITY_HEADS = (8, 2, 64)
+IDENTITY_CACHES = 16
+
+
+def _stream_inputs(stream: Stream, dtype: str, heads: tuple[int, int, int], seed: int):
+    """Prefill keys and values (B, Hkv, S, D) and ROUNDS step tensors (q, k, v)."""
+    hq, hkv, d = heads
+    gen = torch.Generator().manual_seed(seed)
+    dt, b = DTYPES[dtype], stream.batch
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dt)
+
+    prefill = rand(b, hkv, stream.prefill, d), rand(b, hkv, stream.prefill, d)
+    return prefill, [(rand(b, hq, d), rand(b, hkv, d), rand(b, hkv, d)) for _ in range(ROUNDS)]
+
+
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax/127 per row (the last dim): codes int8, scales float32."""
     scales = x.abs().amax(-1).clamp_min(1e-8) / 127
@@ -137,7 +184,7 @@ def _worker(path: str) -> None:
     from backends.cuda import CUDACache
     from backends.policy import EvictionPolicy
 
-    config = replace(td.DEFAULT_CONFIG, block_n=BLOCK_N)
+    config = replace(td.DEFAULT_CONFIG, block_n=BLOCK_N, split_tokens=SPLIT_TOKENS)
     results: dict = {"triton": triton.__version__, "kernels": {}, "caches": {}, "errors": {}}
     for case in KERNEL_CASES:
         inp = _kernel_inputs(case)
@@ -195,7 +242,116 @@ def _worker(path: str) -> None:
             results["errors"][name] = None
         except (ValueError, TypeError) as exc:
             results["errors"][name] = f"{type(exc).__name__}: {exc}"
+    results["batched"] = _batched_worker(config)
     torch.save(results, path)
+
+
+def _batched_worker(config) -> dict:
+    from backends import triton_decode as td
+    from backends.base import CacheSpec
+    from backends.batch import BatchStep, step_many
+    from backends.cuda import CUDACache
+    from backends.policy import EvictionPolicy
+
+    def build(stream: Stream, dtype: str, heads, seed: int):
+        hq, hkv, d = heads
+        spec = CacheSpec(stream.batch, hq, hkv, d, DTYPES[dtype],
+                         EvictionPolicy.create(stream.policy, **stream.kw), device="cpu")
+        cache = CUDACache(spec, attention="triton", kernel_config=config)
+        prefill, steps = _stream_inputs(stream, dtype, heads, seed)
+        if stream.prefill:
+            cache.prefill(*prefill)
+        return cache, steps
+
+    def batched(caches, steps, r):
+        outcomes = step_many([BatchStep(c, *st[r]) for c, st in zip(caches, steps)])
+        for o in outcomes:
+            if isinstance(o, Exception):
+                raise o
+        return [o.output for o in outcomes]
+
+    def storage(cache):
+        return cache._k.clone(), cache._v.clone(), cache.tokens_seen
+
+    def same_storage(a, b):
+        return a[2] == b[2] and all(torch.equal(x.view(torch.int16), y.view(torch.int16)) for x, y in zip(a[:2], b[:2]))
+
+    out: dict = {"grid": {}}
+    for dtype in BATCH_DTYPES:
+        for heads in BATCH_HEADS:
+            alone = [build(st, dtype, heads, seed=j) for j, st in enumerate(STREAMS)]
+            together = [build(st, dtype, heads, seed=j) for j, st in enumerate(STREAMS)]
+            rec = dict(alone=[], batched=[])
+            for r in range(ROUNDS):
+                rec["alone"].append([c.step(*st[r]).output for c, st in alone])
+                rec["batched"].append(batched([c for c, _ in together], [st for _, st in together], r))
+            out["grid"][f"{dtype}-{heads}"] = rec
+
+    # Alone vs batches of 1, 7 and IDENTITY_CACHES.
+    streams = [(STREAMS[j % len(STREAMS)], 100 + j) for j in range(IDENTITY_CACHES)]
+    copies = {name: [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in streams[:size]]
+              for name, size in (("alone", IDENTITY_CACHES), ("one", len(STREAMS)), ("seven", 7), ("large", IDENTITY_CACHES))}
+    ident = dict(alone=[c.step(*st[0]).output for c, st in copies["alone"]])
+    ident["one"] = [batched([c], [st], 0)[0] for c, st in copies["one"]]
+    for name in ("seven", "large"):
+        ident[name] = batched([c for c, _ in copies[name]], [st for _, st in copies[name]], 0)
+    out["identity"] = ident
+
+    # A batch of 7 with three refused steps: each refused alone, before anything is written.
+    seven = [(STREAMS[j % len(STREAMS)], 200 + j) for j in range(7)]
+    alone = [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in seven]
+    caches = [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in seven]
+    full, full_steps = build(Stream("none", dict(capacity=5), 5), "float16", IDENTITY_HEADS, 300)
+    caches[4] = (full, full_steps)
+    before = [storage(c) for c, _ in caches]
+    step_args = [list(st[0]) for _, st in caches]
+    step_args[2][1] = torch.zeros(1, 3, IDENTITY_HEADS[2], dtype=torch.float16)  # 3 KV heads, not 2
+    step_args[5][0] = step_args[5][0].float()  # the query's dtype is not the stream's
+    outcomes = step_many([BatchStep(c, *a) for (c, _), a in zip(caches, step_args)])
+    refused = {}
+    for j in (2, 4, 5):
+        refused[j] = dict(error=type(outcomes[j]).__name__, unchanged=same_storage(before[j], storage(caches[j][0])))
+    kept = [j for j in range(7) if j not in refused]
+    out["refused"] = dict(
+        refused=refused,
+        kept_equal=[torch.equal(outcomes[j].output, alone[j][0].step(*alone[j][1][0]).output) for j in kept],
+    )
+
+    # A failure after the writes (the attention launch raises): every row put back byte for byte.
+    caches = [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in seven]
+    alone = [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in seven]
+    before = [storage(c) for c, _ in caches]
+    written = []
+
+    def failing_launch(*args, **kwargs):
+        written.append(sum(not same_storage(b, storage(c)) for b, (c, _) in zip(before, caches)))
+        raise RuntimeError("injected after the writes")
+
+    real_launch, td._launch_batched = td._launch_batched, failing_launch
+    try:
+        outcomes = step_many([BatchStep(c, *st[0]) for c, st in caches])
+    finally:
+        td._launch_batched = real_launch
+    failed = dict(
+        written_before_failure=written,
+        errors=[str(o) if isinstance(o, Exception) else None for o in outcomes],
+        unchanged=[same_storage(b, storage(c)) for b, (c, _) in zip(before, caches)],
+    )
+    # The same steps again, now without the failure: as if the failed call never happened.
+    again = batched([c for c, _ in caches], [st for _, st in caches], 0)
+    failed["then_equal"] = [torch.equal(o, c.step(*st[0]).output) for o, (c, st) in zip(again, alone)]
+    # The single step's path (the base class's save/restore around the attention).
+    cache, steps = build(STREAMS[3], "float16", IDENTITY_HEADS, 400)
+    before_one = storage(cache)
+    cache._attend = lambda *a: (_ for _ in ()).throw(RuntimeError("injected"))
+    try:
+        cache.step(*steps[0])
+        failed["single_raised"] = False
+    except RuntimeError:
+        failed["single_raised"] = True
+    failed["single_unchanged"] = same_storage(before_one, storage(cache))
+    out["failed"] = failed
+    return out
 
 
 def _aot_worker(path: str) -> None:
@@ -240,6 +396,26 @@ def _aot_worker(path: str) -> None:
             vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
             scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
             mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
+        )
+    # The batched kernel reads its caches through addresses in a descriptor: the alignment hint
+    # on the cast pointers must survive, or every K/V load would be scalar.
+    fn = td._batched_kernel
+    names = fn.arg_names
+    for dtype in ("fp16", "bf16"):
+        const = dict(G=4, D=128, G_PAD=16, D_PAD=128, BLOCK_N=td.DEFAULT_CONFIG.block_n, UPCAST=False,
+                     DESC_W=td._DESC_W)
+        sig = {n: "constexpr" if n in const else "*i64" if n in ("DESC", "WORK", "COUNT")
+               else "*fp32" if n in ("PART", "LSE") else "*" + dtype if n == "OUT" else "fp32" for n in names}
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                                options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages))
+        ptx = kernel.asm["ptx"]
+        report[f"{dtype}-batched"] = dict(
+            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
+            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
+            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
+            acq_rel_atomic=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
         )
     with open(path, "w") as f:
         json.dump(report, f)
@@ -318,21 +494,6 @@ def test_the_grid_exercises_split_and_direct_paths(interpreted):
     assert splits["mqa-g8-planner"] > 1, "the planner should split 129 rows (9 blocks) over 2 heads on 4 'SMs'"
 
 
-def _resident(case: CacheCase, t: int) -> list[int]:
-    """EVICTION.md's table, independent of backends/policy.py."""
-    kw = case.kw
-    if case.policy == "none":
-        return list(range(t))
-    if case.policy == "strict":
-        return list(range(max(0, t - kw["window"]), t))
-    if case.policy == "greedy":
-        c, w = kw["capacity"], kw["window"]
-        g = c - w + 1
-        length = t if t <= c else t - g * math.ceil((t - c) / g)
-        return list(range(t - length, t))
-    return list(range(min(t, kw["sinks"]))) + [p for p in range(max(0, t - kw["window"]), t) if p >= kw["sinks"]]
-
-
 def _replay(case: CacheCase, record: dict):
     """The token history kept here, and for each step (index, T, step record, reference)."""
     hist_k, hist_v = [], []
@@ -368,7 +529,7 @@ def test_cache_steps_match_oracle(interpreted, case):
 def test_cache_export_in_position_order(interpreted, case):
     record = interpreted["caches"][case.id]
     hist_k, hist_v, _ = _replay(case, record)
-    resident = _resident(case, len(hist_k))
+    resident = resident_positions(case.policy, len(hist_k), **case.kw)
     ek, ev = record["export"]
     assert torch.equal(ek, torch.stack([hist_k[p] for p in resident], 2))
     assert torch.equal(ev, torch.stack([hist_v[p] for p in resident], 2))
@@ -389,8 +550,78 @@ def test_bad_inputs_are_refused_with_a_clear_error(interpreted, name):
     assert got is not None and got.startswith(BAD_INPUTS[name]), got
 
 
+# -- the batched step ---------------------------------------------------------------------------
+
+GRID_IDS = [f"{dt}-{h}" for dt in BATCH_DTYPES for h in BATCH_HEADS]
+
+
+def _stream_refs(stream: Stream, dtype: str, heads, seed: int) -> list[np.ndarray]:
+    """The oracle's output for each of the stream's ROUNDS steps."""
+    hq, hkv, _ = heads
+    (pk, pv), steps = _stream_inputs(stream, dtype, heads, seed)
+    hist_k, hist_v = list(pk.unbind(2)), list(pv.unbind(2))
+    refs = []
+    for q, k, v in steps:
+        hist_k.append(k)
+        hist_v.append(v)
+        pos = attended_positions(stream.policy, len(hist_k), stream.kw.get("window", 0), stream.kw.get("sinks", 0))
+        kk = torch.stack([hist_k[p] for p in pos], 2).double().numpy()
+        vv = torch.stack([hist_v[p] for p in pos], 2).double().numpy()
+        refs.append(attention_ref(q.double().numpy(), kk, vv, hq, hkv))
+    return refs
+
+
+@pytest.mark.parametrize("grid_id", GRID_IDS)
+def test_batched_steps_match_oracle_and_equal_alone(interpreted, grid_id):
+    dtype, heads = grid_id.split("-", 1)
+    heads = next(h for h in BATCH_HEADS if str(h) == heads)
+    rec = interpreted["batched"]["grid"][grid_id]
+    for j, stream in enumerate(STREAMS):
+        for r, ref in enumerate(_stream_refs(stream, dtype, heads, seed=j)):
+            alone, together = rec["alone"][r][j], rec["batched"][r][j]
+            what = f"{grid_id} {stream.policy} round {r}"
+            assert together.shape == (stream.batch, heads[0], heads[2]) and together.dtype == DTYPES[dtype], what
+            _assert_close(together, ref, TOLERANCES[dtype], what)
+            assert torch.equal(alone, together), f"{what}: batched differs from alone"
+
+
+def test_the_batched_grid_exercises_one_and_several_splits():
+    attended = {(s.policy, r): len(attended_positions(s.policy, s.prefill + r + 1, s.kw.get("window", 0), s.kw.get("sinks", 0)))
+                for s in STREAMS for r in range(ROUNDS)}
+    splits = {-(-n // SPLIT_TOKENS) for n in attended.values()}
+    assert 1 in splits and max(splits) >= 3, attended
+
+
+@pytest.mark.parametrize("size", ["one", "seven", "large"])
+def test_batched_output_is_bit_identical_alone_and_in_batches(interpreted, size):
+    """Alone (``step``) vs ``step_many`` in batches of 1, 7 and IDENTITY_CACHES (one launch each)."""
+    ident = interpreted["batched"]["identity"]
+    got = ident[size]
+    assert len(got) == {"one": len(STREAMS), "seven": 7, "large": IDENTITY_CACHES}[size]
+    for j, out in enumerate(got):
+        assert torch.equal(out, ident["alone"][j]), f"cache {j}: batch {size} differs from alone"
+    stream, seed = STREAMS[0], 100  # and the first is right, not only consistent
+    _assert_close(got[0], _stream_refs(stream, "float16", IDENTITY_HEADS, seed)[0], TOLERANCES["float16"], size)
+
+
+def test_batched_refused_steps_are_refused_alone(interpreted):
+    rec = interpreted["batched"]["refused"]
+    assert {j: r["error"] for j, r in rec["refused"].items()} == {2: "ValueError", 4: "CacheFullError", 5: "TypeError"}
+    assert all(r["unchanged"] for r in rec["refused"].values()), rec
+    assert rec["kept_equal"] == [True] * 4
+
+
+def test_batched_failure_after_the_writes_restores_every_row(interpreted):
+    rec = interpreted["batched"]["failed"]
+    assert rec["written_before_failure"] == [7], "the failure was not injected after the row writes"
+    assert rec["errors"] == ["injected after the writes"] * 7
+    assert rec["unchanged"] == [True] * 7
+    assert rec["then_equal"] == [True] * 7
+    assert rec["single_raised"] and rec["single_unchanged"]
+
+
 def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
-    """No GPU needed: the compiled (not interpreted) kernel for sm_90 must stream K/V with
+    """No GPU needed: the compiled (not interpreted) kernels for sm_90 must stream K/V with
     16-byte asynchronous or vector loads and use tensor-core MMAs; scalar 2-byte loads of the
     cache would cap the bandwidth far below the target."""
     import json
@@ -402,7 +633,9 @@ def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
                           cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"ahead-of-time compile failed:\n{proc.stdout}\n{proc.stderr}"
     report = json.loads(path.read_text())
-    assert len(report) == len(AOT_VARIANTS)
+    assert len(report) == len(AOT_VARIANTS) + 2
     for name, counts in report.items():
         assert counts["mma"] > 0, (name, counts)
         assert counts["vector_or_async"] > 0 and counts["scalar_b16"] == 0, (name, counts)
+        if name.endswith("-batched"):  # the merge counter: release of the partials, acquire by the merger
+            assert counts["acq_rel_atomic"] == 1, (name, counts)
