@@ -22,7 +22,6 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from .api import gqa_pb2, gqa_pb2_grpc

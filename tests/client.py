@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import queue
-import threading
 
 import grpc
 import torch

@@ -146,7 +146,7 @@ def test_rollback_reach_is_arithmetic_not_a_walk(monkeypatch):
             expected = _reach_by_definition(pol, t)
         calls = []
         original = EvictionPolicy.resident_length
-        monkeypatch.setattr(EvictionPolicy, "resident_length", lambda self, t: calls.append(t) or original(self, t))
+        monkeypatch.setattr(EvictionPolicy, "resident_length", lambda self, t, calls=calls, original=original: calls.append(t) or original(self, t))
         assert pol.rollback_reach(t) == expected
         monkeypatch.undo()
         assert len(calls) <= 2, f"{pol.kind.value}: L(T) evaluated {len(calls)} times"

@@ -196,7 +196,7 @@ async def scenario(replicas: list[Replica]) -> dict:
             after = await active_streams(metrics_ports)
             seen |= {i for i in range(REPLICAS) if after[i] > before[i]}
             probe.call.cancel()
-            await _until(lambda: active_streams(metrics_ports), lambda n: n == before, 5)
+            await _until(lambda: active_streams(metrics_ports), lambda n, before=before: n == before, 5)
             if len(seen) == REPLICAS:
                 break
         assert len(seen) == REPLICAS, f"round_robin reached only replicas {sorted(seen)}"
