@@ -52,10 +52,10 @@ class ServerConfig:
     address: str = field(default="127.0.0.1:50051", metadata={"help": "host:port the gRPC server binds"})
     """host:port the gRPC server binds; loopback by default."""
 
-    backend: str = field(default="cpu", metadata={"help": "default backend of new streams (cpu, int8, cuda)"})
+    backend: str = field(default="cpu", metadata={"help": "default backend of new streams ({backends})"})
     """Backend of streams that do not name one."""
 
-    dtype: str = field(default="float32", metadata={"help": "default stream dtype (float32, float16, bfloat16)"})
+    dtype: str = field(default="float32", metadata={"help": "default stream dtype ({dtypes})"})
     """Dtype of streams that do not name one."""
 
     max_streams: int = field(default=1024, metadata={"help": "streams open at once"})
@@ -108,9 +108,8 @@ class ServerConfig:
 
     torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads per step"})
     """torch's intra-op threads (``torch.set_num_threads``, process-wide). One by default:
-    parallelism comes from running different streams' steps on the ``workers`` threads; several
-    OpenMP teams on few cores contend (measured on 2 busy cores: a 130 us step took 40 ms with 2
-    intra-op threads)."""
+    parallelism comes from running different streams' steps on the ``workers`` threads, and
+    several OpenMP teams on few cores contend (docs/design.md, "Threads")."""
 
     metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on --metrics-host (0: off)"})
     """Port of the Prometheus exposition, on ``metrics_host``; 0 turns it off."""
@@ -179,12 +178,12 @@ class ServerConfig:
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"--address: expected HOST:PORT, got {self.address!r}")
-        from backends.registry import BACKENDS  # names only: no backend module is imported
+        from .vocab import BACKEND_CHOICES, DTYPE_CHOICES  # names only: no backend module is imported
 
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKENDS))})")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"--dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.backend not in BACKEND_CHOICES:
+            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKEND_CHOICES))})")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"--dtype: expected {', '.join(DTYPE_CHOICES[:-1])} or {DTYPE_CHOICES[-1]}, got {self.dtype!r}")
         for name in ("max_streams", "max_cache_bytes", "max_capacity", "max_layers", "max_heads",
                      "max_head_dim", "max_batch_size", "max_message_bytes", "max_queued_steps"):
             if getattr(self, name) <= 0:
@@ -308,6 +307,9 @@ _size.__name__ = "size"  # argparse names the type in its error: "invalid size v
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults stay unset so that the environment can fill them."""
+    from .vocab import BACKEND_CHOICES, DTYPE_CHOICES
+
+    names = {"backends": ", ".join(BACKEND_CHOICES), "dtypes": ", ".join(DTYPE_CHOICES)}
     for f in fields(ServerConfig):
         if f.metadata.get("env_only"):
             continue
@@ -318,7 +320,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             type=_kind(f),
             default=None,
-            help=f"{f.metadata.get('help', '')} [env {_env(f.name)}, default {default}{units}]",
+            help=f"{f.metadata.get('help', '').format(**names)} [env {_env(f.name)}, default {default}{units}]",
         )
 
 

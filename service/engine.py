@@ -46,6 +46,7 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
+from .vocab import TORCH_DTYPES
 
 __all__ = [
     "Engine",
@@ -62,7 +63,8 @@ log = logging.getLogger("gqa.engine")
 # Steps of different streams submitted closer together than this count as concurrent.
 _CONCURRENT_WINDOW_S = 1e-3
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# name -> torch dtype (service.vocab), under the name the engine has always exported
+DTYPES = TORCH_DTYPES
 
 
 @dataclass(frozen=True)

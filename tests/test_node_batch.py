@@ -16,15 +16,17 @@ import subprocess
 import numpy as np
 import pytest
 
+from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.server import ServerThread
+from service.vocab import POLICY_NAMES, TORCH_DTYPES
+from tests.conftest import TOLERANCES
 from tests.oracle import attended_positions, attention_ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "node"
-TOLERANCE = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 1.6e-2)}
-POLICY = {"EVICTION_POLICY_NONE": "none", "EVICTION_POLICY_STRICT": "strict", "EVICTION_POLICY_GREEDY": "greedy",
-          "EVICTION_POLICY_SINK": "sink"}
+# the proto enum's JSON names (EVICTION_POLICY_GREEDY) -> the policy names (greedy)
+POLICY = {gqa_pb2.EvictionPolicy.Name(wire): name for wire, name in POLICY_NAMES.items()}
 
 NODE = shutil.which("node")
 pytestmark = [
@@ -89,7 +91,7 @@ def test_batch_session_of_mixed_sequences_matches_the_oracle(server, dtype):
         assert added["tokens_seen"] == [len(keys[sid, layer]) for layer in range(layers)]
     assert len(policies) == 6 and {POLICY[p["policy"]] for p in policies.values()} == set(POLICY.values())
 
-    atol, rtol = TOLERANCE[dtype]
+    atol, rtol = TOLERANCES[TORCH_DTYPES[dtype]]
     steps = [line for line in lines if line["kind"] == "batch_step"]
     assert len(steps) == 30
     for s in steps:

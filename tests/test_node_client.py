@@ -18,6 +18,8 @@ import pytest
 
 from service.config import ServerConfig
 from service.server import ServerThread
+from service.vocab import TORCH_DTYPES
+from tests.conftest import TOLERANCES
 from tests.oracle import attended_positions, attention_ref, decode_step_ref
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -26,7 +28,6 @@ EXAMPLES = ROOT / "tests" / "data" / "examples.json"
 
 # float32 outputs against the float64 oracle on the same inputs; half types are bounded by
 # rounding the output to 11 / 8 significant bits.
-TOLERANCE = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 
 NODE = shutil.which("node")
 pytestmark = [
@@ -58,7 +59,7 @@ def array(dump: dict) -> np.ndarray:
 
 
 def resident_rows(t: int, window: int, capacity: int) -> int:
-    """L(T) of EVICTION.md's greedy policy."""
+    """L(T) of docs/eviction.md's greedy policy."""
     if t <= capacity:
         return t
     g = capacity - window + 1
@@ -101,7 +102,7 @@ def check_stream(lines: list[dict], *, steps: int, window: int, capacity: int, l
         values[entry["layer"]] += [v[:, :, i] for i in range(v.shape[2])]
     assert opened["opened"]["tokens_seen"] == [len(h) for h in history]
 
-    atol, rtol = TOLERANCE[dtype]
+    atol, rtol = TOLERANCES[TORCH_DTYPES[dtype]]
     step_lines = [line for line in lines if line["kind"] == "step"]
     assert [s["step"] for s in step_lines] == list(range(steps))
     evictions = 0
