@@ -7,7 +7,7 @@ the kernels are tested on machines without a GPU.
 
 Shapes (``N = B * Hkv``, ``G = Hq / Hkv``, ``C`` the cache's capacity in rows):
 
-- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (DECODE-STEP.md), so the
+- ``query``: (B, Hq, D); query head ``h*G + g`` reads KV head ``h`` (README, "The operation"), so the
   G heads of KV head ``h`` are the rows ``g`` of ``query.view(N, G, D)[b*Hkv + h]``.
 - ``keys``, ``values``: (N, C, D), rows contiguous in D (the cache's ``(B, Hkv, C, D)`` viewed).
 - ``runs``: at most ``MAX_RUNS`` half-open row runs ``[start, stop)`` of the ring that hold the

@@ -36,7 +36,7 @@ def decode_step_ref(query, new_key, new_value, key_cache, value_cache, num_query
 
 
 def attended_positions(policy: str, t: int, window: int = 0, sinks: int = 0) -> list[int]:
-    """Positions the token at position t-1 attends to, straight from EVICTION.md's table."""
+    """Positions the token at position t-1 attends to, straight from docs/eviction.md's table."""
     if policy == "none":
         return list(range(t))
     if policy in ("strict", "greedy"):

@@ -57,7 +57,7 @@ POLICIES = {
     "greedy": ("greedy", dict(window=6, capacity=10), 0, 27),
     "sink": ("sink", dict(window=7, sinks=3), 5, 24),
 }
-# Before this step, drop the last 2 tokens (exact there: EVICTION.md's rollback rule).
+# Before this step, drop the last 2 tokens (exact there: docs/eviction.md, "Rollback").
 ROLLBACK_AT = {"none": 10, "strict": None, "greedy": 13, "sink": None}
 
 
@@ -138,7 +138,7 @@ def test_cache_nbytes_is_dense_keys_plus_values():
 # -- running a cache step by step against the oracle ---------------------------------------
 
 def _resident_positions(kind: str, t: int, kw: dict) -> list[int]:
-    """Straight from EVICTION.md's table (independent of backends/policy.py)."""
+    """Straight from docs/eviction.md's table (independent of backends/policy.py)."""
     if kind == "none":
         return list(range(t))
     if kind == "strict":

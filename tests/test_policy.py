@@ -11,7 +11,7 @@ from backends.policy import EvictionPolicy, PolicyError, PolicyKind, greedy_resi
 
 def simulate_greedy(t_max: int, window: int, capacity: int) -> list[list[int]]:
     """Resident positions after each T, by appending one token at a time and dropping, on
-    overflow, the oldest tokens in one block so that the latest W remain (EVICTION.md)."""
+    overflow, the oldest tokens in one block so that the latest W remain (docs/eviction.md)."""
     resident: list[int] = []
     history = [[]]
     for p in range(t_max):

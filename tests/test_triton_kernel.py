@@ -319,7 +319,7 @@ def test_the_grid_exercises_split_and_direct_paths(interpreted):
 
 
 def _resident(case: CacheCase, t: int) -> list[int]:
-    """EVICTION.md's table, independent of backends/policy.py."""
+    """docs/eviction.md's table, independent of backends/policy.py."""
     kw = case.kw
     if case.policy == "none":
         return list(range(t))
