@@ -255,6 +255,11 @@ class Engine:
     def bytes_reserved(self) -> int:
         return self._reserved
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close_all`` has run (shutdown): every later open is refused."""
+        return self._closed_all is not None
+
     def bytes_in_use(self) -> int:
         with self._lock:
             streams = list(self._streams.values())

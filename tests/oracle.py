@@ -46,3 +46,21 @@ def attended_positions(policy: str, t: int, window: int = 0, sinks: int = 0) -> 
         tail = [p for p in range(max(0, t - window), t) if p >= sinks]
         return head + tail
     raise ValueError(policy)
+
+
+def resident_length(policy: str, t: int, window: int = 0, capacity: int = 0, sinks: int = 0) -> int:
+    """L(T): rows a layer keeps after ``t`` tokens, straight from docs/eviction.md (greedy's
+    capacity 0 means the window)."""
+    if policy == "none":
+        return t
+    if policy == "strict":
+        return min(t, window)
+    if policy == "sink":
+        return min(t, sinks + window)
+    if policy == "greedy":
+        c = capacity or window
+        if t <= c:
+            return t
+        g = c - window + 1
+        return t - g * -(-(t - c) // g)
+    raise ValueError(policy)

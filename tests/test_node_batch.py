@@ -8,11 +8,6 @@ tests/tools/install_client_tools.sh``).
 
 from __future__ import annotations
 
-import json
-import pathlib
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 
@@ -21,21 +16,13 @@ from service.config import ServerConfig
 from service.server import ServerThread
 from service.vocab import POLICY_NAMES, TORCH_DTYPES
 from tests.conftest import TOLERANCES
-from tests.oracle import attended_positions, attention_ref
+from tests.node_support import NEEDS_NODE, array, run_client
+from tests.oracle import attended_positions, attention_ref, resident_length
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CLIENT = ROOT / "clients" / "node"
 # the proto enum's JSON names (EVICTION_POLICY_GREEDY) -> the policy names (greedy)
 POLICY = {gqa_pb2.EvictionPolicy.Name(wire): name for wire, name in POLICY_NAMES.items()}
 
-NODE = shutil.which("node")
-pytestmark = [
-    pytest.mark.skipif(NODE is None, reason="node is not on PATH (Node.js 18+ runs clients/node)"),
-    pytest.mark.skipif(
-        not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-        reason="clients/node/node_modules is missing: run `bash tests/tools/install_client_tools.sh`",
-    ),
-]
+pytestmark = NEEDS_NODE
 
 
 @pytest.fixture(scope="module")
@@ -44,31 +31,10 @@ def server():
         yield thread
 
 
-def run_client(*args: str, timeout: float = 60) -> list[dict]:
-    proc = subprocess.run([NODE, str(CLIENT / "run.js"), *args], capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"node exited {proc.returncode}:\n{proc.stderr}"
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert not [line for line in lines if line["kind"] == "unexpected"], lines
-    return lines
-
-
-def array(dump: dict) -> np.ndarray:
-    return np.asarray(dump["data"], dtype=np.float64).reshape(dump["shape"])
-
-
 def resident_rows(policy: dict, t: int) -> int:
-    kind, w = POLICY[policy["policy"]], policy.get("window", 0)
-    if kind == "none":
-        return t
-    if kind == "strict":
-        return min(t, w)
-    if kind == "sink":
-        return min(t, policy.get("sink_tokens", 0) + w)
-    c = policy.get("capacity", w)
-    if t <= c:
-        return t
-    g = c - w + 1
-    return t - g * -(-(t - c) // g)
+    """L(T) of a sequence the client printed (``capacity`` absent: the window)."""
+    return resident_length(POLICY[policy["policy"]], t, policy.get("window", 0), policy.get("capacity", 0),
+                           policy.get("sink_tokens", 0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
