@@ -14,15 +14,23 @@ def attention_ref(query, keys, values, num_query_heads: int, num_kv_heads: int) 
     K/V are expanded to the query heads (``np.repeat``): the oracle favours plainness over
     speed, unlike the backends.
     """
+    v = np.repeat(np.asarray(values, dtype=np.float64), num_query_heads // num_kv_heads, axis=1)
+    return np.einsum("bhs,bhsd->bhd", attention_weights_ref(query, keys, num_query_heads, num_kv_heads), v)
+
+
+def attention_weights_ref(query, keys, num_query_heads: int, num_kv_heads: int) -> np.ndarray:
+    """query (B, Hq, D); keys (B, Hkv, S, D) -> softmax(q k^T / sqrt(D)) (B, Hq, S), float64.
+
+    Query head ``h*G + g`` (G = Hq / Hkv) reads KV head ``h``; each row sums to 1.
+    """
     q = np.asarray(query, dtype=np.float64)
     k = np.repeat(np.asarray(keys, dtype=np.float64), num_query_heads // num_kv_heads, axis=1)
-    v = np.repeat(np.asarray(values, dtype=np.float64), num_query_heads // num_kv_heads, axis=1)
     d = q.shape[-1]
     scores = np.einsum("bhd,bhsd->bhs", q, k) / np.sqrt(d)
     scores -= scores.max(axis=-1, keepdims=True)
     weights = np.exp(scores)
     weights /= weights.sum(axis=-1, keepdims=True)
-    return np.einsum("bhs,bhsd->bhd", weights, v)
+    return weights
 
 
 def decode_step_ref(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads):
