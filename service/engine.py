@@ -21,6 +21,7 @@ A stream's steps are submitted one at a time by its own handler, so a ``Stream``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -259,6 +260,17 @@ class Engine:
     def closed(self) -> bool:
         """True once ``close_all`` has run (shutdown): every later open is refused."""
         return self._closed_all is not None
+
+    @contextlib.contextmanager
+    def counting_open_refusals(self):
+        """Around a request's validation before it reaches ``admit``: a ``ServiceError`` raised
+        inside is counted as an open refusal (reason ``invalid``) and re-raised, so opens refused
+        by the translation layer (Decode and Batch alike) count like those the engine refuses."""
+        try:
+            yield
+        except ServiceError:
+            self.observer.open_refused("invalid")
+            raise
 
     def bytes_in_use(self) -> int:
         with self._lock:
