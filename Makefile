@@ -1,8 +1,10 @@
 # gqa-serve: every entry point sets up what it needs on a fresh machine.
 #   make run    - install what serving needs (nothing else), then start the service on the CPU
 #                 backend at 127.0.0.1:50051
-#   make test   - install the test extras and tools, then run the test suite (GPU tests skipped
-#                 where no GPU)
+#   make lint   - install the test extras, then ruff: the lint rules and the format check
+#                 (pyproject.toml [tool.ruff]); `ruff format . && ruff check --fix .` fixes most
+#   make test   - install the test extras and tools, then the lint, then the test suite (GPU
+#                 tests skipped where no GPU)
 #   make soak   - install, then the load test for longer (GQA_SOAK_STEPS, GQA_SOAK_STREAMS)
 #   make bench  - install the bench extras, then run the benchmarks (bench-results/*.json, *.png)
 #   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
@@ -23,7 +25,7 @@ GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo triton)
 # InformationOnly warning, nothing to fix); every other warning of the build still shows.
 PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet --disable-pip-version-check
 
-.PHONY: install install-test install-bench tools run test soak bench proto gpu-check clean
+.PHONY: install install-test install-bench tools run lint test soak bench proto gpu-check clean
 
 $(VENV)/.created:
 	$(PYTHON) -m venv $(VENV)
@@ -62,7 +64,11 @@ run: install
 	@echo "gqa-serve: starting on $(ADDRESS) (CPU backend); try: $(BIN)/gqa-serve demo --address $(ADDRESS)"
 	$(BIN)/gqa-serve serve --backend cpu --address $(ADDRESS)
 
-test: install-test tools
+lint: install-test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: install-test tools lint
 	PATH="$(CURDIR)/.tools/bin:$$PATH" $(BIN)/python -m pytest -m "not gpu"
 
 # The load test, longer: 256 streams x 3000 steps (GQA_SOAK_STREAMS / GQA_SOAK_STEPS to change).

@@ -401,7 +401,7 @@ class LayerCache(abc.ABC):
                 raise ValueError(f"restore {name}: dtype {dtype_name(t.dtype)}, expected {dtype_name(dtype)}")
 
     def rollback(self, k: int) -> None:
-        """Drops the last ``k`` tokens if that is exact (EVICTION.md); else ``RollbackError``."""
+        """Drops the last ``k`` tokens if that is exact (docs/eviction.md, "Rollback"); else ``RollbackError``."""
         if k < 0:
             raise ValueError(f"rollback: count must be >= 0, got {k}")
         reach = self.policy.rollback_reach(self.tokens_seen)

@@ -2,8 +2,8 @@
 
 A policy answers, for a layer that has seen ``T`` tokens (positions ``0 .. T-1``), which
 positions stay resident in the cache and which ones the newest token attends to. It knows
-nothing of storage: each backend applies the answer to its own layout (see ``../shared/spec/
-EVICTION.md`` for the contract).
+nothing of storage: each backend applies the answer to its own layout (the contract:
+``docs/eviction.md``).
 
 The window ``W`` counts the keys a new token attends to **including itself** (the vLLM /
 llama.cpp / ONNX Runtime convention). ``C`` is the capacity in rows.

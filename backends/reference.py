@@ -1,4 +1,4 @@
-"""The decode-step operation of ``../shared/spec/DECODE-STEP.md``, stateless.
+"""The decode-step operation (README, "The operation"), stateless.
 
 ``gqa_decode_step`` takes the caches and returns them extended by one token; the stream caches
 of the backends keep the same semantics without copying the cache each step.

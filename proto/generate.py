@@ -17,8 +17,8 @@ PROTOS = ["gqa/v1/gqa.proto"]
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     written = []

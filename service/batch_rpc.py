@@ -43,19 +43,13 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
-from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto
+from .tensors import from_proto
+from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 
 __all__ = ["serve", "SessionConfig", "NotFound"]
 
 log = logging.getLogger("gqa.batch")
 
-POLICY_NAMES = {
-    gqa_pb2.EVICTION_POLICY_NONE: "none",
-    gqa_pb2.EVICTION_POLICY_STRICT: "strict",
-    gqa_pb2.EVICTION_POLICY_GREEDY: "greedy",
-    gqa_pb2.EVICTION_POLICY_SINK: "sink",
-}
-POLICY_ENUMS = {v: k for k, v in POLICY_NAMES.items()}
 _OK = gqa_pb2.Status(code=0)
 # BatchStepResult's per-sequence fields, in the order the step loop collects them.
 _ROW_FIELDS = ("tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach")

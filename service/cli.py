@@ -13,18 +13,9 @@ from typing import Any
 
 import numpy as np
 
+from .cli_common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail  # noqa: F401 (re-exported)
+
 __all__ = ["main", "fail", "OneLineParser"]
-
-EXIT_USAGE = 2
-EXIT_FAILURE = 1
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, with its errors on one line (no usage block) and exit status 2."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
 
 def _shortest(value: float, dtype) -> float:
     # The shortest decimal that reads back as the same value in the tensor's own dtype, so
@@ -93,11 +84,6 @@ def cmd_step(args: argparse.Namespace) -> int:
         return fail(str(exc))
     print(json.dumps({k: tensor_to_json(result[k]) for k in ("output", "new_key_cache", "new_value_cache")}))
     return 0
-
-
-def fail(message: str, status: int = EXIT_USAGE) -> int:
-    print(f"gqa-serve: error: {message}".replace("\n", " "), file=sys.stderr)
-    return status
 
 
 STEP_EPILOG = """\

@@ -1,78 +1,20 @@
 """The ``serve``, ``demo`` and ``bench`` subcommands (imported by ``cli`` on use, to keep ``step``
-light), and the connection flags the client commands share."""
+light). The flags and helpers the commands share are ``service.cli_common``'s."""
 
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 
+from .cli_common import (
+    EXIT_FAILURE,
+    add_client_arguments,
+    client_from_args,
+    fail,
+    non_negative_int,
+    positive_int,
+)
 from .config import ConfigError, add_arguments, from_args
-
-POLICY_NAMES = ["none", "strict", "greedy", "sink"]
-DTYPE_NAMES = ["float32", "float16", "bfloat16"]
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError(text)
-    return value
-
-
-positive_int.__name__ = "positive integer"
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError(text)
-    return value
-
-
-non_negative_int.__name__ = "non-negative integer"
-
-
-def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """Where the server is and how to reach it (TLS, token)."""
-    group = parser.add_argument_group("connection")
-    group.add_argument("--address", default="127.0.0.1:50051",
-                       help="host:port of the server, or a gRPC target such as dns:///host:port (default %(default)s)")
-    group.add_argument("--tls", action="store_true", help="speak TLS, trusting the system's roots (or --tls-ca-file)")
-    group.add_argument("--tls-ca-file", help="PEM CA bundle to verify the server with (implies --tls)")
-    group.add_argument("--tls-cert-file", help="PEM client certificate, for mutual TLS (with --tls-key-file)")
-    group.add_argument("--tls-key-file", help="PEM private key of --tls-cert-file")
-    group.add_argument("--tls-server-name", help="name to verify the server's certificate against, if not the address's host")
-    group.add_argument("--token-file", help="file holding the bearer token (default: $GQA_AUTH_TOKEN if set)")
-
-
-def client_from_args(args: argparse.Namespace, client_class=None, **kwargs):
-    """A ``Client`` (or ``client_class``, e.g. ``AsyncClient``) from the connection flags;
-    ``ConfigError`` for an unreadable file."""
-    from .client import Client
-
-    def read(path: str | None, flag: str) -> bytes | None:
-        if not path:
-            return None
-        try:
-            with open(path, "rb") as f:
-                return f.read()
-        except OSError as exc:
-            raise ConfigError(f"{flag}: cannot read {path!r}: {exc.strerror}") from None
-
-    token = os.environ.get("GQA_AUTH_TOKEN", "").strip() or None
-    if args.token_file:
-        token = read(args.token_file, "--token-file").decode().strip()
-        if not token:
-            raise ConfigError(f"--token-file: {args.token_file!r} holds no token")
-    if bool(args.tls_cert_file) != bool(args.tls_key_file):
-        raise ConfigError("--tls-cert-file and --tls-key-file: give both (mutual TLS) or neither")
-    options = [("grpc.ssl_target_name_override", args.tls_server_name)] if args.tls_server_name else []
-    return (client_class or Client)(args.address, tls=args.tls or bool(args.tls_ca_file),
-                  root_certificates=read(args.tls_ca_file, "--tls-ca-file"),
-                  certificate_chain=read(args.tls_cert_file, "--tls-cert-file"),
-                  private_key=read(args.tls_key_file, "--tls-key-file"), token=token, options=options, **kwargs)
-
 
 DEMO_DESCRIPTION = """\
 Opens one Decode stream against a running server and sends STEPS decode steps of random data,
@@ -92,6 +34,8 @@ def add_commands(sub) -> None:
 
     demo = sub.add_parser("demo", help="open a stream against a running server and run N steps",
                           description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from .vocab import DTYPE_CHOICES, POLICY_CHOICES
+
     add_client_arguments(demo)
     shape = demo.add_argument_group("the stream")
     shape.add_argument("--steps", type=positive_int, default=500, help="decode steps to send (default %(default)s)")
@@ -99,7 +43,7 @@ def add_commands(sub) -> None:
     shape.add_argument("--heads", type=positive_int, default=32, help="query heads Hq (default %(default)s)")
     shape.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads Hkv, dividing Hq (default %(default)s)")
     shape.add_argument("--head-dim", type=positive_int, default=128, help="head width D (default %(default)s)")
-    shape.add_argument("--policy", choices=POLICY_NAMES, default="greedy",
+    shape.add_argument("--policy", choices=POLICY_CHOICES, default="greedy",
                        help="eviction policy (docs/eviction.md; default %(default)s)")
     shape.add_argument("--window", type=positive_int, default=64,
                        help="W, keys a token attends to including itself (strict, greedy, sink; default %(default)s)")
@@ -107,7 +51,7 @@ def add_commands(sub) -> None:
                        help="rows per layer: none's maximum length (0: the steps each layer gets), greedy's C >= W (0: 1.5 W)")
     shape.add_argument("--sink-tokens", type=non_negative_int, default=4, help="sink policy: first tokens kept (default %(default)s)")
     shape.add_argument("--backend", default="", help="backend name (default: the server's)")
-    shape.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="stream dtype (default %(default)s)")
+    shape.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="stream dtype (default %(default)s)")
     shape.add_argument("--seed", type=int, default=0, help="random data seed (default %(default)s)")
     demo.set_defaults(func=cmd_demo)
 
@@ -137,7 +81,6 @@ def _check_port(host: str, port: int, flags: str) -> str | None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .cli import EXIT_FAILURE, fail
 
     try:
         config = from_args(args)
@@ -165,7 +108,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .cli import EXIT_FAILURE, fail
     from .client import GqaError
     from .demo import run_demo
 

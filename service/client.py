@@ -40,7 +40,10 @@ import torch
 
 from . import __version__
 from .api import gqa_pb2, gqa_pb2_grpc
-from .tensors import DTYPE_TO_TORCH, TORCH_TO_DTYPE, from_proto, to_proto
+from .tensors import from_proto, to_proto
+from .vocab import DTYPE_TO_TORCH, TORCH_TO_DTYPE
+from .vocab import NAME_TO_DTYPE as DTYPES
+from .vocab import POLICY_ENUMS as POLICIES
 
 __all__ = [
     "Client", "AsyncClient", "DecodeStream", "AsyncDecodeStream", "Snapshot", "StepResult",
@@ -53,13 +56,6 @@ DEFAULT_MESSAGE_BYTES = 64 << 20
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Largest snapshot message asked for by default: gRPC's default receive limit everywhere."""
 
-POLICIES = {
-    "none": gqa_pb2.EVICTION_POLICY_NONE,
-    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
-    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
-    "sink": gqa_pb2.EVICTION_POLICY_SINK,
-}
-DTYPES = {"float32": gqa_pb2.DTYPE_FLOAT32, "float16": gqa_pb2.DTYPE_FLOAT16, "bfloat16": gqa_pb2.DTYPE_BFLOAT16}
 
 
 # -- errors --------------------------------------------------------------------------------------

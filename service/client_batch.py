@@ -22,20 +22,15 @@ from __future__ import annotations
 import queue
 from dataclasses import dataclass, field
 
-import grpc
 import torch
 
 from .api import gqa_pb2, gqa_pb2_grpc
-from .tensors import NAME_TO_DTYPE, from_proto, to_proto
+from .tensors import from_proto, to_proto
+from .vocab import NAME_TO_DTYPE
+from .vocab import POLICY_ENUMS as POLICIES
 
 __all__ = ["BatchSession", "BatchStepOutput", "Refused", "POLICIES"]
 
-POLICIES = {
-    "none": gqa_pb2.EVICTION_POLICY_NONE,
-    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
-    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
-    "sink": gqa_pb2.EVICTION_POLICY_SINK,
-}
 _END = object()
 
 

@@ -2,14 +2,23 @@
 
 Every field has a flag ``--field-name`` and a variable ``GQA_FIELD_NAME``; a flag wins over the
 variable, the variable over the default. ``ServerConfig.validate`` runs once at start-up.
+
+A field's docstring is its only description: the first paragraph is the flag's ``--help`` (a
+phrase, no final period), the rest the contract. ``metadata`` carries behaviour only: ``size``
+(parsed by ``parse_size``), ``env_only`` (no flag), ``optional_env`` (the Helm chart renders it
+only when set).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
+import functools
+import inspect
 import os
 import re
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
@@ -49,142 +58,187 @@ def format_size(n: int) -> str:
 
 @dataclass
 class ServerConfig:
-    address: str = field(default="127.0.0.1:50051", metadata={"help": "host:port the gRPC server binds"})
-    """host:port the gRPC server binds; loopback by default."""
+    address: str = "127.0.0.1:50051"
+    """host:port the gRPC server binds
 
-    backend: str = field(default="cpu", metadata={"help": "default backend of new streams (cpu, int8, cuda)"})
-    """Backend of streams that do not name one."""
+    Loopback by default."""
 
-    dtype: str = field(default="float32", metadata={"help": "default stream dtype (float32, float16, bfloat16)"})
-    """Dtype of streams that do not name one."""
+    backend: str = "cpu"
+    """default backend of new streams
 
-    max_streams: int = field(default=1024, metadata={"help": "streams open at once"})
-    """Streams open at once; an open past it gets RESOURCE_EXHAUSTED."""
+    Used by streams that do not name one; one of ``service.vocab.BACKEND_CHOICES``."""
 
-    max_cache_bytes: int = field(default=4 * GiB, metadata={"help": "bytes of all streams' caches together", "size": True})
-    """Total cache bytes; a stream's bytes are reserved at open, before allocation."""
+    dtype: str = "float32"
+    """default stream dtype
 
-    max_capacity: int = field(default=1 << 20, metadata={"help": "rows per layer a stream may ask for"})
-    """Largest capacity (rows per layer) of one stream."""
+    Used by streams that do not name one; one of ``service.vocab.DTYPE_CHOICES``."""
 
-    max_layers: int = field(default=256, metadata={"help": "layers per stream"})
-    max_heads: int = field(default=256, metadata={"help": "query heads per stream"})
-    max_head_dim: int = field(default=1024, metadata={"help": "head width"})
-    max_batch_size: int = field(default=256, metadata={"help": "batch size per stream"})
+    max_streams: int = 1024
+    """streams open at once
 
-    max_message_bytes: int = field(default=64 * MiB, metadata={"help": "gRPC message size, both directions", "size": True})
-    """Largest gRPC message either way; larger snapshots are chunked below it."""
+    An open past it gets RESOURCE_EXHAUSTED."""
 
-    idle_timeout_s: float = field(default=300.0, metadata={"help": "seconds of silence before a stream is freed"})
-    """A stream that sends nothing for this long is closed and its caches freed."""
+    max_cache_bytes: int = field(default=4 * GiB, metadata={"size": True})
+    """bytes of all streams' caches together
 
-    max_queued_steps: int = field(default=8, metadata={"help": "steps read ahead per stream"})
-    """Requests of one stream read ahead of the one being computed; beyond it the server stops
+    A stream's bytes are reserved at open, before allocation."""
+
+    max_capacity: int = 1 << 20
+    """rows per layer a stream may ask for
+
+    Largest capacity (rows per layer) of one stream."""
+
+    max_layers: int = 256
+    """layers per stream"""
+    max_heads: int = 256
+    """query heads per stream"""
+    max_head_dim: int = 1024
+    """head width"""
+    max_batch_size: int = 256
+    """batch size per stream"""
+
+    max_message_bytes: int = field(default=64 * MiB, metadata={"size": True})
+    """gRPC message size, both directions
+
+    Larger snapshots are chunked below it."""
+
+    idle_timeout_s: float = 300.0
+    """seconds of silence before a stream is freed
+
+    A stream that sends nothing for this long is closed and its caches freed."""
+
+    max_queued_steps: int = 8
+    """steps read ahead per stream
+
+    Requests of one stream read ahead of the one being computed; beyond it the server stops
     reading and HTTP/2 flow control holds the client back."""
 
-    grace_period_s: float = field(default=10.0, metadata={"help": "seconds open streams get to finish on SIGTERM"})
-    """On SIGTERM: new streams are refused at once, open ones end with UNAVAILABLE after this."""
+    grace_period_s: float = 10.0
+    """seconds open streams get to finish on SIGTERM
 
-    inline_step_bytes: int = field(default=1 * MiB, metadata={"help": "steps reading fewer cache bytes run on the event loop", "size": True})
-    """A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
+    On SIGTERM: new streams are refused at once, open ones end with UNAVAILABLE after this."""
+
+    inline_step_bytes: int = field(default=1 * MiB, metadata={"size": True})
+    """steps reading fewer cache bytes run on the event loop
+
+    A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
     costs more than the step. Longer steps run on the compute pool so streams stay responsive."""
 
-    workers: int = field(default=0, metadata={"help": "compute threads (0: one per core)"})
-    """Threads that run steps; streams run in parallel on them."""
+    workers: int = 0
+    """compute threads (0: one per core)
 
-    max_queued_bytes: int = field(default=16 * MiB, metadata={"help": "request bytes read ahead per stream", "size": True})
-    """Bytes of one stream's requests read ahead and not yet handled: the reader stops while
+    Threads that run steps; streams run in parallel on them."""
+
+    max_queued_bytes: int = field(default=16 * MiB, metadata={"size": True})
+    """request bytes read ahead per stream
+
+    Bytes of one stream's requests read ahead and not yet handled: the reader stops while
     this many are buffered, so a stream holds at most this plus one message (``max_message_bytes``)."""
 
-    batch_max_delay_us: int = field(default=0, metadata={"help": "microseconds a step may wait for batch-mates"})
-    """How long the oldest waiting step may be held back so that more streams' steps join its
+    batch_max_delay_us: int = 0
+    """microseconds a step may wait for batch-mates
+
+    How long the oldest waiting step may be held back so that more streams' steps join its
     batch. 0 (the default) adds no delay: a free compute worker takes whatever is queued."""
 
-    batch_max_steps: int = field(default=0, metadata={"help": "steps per batched computation (0: no limit)"})
-    """Largest batch; 0 means no limit beyond one step per stream."""
+    batch_max_steps: int = 0
+    """steps per batched computation (0: no limit)
 
-    kernel_threads: int = field(default=0, metadata={"help": "threads of the compiled kernels' pool (0: one per core)"})
-    """Size of the process-wide pool the compiled kernels run on (``backends.native.set_threads``)."""
+    Largest batch; 0 means no limit beyond one step per stream."""
 
-    torch_threads: int = field(default=1, metadata={"help": "torch intra-op threads per step"})
-    """torch's intra-op threads (``torch.set_num_threads``, process-wide). One by default:
-    parallelism comes from running different streams' steps on the ``workers`` threads; several
-    OpenMP teams on few cores contend (measured on 2 busy cores: a 130 us step took 40 ms with 2
-    intra-op threads)."""
+    kernel_threads: int = 0
+    """threads of the compiled kernels' pool (0: one per core)
 
-    metrics_port: int = field(default=9464, metadata={"help": "Prometheus /metrics port on --metrics-host (0: off)"})
-    """Port of the Prometheus exposition, on ``metrics_host``; 0 turns it off."""
+    Size of the process-wide pool the compiled kernels run on (``backends.native.set_threads``)."""
 
-    metrics_host: str = field(default="", metadata={
-        "help": "host /metrics binds (empty: the host of --address)", "optional_env": True})
-    """Address the /metrics listener binds. Empty means the host of ``address``; set it to
+    torch_threads: int = 1
+    """torch intra-op threads per step
+
+    torch's intra-op threads (``torch.set_num_threads``, process-wide). One by default:
+    parallelism comes from running different streams' steps on the ``workers`` threads, and
+    several OpenMP teams on few cores contend (docs/design.md, "Threads")."""
+
+    metrics_port: int = 9464
+    """Prometheus /metrics port on --metrics-host (0: off)"""
+
+    metrics_host: str = field(default="", metadata={"optional_env": True})
+    """host /metrics binds (empty: the host of --address)
+
+    Address the /metrics listener binds. Empty means the host of ``address``; set it to
     127.0.0.1 (or a private interface) to keep the unauthenticated exposition off the network
     the gRPC port serves when ``--address 0.0.0.0``."""
 
-    health_port: int = field(default=0, metadata={
-        "help": "plaintext port serving only grpc.health.v1, for probes when the main port uses TLS (0: off)",
-        "optional_env": True})
-    """A second, plaintext port on the host of ``address`` with the health service alone:
+    health_port: int = field(default=0, metadata={"optional_env": True})
+    """plaintext port serving only grpc.health.v1, for probes when the main port uses TLS (0: off)
+
+    A second, plaintext port on the host of ``address`` with the health service alone:
     kubelet's ``grpc:`` probes cannot speak TLS. It reveals nothing but SERVING/NOT_SERVING."""
 
-    max_connection_age_s: float = field(default=0.0, metadata={
-        "help": "seconds after which a client connection is asked to reconnect (0: never)"})
-    """After this long the server sends a connection GOAWAY: streams already open on it go on
+    max_connection_age_s: float = 0.0
+    """seconds after which a client connection is asked to reconnect (0: never)
+
+    After this long the server sends a connection GOAWAY: streams already open on it go on
     untouched (no grace limit), new RPCs make the client reconnect, and so re-resolve DNS and
     reach pods added since (gRPC balances per connection). 0 keeps connections forever."""
 
-    log_level: str = field(default="INFO", metadata={"help": "logging level"})
+    log_level: str = "INFO"
+    """logging level"""
 
     # -- transport security and authentication (service/security.py) --------------------------
     # Optional in deployments: the Helm chart renders them only when set (``optional_env``).
-    tls_cert_file: str = field(default="", metadata={"help": "PEM certificate chain: serve TLS instead of plaintext",
-                                                     "optional_env": True})
-    """Server certificate chain (PEM). With ``tls_key_file`` set too, the port speaks TLS only;
+    tls_cert_file: str = field(default="", metadata={"optional_env": True})
+    """PEM certificate chain: serve TLS instead of plaintext
+
+    Server certificate chain (PEM). With ``tls_key_file`` set too, the port speaks TLS only;
     both empty (the default) keeps plaintext, meant for loopback and trusted networks."""
 
-    tls_key_file: str = field(default="", metadata={"help": "PEM private key of --tls-cert-file",
-                                                    "optional_env": True})
+    tls_key_file: str = field(default="", metadata={"optional_env": True})
+    """PEM private key of --tls-cert-file"""
 
-    tls_client_ca_file: str = field(default="", metadata={
-        "help": "PEM CA bundle: require client certificates signed by it (mutual TLS)", "optional_env": True})
-    """Mutual TLS: a client must present a certificate that chains to one of these CAs, or the
+    tls_client_ca_file: str = field(default="", metadata={"optional_env": True})
+    """PEM CA bundle: require client certificates signed by it (mutual TLS)
+
+    Mutual TLS: a client must present a certificate that chains to one of these CAs, or the
     handshake fails before any RPC. Needs ``tls_cert_file``/``tls_key_file``."""
 
-    auth_token_file: str = field(default="", metadata={
-        "help": "file holding the bearer token every RPC but health must carry", "optional_env": True})
-    """A file whose content (surrounding whitespace stripped) is the bearer token; RPCs other
+    auth_token_file: str = field(default="", metadata={"optional_env": True})
+    """file holding the bearer token every RPC but health must carry
+
+    A file whose content (surrounding whitespace stripped) is the bearer token; RPCs other
     than health must send ``authorization: Bearer <token>`` or get UNAUTHENTICATED. A file
     that holds no token (empty, or whitespace only) refuses the start: it never means "off"."""
 
-    auth_token: str = field(default="", repr=False, metadata={
-        "help": "the bearer token itself", "env_only": True, "optional_env": True})
-    """The token from ``GQA_AUTH_TOKEN`` (e.g. a Kubernetes Secret through ``secretKeyRef``).
+    auth_token: str = field(default="", repr=False, metadata={"env_only": True, "optional_env": True})
+    """the bearer token itself
+
+    The token from ``GQA_AUTH_TOKEN`` (e.g. a Kubernetes Secret through ``secretKeyRef``).
     There is deliberately no flag: a command line is visible to every user of the machine.
     Authentication never fails open: the variable set but empty or whitespace (an empty
     Secret key, say) refuses the start; only its absence means no authentication."""
 
-    snapshot_key_file: str = field(default="", metadata={
-        "help": "file holding the key that signs snapshots (HMAC-SHA256); replicas that restore each other's share it",
-        "optional_env": True})
-    """With a key (at least 16 bytes, surrounding whitespace stripped), every snapshot is signed and
+    snapshot_key_file: str = field(default="", metadata={"optional_env": True})
+    """file holding the key that signs snapshots (HMAC-SHA256); replicas that restore each other's share it
+
+    With a key (at least 16 bytes, surrounding whitespace stripped), every snapshot is signed and
     a restore must carry a valid signature: a client cannot forge or alter a stream's state.
     Without one, snapshots carry only a CRC-32, which detects accidents but not tampering."""
 
-    snapshot_key: str = field(default="", repr=False, metadata={
-        "help": "the snapshot key itself", "env_only": True, "optional_env": True})
-    """The snapshot key from ``GQA_SNAPSHOT_KEY`` (e.g. a Kubernetes Secret); no flag, as for
+    snapshot_key: str = field(default="", repr=False, metadata={"env_only": True, "optional_env": True})
+    """the snapshot key itself
+
+    The snapshot key from ``GQA_SNAPSHOT_KEY`` (e.g. a Kubernetes Secret); no flag, as for
     ``auth_token``."""
 
     def validate(self) -> "ServerConfig":
         host, sep, port = self.address.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
             raise ConfigError(f"--address: expected HOST:PORT, got {self.address!r}")
-        from backends.registry import BACKENDS  # names only: no backend module is imported
+        from .vocab import BACKEND_CHOICES, DTYPE_CHOICES  # names only: no backend module is imported
 
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKENDS))})")
-        if self.dtype not in ("float32", "float16", "bfloat16"):
-            raise ConfigError(f"--dtype: expected float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.backend not in BACKEND_CHOICES:
+            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKEND_CHOICES))})")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"--dtype: expected {', '.join(DTYPE_CHOICES[:-1])} or {DTYPE_CHOICES[-1]}, got {self.dtype!r}")
         for name in ("max_streams", "max_cache_bytes", "max_capacity", "max_layers", "max_heads",
                      "max_head_dim", "max_batch_size", "max_message_bytes", "max_queued_steps"):
             if getattr(self, name) <= 0:
@@ -306,8 +360,35 @@ def _size(text: str) -> int:
 _size.__name__ = "size"  # argparse names the type in its error: "invalid size value: '4Q'"
 
 
+@functools.cache
+def field_docs() -> dict[str, str]:
+    """Each ``ServerConfig`` field's docstring (the string literal under it), by field name; read
+    from the source, as Python keeps no attribute docstrings. Empty where no source is at hand."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(ServerConfig)))
+    except (OSError, TypeError):
+        return {}
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[node.target.id] = inspect.cleandoc(after.value.value)
+    return docs
+
+
+def _help(doc: str, choices: tuple[str, ...] | None) -> str:
+    summary = " ".join(doc.split("\n\n", 1)[0].split())
+    return f"{summary} ({', '.join(choices)})" if choices else summary
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per field; defaults stay unset so that the environment can fill them."""
+    from .vocab import BACKEND_CHOICES, DTYPE_CHOICES
+
+    choices = {"backend": BACKEND_CHOICES, "dtype": DTYPE_CHOICES}
+    docs = field_docs()
     for f in fields(ServerConfig):
         if f.metadata.get("env_only"):
             continue
@@ -318,7 +399,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=f.name,
             type=_kind(f),
             default=None,
-            help=f"{f.metadata.get('help', '')} [env {_env(f.name)}, default {default}{units}]",
+            help=f"{_help(docs.get(f.name, ''), choices.get(f.name))} [env {_env(f.name)}, default {default}{units}]",
         )
 
 

@@ -21,6 +21,7 @@ A stream's steps are submitted one at a time by its own handler, so a ``Stream``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -46,6 +47,7 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
+from .vocab import TORCH_DTYPES
 
 __all__ = [
     "Engine",
@@ -62,7 +64,8 @@ log = logging.getLogger("gqa.engine")
 # Steps of different streams submitted closer together than this count as concurrent.
 _CONCURRENT_WINDOW_S = 1e-3
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# name -> torch dtype (service.vocab), under the name the engine has always exported
+DTYPES = TORCH_DTYPES
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,22 @@ class Engine:
     @property
     def bytes_reserved(self) -> int:
         return self._reserved
+
+    @property
+    def closed(self) -> bool:
+        """True once ``close_all`` has run (shutdown): every later open is refused."""
+        return self._closed_all is not None
+
+    @contextlib.contextmanager
+    def counting_open_refusals(self):
+        """Around a request's validation before it reaches ``admit``: a ``ServiceError`` raised
+        inside is counted as an open refusal (reason ``invalid``) and re-raised, so opens refused
+        by the translation layer (Decode and Batch alike) count like those the engine refuses."""
+        try:
+            yield
+        except ServiceError:
+            self.observer.open_refused("invalid")
+            raise
 
     def bytes_in_use(self) -> int:
         with self._lock:

@@ -241,7 +241,8 @@ def plot(result: LoadResult, summary: dict, path: str | pathlib.Path) -> None:
 
 # -- the command ---------------------------------------------------------------------------------
 def add_command(sub) -> None:
-    from .cli_server import DTYPE_NAMES, POLICY_NAMES, add_client_arguments, non_negative_int, positive_int
+    from .cli_common import add_client_arguments, non_negative_int, positive_int
+    from .vocab import DTYPE_CHOICES, POLICY_CHOICES
 
     bench = sub.add_parser("bench", help="load a running server: steps/s, round-trip and compute percentiles",
                            description=__doc__.split("\n\n")[1].replace("\n", " "),
@@ -257,11 +258,11 @@ def add_command(sub) -> None:
     load.add_argument("--heads", type=positive_int, default=32, help="query heads Hq (default %(default)s)")
     load.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads Hkv (default %(default)s)")
     load.add_argument("--head-dim", type=positive_int, default=128, help="head width D (default %(default)s)")
-    load.add_argument("--policy", choices=POLICY_NAMES, default="strict", help="eviction policy (default %(default)s)")
+    load.add_argument("--policy", choices=POLICY_CHOICES, default="strict", help="eviction policy (default %(default)s)")
     load.add_argument("--window", type=non_negative_int, default=0, help="W (default: context + 1)")
     load.add_argument("--capacity", type=non_negative_int, default=0,
                       help="rows per layer (none: default context + steps per stream; greedy: 1.5 W)")
-    load.add_argument("--dtype", choices=DTYPE_NAMES, default="float32", help="stream dtype (default %(default)s)")
+    load.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="stream dtype (default %(default)s)")
     load.add_argument("--backend", default="", help="backend (default: the server's)")
     stop = load.add_mutually_exclusive_group()
     stop.add_argument("--duration", type=float, default=10.0, help="seconds of load (default %(default)s)")
@@ -274,7 +275,7 @@ def add_command(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from .cli import EXIT_FAILURE, fail
+    from .cli_common import EXIT_FAILURE, fail
     from .client import GqaError
     from .config import ConfigError
 
@@ -306,7 +307,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, config: LoadConfig) -> LoadResult:
-    from .cli_server import client_from_args
+    from .cli_common import client_from_args
     from .client import AsyncClient
 
     async with client_from_args(args, client_class=AsyncClient) as client:

@@ -1,4 +1,4 @@
-"""The gqa.v1 servicer: protobuf in, engine calls, protobuf out. Translation only.
+"""The gqa.v1 servicer: protobuf in, engine calls, protobuf out (sessions and batching delegated, below).
 
 Errors: ``ServiceError`` carries its code; in a stream, a refused step/rollback/snapshot is
 answered in-band and the stream goes on; a broken protocol, a refused open, the idle timeout
@@ -28,29 +28,21 @@ from backends import registry
 from backends.reference import gqa_decode_step
 from backends.validation import check_cache_tensors, check_heads, check_step_tensors
 
-from . import __version__, snapshot
-from . import batch_rpc
+from . import __version__, batch_rpc, snapshot
 from .api import gqa_pb2, gqa_pb2_grpc
 from .batcher import classify_step_error
 from .config import ServerConfig
 from .engine import Admission, Engine, StepReport, Stream
 from .errors import Internal, InvalidArgument, ServiceError
 from .session import EOF, StreamClosed, StreamSession
-from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto
+from .tensors import from_proto, to_proto
+from .vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_DTYPES, TORCH_TO_DTYPE
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
 log = logging.getLogger("gqa.servicer")
 
-POLICY_NAMES = {
-    gqa_pb2.EVICTION_POLICY_NONE: "none",
-    gqa_pb2.EVICTION_POLICY_STRICT: "strict",
-    gqa_pb2.EVICTION_POLICY_GREEDY: "greedy",
-    gqa_pb2.EVICTION_POLICY_SINK: "sink",
-}
-POLICY_ENUMS = {v: k for k, v in POLICY_NAMES.items()}
 _OK = gqa_pb2.Status(code=0)
-DTYPES_TORCH = {name: DTYPE_TO_TORCH[enum] for enum, name in DTYPE_NAMES.items()}
 
 
 def _status(code: str) -> grpc.StatusCode:
@@ -74,7 +66,7 @@ class _StepShape:
 
     def __init__(self, stream: Stream):
         c = stream.config
-        itemsize = torch.empty((), dtype=DTYPES_TORCH[c.dtype]).element_size()
+        itemsize = torch.empty((), dtype=TORCH_DTYPES[c.dtype]).element_size()
         self.dtype = NAME_TO_DTYPE[c.dtype]
         self.q_shape = [c.batch_size, c.num_query_heads, c.head_dim]
         self.kv_shape = [c.batch_size, c.num_kv_heads, c.head_dim]

@@ -34,7 +34,7 @@ from .engine import StreamConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["encode", "decode", "signature", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
 
 MAX_CHUNKS = 1 << 16
 # A layer's T in a snapshot: a stream at a million tokens a second takes 146,000 years to get
@@ -58,7 +58,7 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _signature(chunks, key: bytes) -> bytes:
+def signature(chunks, key: bytes) -> bytes:
     """HMAC-SHA256 of the chunks as the proto's ``signature`` field describes; the last chunk's
     signature is left empty while it is computed."""
     last = chunks[-1]
@@ -117,7 +117,7 @@ def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int, max_chunk
     chunks[-1].last = True
     chunks[-1].checksum = _checksum(chunks)
     if key is not None:
-        chunks[-1].signature = _signature(chunks, key)
+        chunks[-1].signature = signature(chunks, key)
     return chunks
 
 
@@ -128,7 +128,7 @@ def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig,
     if key is not None:
         if not chunks[-1].signature:
             raise InvalidArgument("restore: this server requires signed snapshots and the snapshot carries no signature")
-        if not hmac.compare_digest(_signature(chunks, key), chunks[-1].signature):
+        if not hmac.compare_digest(signature(chunks, key), chunks[-1].signature):
             raise InvalidArgument("restore: the snapshot's signature does not match (altered, or signed with another key)")
     if _checksum(chunks) != chunks[-1].checksum:
         raise InvalidArgument("restore: the snapshot's checksum does not match its data (corrupted or truncated)")

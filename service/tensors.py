@@ -13,25 +13,13 @@ import torch
 
 from .api import gqa_pb2
 from .errors import InvalidArgument
+from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE  # noqa: F401 (re-exported)
 
 __all__ = ["from_proto", "to_proto", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE", "DTYPE_NAMES"]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("gqa-serve's tensor codec assumes a little-endian host")
 
-DTYPE_TO_TORCH = {
-    gqa_pb2.DTYPE_FLOAT32: torch.float32,
-    gqa_pb2.DTYPE_FLOAT16: torch.float16,
-    gqa_pb2.DTYPE_BFLOAT16: torch.bfloat16,
-}
-TORCH_TO_DTYPE = {v: k for k, v in DTYPE_TO_TORCH.items()}
-TORCH_TO_DTYPE[torch.int8] = gqa_pb2.DTYPE_INT8  # snapshot codes only
-DTYPE_NAMES = {
-    gqa_pb2.DTYPE_FLOAT32: "float32",
-    gqa_pb2.DTYPE_FLOAT16: "float16",
-    gqa_pb2.DTYPE_BFLOAT16: "bfloat16",
-}
-NAME_TO_DTYPE = {v: k for k, v in DTYPE_NAMES.items()}
 # Larger dimensions could only describe empty tensors, which torch cannot even size.
 MAX_DIM = (1 << 31) - 1
 _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int8: 1}

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import queue
-import threading
 
 import grpc
 import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.tensors import from_proto, to_proto
-
-POLICY = {
-    "none": gqa_pb2.EVICTION_POLICY_NONE,
-    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
-    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
-    "sink": gqa_pb2.EVICTION_POLICY_SINK,
-}
-DTYPE = {torch.float32: gqa_pb2.DTYPE_FLOAT32, torch.float16: gqa_pb2.DTYPE_FLOAT16,
-         torch.bfloat16: gqa_pb2.DTYPE_BFLOAT16}
+from service.vocab import POLICY_ENUMS, TORCH_TO_DTYPE
 
 _END = object()
 
@@ -28,8 +19,8 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_sen
 
 def open_message(*, batch=1, hq=4, hkv=2, d=8, layers=1, policy="strict", window=8, capacity=0, sinks=0,
                  dtype=torch.float32, backend="", prefill=None) -> gqa_pb2.OpenStream:
-    msg = gqa_pb2.OpenStream(backend=backend, dtype=DTYPE[dtype], batch_size=batch, num_query_heads=hq,
-                             num_kv_heads=hkv, head_dim=d, num_layers=layers, policy=POLICY[policy],
+    msg = gqa_pb2.OpenStream(backend=backend, dtype=TORCH_TO_DTYPE[dtype], batch_size=batch, num_query_heads=hq,
+                             num_kv_heads=hkv, head_dim=d, num_layers=layers, policy=POLICY_ENUMS[policy],
                              window=window, capacity=capacity, sink_tokens=sinks)
     for layer, (k, v) in (prefill or {}).items():
         msg.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))

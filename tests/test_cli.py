@@ -239,7 +239,7 @@ def test_second_ctrl_c_stops_at_once():
         assert session.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
         proc.send_signal(signal.SIGINT)
         deadline = time.monotonic() + 10
-        while "draining" not in (line := proc.stdout.readline()) and time.monotonic() < deadline:
+        while "draining" not in proc.stdout.readline() and time.monotonic() < deadline:
             pass
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=60) == 0  # far inside the 600 s grace period

@@ -12,8 +12,17 @@ import pytest
 import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
-from service.client import (AsyncClient, CacheFull, CallFailed, Client, InexactRollback, InvalidArgument,
-                            Refused, Snapshot, open_message)
+from service.client import (
+    AsyncClient,
+    CacheFull,
+    CallFailed,
+    Client,
+    InexactRollback,
+    InvalidArgument,
+    Refused,
+    Snapshot,
+    open_message,
+)
 from service.config import ServerConfig
 from service.server import ServerThread
 from tests.conftest import assert_close_to_oracle

@@ -43,7 +43,7 @@ def test_100_random_cancellations_free_every_byte():
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as ch:
         m = srv.server.metrics
         faults = {"after_reply": 0, "step_in_flight": 0, "right_after_open": 0}
-        for i in range(100):
+        for _ in range(100):
             session = Session(ch, open_message(layers=rng.randint(1, 3), policy="greedy", window=8, capacity=12))
             for _ in range(rng.randint(0, 12)):
                 session.step(0, *_x(g))

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import MiB, ServerConfig
 from service.server import ServerThread
-from service.tensors import to_proto
 from tests.client import Session, open_message, step_request, wait_until
 
 CONFIG = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, max_capacity=4096,

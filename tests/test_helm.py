@@ -11,8 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import pathlib
+import re
 import shutil
 import subprocess
 import sys

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 import signal
@@ -22,8 +21,7 @@ from backends.policy import EvictionPolicy
 from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.server import ServerThread
-from service.tensors import from_proto
-from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request
+from tests.client import CHANNEL_OPTIONS, Session, open_message
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref
 

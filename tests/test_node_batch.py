@@ -8,32 +8,21 @@ tests/tools/install_client_tools.sh``).
 
 from __future__ import annotations
 
-import json
-import pathlib
-import shutil
-import subprocess
-
 import numpy as np
 import pytest
 
+from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.server import ServerThread
-from tests.oracle import attended_positions, attention_ref
+from service.vocab import POLICY_NAMES, TORCH_DTYPES
+from tests.conftest import TOLERANCES
+from tests.node_support import NEEDS_NODE, array, run_client
+from tests.oracle import attended_positions, attention_ref, resident_length
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CLIENT = ROOT / "clients" / "node"
-TOLERANCE = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 1.6e-2)}
-POLICY = {"EVICTION_POLICY_NONE": "none", "EVICTION_POLICY_STRICT": "strict", "EVICTION_POLICY_GREEDY": "greedy",
-          "EVICTION_POLICY_SINK": "sink"}
+# the proto enum's JSON names (EVICTION_POLICY_GREEDY) -> the policy names (greedy)
+POLICY = {gqa_pb2.EvictionPolicy.Name(wire): name for wire, name in POLICY_NAMES.items()}
 
-NODE = shutil.which("node")
-pytestmark = [
-    pytest.mark.skipif(NODE is None, reason="node is not on PATH (Node.js 18+ runs clients/node)"),
-    pytest.mark.skipif(
-        not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-        reason="clients/node/node_modules is missing: run `bash tests/tools/install_client_tools.sh`",
-    ),
-]
+pytestmark = NEEDS_NODE
 
 
 @pytest.fixture(scope="module")
@@ -42,31 +31,10 @@ def server():
         yield thread
 
 
-def run_client(*args: str, timeout: float = 60) -> list[dict]:
-    proc = subprocess.run([NODE, str(CLIENT / "run.js"), *args], capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"node exited {proc.returncode}:\n{proc.stderr}"
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    assert not [line for line in lines if line["kind"] == "unexpected"], lines
-    return lines
-
-
-def array(dump: dict) -> np.ndarray:
-    return np.asarray(dump["data"], dtype=np.float64).reshape(dump["shape"])
-
-
 def resident_rows(policy: dict, t: int) -> int:
-    kind, w = POLICY[policy["policy"]], policy.get("window", 0)
-    if kind == "none":
-        return t
-    if kind == "strict":
-        return min(t, w)
-    if kind == "sink":
-        return min(t, policy.get("sink_tokens", 0) + w)
-    c = policy.get("capacity", w)
-    if t <= c:
-        return t
-    g = c - w + 1
-    return t - g * -(-(t - c) // g)
+    """L(T) of a sequence the client printed (``capacity`` absent: the window)."""
+    return resident_length(POLICY[policy["policy"]], t, policy.get("window", 0), policy.get("capacity", 0),
+                           policy.get("sink_tokens", 0))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -89,7 +57,7 @@ def test_batch_session_of_mixed_sequences_matches_the_oracle(server, dtype):
         assert added["tokens_seen"] == [len(keys[sid, layer]) for layer in range(layers)]
     assert len(policies) == 6 and {POLICY[p["policy"]] for p in policies.values()} == set(POLICY.values())
 
-    atol, rtol = TOLERANCE[dtype]
+    atol, rtol = TOLERANCES[TORCH_DTYPES[dtype]]
     steps = [line for line in lines if line["kind"] == "batch_step"]
     assert len(steps) == 30
     for s in steps:

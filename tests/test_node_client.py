@@ -9,8 +9,6 @@ inputs alone. Skipped with a reason where node or the client's node_modules are 
 from __future__ import annotations
 
 import json
-import pathlib
-import shutil
 import subprocess
 
 import numpy as np
@@ -18,51 +16,23 @@ import pytest
 
 from service.config import ServerConfig
 from service.server import ServerThread
-from tests.oracle import attended_positions, attention_ref, decode_step_ref
+from service.vocab import TORCH_DTYPES
+from tests.conftest import TOLERANCES
+from tests.node_support import CLIENT, NEEDS_NODE, NODE, ROOT, array, run_client
+from tests.oracle import attended_positions, attention_ref, decode_step_ref, resident_length
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-CLIENT = ROOT / "clients" / "node"
 EXAMPLES = ROOT / "tests" / "data" / "examples.json"
 
 # float32 outputs against the float64 oracle on the same inputs; half types are bounded by
 # rounding the output to 11 / 8 significant bits.
-TOLERANCE = {"float32": (2e-5, 1e-4), "float16": (2e-3, 4e-3), "bfloat16": (1.6e-2, 1.6e-2)}
 
-NODE = shutil.which("node")
-pytestmark = [
-    pytest.mark.skipif(NODE is None, reason="node is not on PATH (Node.js 18+ runs clients/node)"),
-    pytest.mark.skipif(
-        not (CLIENT / "node_modules" / "@grpc" / "grpc-js").is_dir(),
-        reason="clients/node/node_modules is missing: run `bash tests/tools/install_client_tools.sh`",
-    ),
-]
+pytestmark = NEEDS_NODE
 
 
 @pytest.fixture(scope="module")
 def server():
     with ServerThread(ServerConfig(address="127.0.0.1:0", metrics_port=0)) as thread:
         yield thread
-
-
-def run_client(*args: str, timeout: float = 60) -> list[dict]:
-    proc = subprocess.run([NODE, str(CLIENT / "run.js"), *args], capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"node exited {proc.returncode}:\n{proc.stderr}"
-    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.strip()]
-    unexpected = [line for line in lines if line["kind"] == "unexpected"]
-    assert not unexpected, unexpected
-    return lines
-
-
-def array(dump: dict) -> np.ndarray:
-    return np.asarray(dump["data"], dtype=np.float64).reshape(dump["shape"])
-
-
-def resident_rows(t: int, window: int, capacity: int) -> int:
-    """L(T) of EVICTION.md's greedy policy."""
-    if t <= capacity:
-        return t
-    g = capacity - window + 1
-    return t - g * -(-(t - capacity) // g)
 
 
 def test_seed_examples_through_decode_step(server):
@@ -101,7 +71,7 @@ def check_stream(lines: list[dict], *, steps: int, window: int, capacity: int, l
         values[entry["layer"]] += [v[:, :, i] for i in range(v.shape[2])]
     assert opened["opened"]["tokens_seen"] == [len(h) for h in history]
 
-    atol, rtol = TOLERANCE[dtype]
+    atol, rtol = TOLERANCES[TORCH_DTYPES[dtype]]
     step_lines = [line for line in lines if line["kind"] == "step"]
     assert [s["step"] for s in step_lines] == list(range(steps))
     evictions = 0
@@ -111,7 +81,7 @@ def check_stream(lines: list[dict], *, steps: int, window: int, capacity: int, l
         history[layer].append(array(s["new_key"]))
         values[layer].append(array(s["new_value"]))
         t = len(history[layer])
-        resident = resident_rows(t, window, capacity)
+        resident = resident_length("greedy", t, window, capacity)
         assert (s["tokens_seen"], s["resident"]) == (t, resident), s["step"]
         assert (s["first_position"], s["last_position"]) == (t - resident, t - 1), s["step"]
         evictions += s["evicted_tokens"] > 0

@@ -11,7 +11,7 @@ from backends.policy import EvictionPolicy, PolicyError, PolicyKind, greedy_resi
 
 def simulate_greedy(t_max: int, window: int, capacity: int) -> list[list[int]]:
     """Resident positions after each T, by appending one token at a time and dropping, on
-    overflow, the oldest tokens in one block so that the latest W remain (EVICTION.md)."""
+    overflow, the oldest tokens in one block so that the latest W remain (docs/eviction.md)."""
     resident: list[int] = []
     history = [[]]
     for p in range(t_max):
@@ -146,7 +146,7 @@ def test_rollback_reach_is_arithmetic_not_a_walk(monkeypatch):
             expected = _reach_by_definition(pol, t)
         calls = []
         original = EvictionPolicy.resident_length
-        monkeypatch.setattr(EvictionPolicy, "resident_length", lambda self, t: calls.append(t) or original(self, t))
+        monkeypatch.setattr(EvictionPolicy, "resident_length", lambda self, t, calls=calls, original=original: calls.append(t) or original(self, t))
         assert pol.rollback_reach(t) == expected
         monkeypatch.undo()
         assert len(calls) <= 2, f"{pol.kind.value}: L(T) evaluated {len(calls)} times"

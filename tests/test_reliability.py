@@ -248,7 +248,7 @@ def test_6_drain_ends_an_open_still_being_built(monkeypatch):
         rpc = RawCall(ch, [gqa_pb2.DecodeRequest(open=open_message())])
         assert held.entered.acquire(timeout=10)
         drain = asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
-        assert wait_until(lambda: srv.engine._closed_all is not None)
+        assert wait_until(lambda: srv.engine.closed)
         held.release.set()
         with pytest.raises(grpc.RpcError) as info:
             next(rpc.call)

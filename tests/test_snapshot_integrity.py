@@ -134,7 +134,7 @@ def _unsigned(chunk):
 
 def _resigned(chunks, key: bytes):
     out = _copy(chunks)
-    out[-1].signature = snapshot._signature(out, key)
+    out[-1].signature = snapshot.signature(out, key)
     return out
 
 

@@ -1111,7 +1111,9 @@ type DecodeResponse_Snapshot struct {
 }
 
 type DecodeResponse_Error struct {
-	// An in-band refusal of a rollback or snapshot request that could not be served.
+	// An in-band refusal of a snapshot request that could not be served. A refused step is
+	// answered in `step` (StepResult.status), a refused rollback in `rollback`
+	// (RollbackResult.status); neither uses this field.
 	Error *Status `protobuf:"bytes,6,opt,name=error,proto3,oneof"`
 }
 
