@@ -52,45 +52,48 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     if len({id(s.cache) for s in steps}) != len(steps):
         raise ValueError("step_many: a cache appears twice in one batch")
     results: list[StepOutcome | Exception | None] = [None] * len(steps)
-    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, desc, output, keep)]
+    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, prepared)]
     kernels = {}
     for i, s in enumerate(steps):
-        cache = s.cache
-        if getattr(cache, "_native", None) is None:
+        cache, q, k, v = s
+        kernel = cache._native
+        if kernel is not None:
             try:
-                results[i] = cache.step(s.query, s.new_key, s.new_value)
-            except Exception as exc:  # refused alone; the cache restored itself
-                results[i] = exc
-            continue
-        try:
-            cache.check_step(s.query, s.new_key, s.new_value)
-            prepared = cache._prepare_native(s.query, s.new_key, s.new_value)
-        except Exception as exc:
-            results[i] = exc
-            continue
-        if prepared is None:  # this step takes the Python path (e.g. int8 calibration)
-            try:
-                results[i] = cache.step(s.query, s.new_key, s.new_value)
+                cache.check_step(q, k, v)
+                prepared = cache._prepare_native(q, k, v)
             except Exception as exc:
                 results[i] = exc
-            continue
-        kernels[id(cache._native)] = cache._native
-        groups.setdefault(id(cache._native), []).append((i, cache, cache.tokens_seen, prepared))
+                continue
+            if prepared is not None:
+                members = groups.get(id(kernel))
+                if members is None:
+                    members = groups[id(kernel)] = []
+                    kernels[id(kernel)] = kernel
+                members.append((i, cache, cache.tokens_seen, prepared))
+                continue
+        # no compiled step, or this step takes the Python path (e.g. int8 calibration)
+        try:
+            results[i] = cache.step(q, k, v)
+        except Exception as exc:  # refused alone; the cache restored itself
+            results[i] = exc
+    size = ctypes.sizeof(native.CacheDesc)
     for key, members in groups.items():
         descs = (native.CacheDesc * len(members))()
-        size = ctypes.sizeof(native.CacheDesc)
-        for j, (_, _, _, prepared) in enumerate(members):
-            ctypes.memmove(ctypes.addressof(descs) + j * size, ctypes.addressof(prepared.desc), size)
+        base = ctypes.addressof(descs)
+        for j, member in enumerate(members):
+            ctypes.memmove(base + j * size, ctypes.addressof(member[3].desc), size)
         try:
-            kernels[key].run(descs, len(members))
+            kernels[key].run(base, len(members))
         except Exception as exc:  # the whole call refused: nothing was written
             for i, *_ in members:
                 results[i] = exc
             continue
         for j, (i, cache, t, prepared) in enumerate(members):
             try:
-                cache.native_step_done(descs[j].status)
-                results[i] = cache._commit(t, prepared.output, prepared.attended)
+                status = descs[j].status
+                if status:
+                    cache.native_step_done(status)
+                results[i] = cache._commit_plan(t, prepared.output, prepared.plan)
             except Exception as exc:
                 results[i] = exc
     return results  # type: ignore[return-value]

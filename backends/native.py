@@ -154,6 +154,11 @@ class CacheDesc(ctypes.Structure):
     ]
 
     def set_runs(self, runs) -> None:
+        if len(runs) == 1:  # the common case
+            r = self.runs
+            r[0], r[1] = runs[0]
+            self.nruns = 1
+            return
         if not 1 <= len(runs) <= MAX_RUNS:
             raise ValueError(f"native kernel: {len(runs)} runs (1..{MAX_RUNS})")
         r = self.runs
