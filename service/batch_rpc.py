@@ -29,7 +29,7 @@ import torch
 
 from backends import registry
 from backends.batch import BatchStep, step_many
-from backends.errors import BackendUnavailable, CacheFullError
+from backends.errors import BackendUnavailable, CacheFullError, InvalidInput
 
 from . import snapshot
 from .api import gqa_pb2
@@ -470,7 +470,7 @@ def _as_service_error(exc: Exception, session: str, sid: int, layer: int) -> Ser
         return exc
     if isinstance(exc, CacheFullError):
         return ResourceExhausted(str(exc))
-    if isinstance(exc, (TypeError, ValueError)):
+    if isinstance(exc, InvalidInput):  # the backends' input errors, by type (not any ValueError)
         return InvalidArgument(str(exc))
     log.error("session %s: step of sequence %d on layer %d failed", session, sid, layer, exc_info=exc)
     return Internal()

@@ -18,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
+import os
 import time
 
 import grpc
@@ -36,7 +38,7 @@ from .config import ServerConfig
 from .engine import Admission, Engine, StepReport, Stream
 from .errors import Internal, InvalidArgument, ServiceError
 from .session import EOF, StreamClosed, StreamSession
-from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto
+from .tensors import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE, from_proto, to_proto, tune_allocator
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
@@ -96,6 +98,8 @@ def _request_bytes(request) -> int:
 
 class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     def __init__(self, engine: Engine, config: ServerConfig, pool: concurrent.futures.Executor):
+        if os.environ.get("GQA_TUNE_MALLOC", "1") != "0":  # "0": the benchmarks' A/B
+            tune_allocator()  # the server's process: per-message buffers from the heap
         self.engine = engine
         self.config = config
         self.pool = pool
@@ -411,7 +415,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
 class _StepReply:
     """Builds a step's reply on the compute worker: the output's bytes written once, into the
-    message."""
+    message. Fields are assigned one by one: upb's keyword constructor with nested messages
+    measured 20 us per reply against 5 us this way."""
 
     __slots__ = ("rid", "layer", "shape", "dtype")
 
@@ -423,21 +428,25 @@ class _StepReply:
             return _refusal(self.rid, self.layer, value)
         o = value.outcome
         out = o.output
-        if not out.is_contiguous():
-            out = out.contiguous()
-        return gqa_pb2.DecodeResponse(request_id=self.rid, step=gqa_pb2.StepResult(
-            status=_OK,
-            layer=self.layer,
-            output=gqa_pb2.Tensor(dtype=self.dtype, shape=self.shape, data=out.view(torch.uint8).numpy().tobytes()),
-            tokens_seen=o.tokens_seen,
-            resident=o.resident,
-            first_position=o.first_position,
-            last_position=o.last_position,
-            evicted=o.evicted_tokens > 0,
-            evicted_tokens=o.evicted_tokens,
-            compute_ns=value.compute_ns,
-            rollback_reach=value.rollback_reach,
-        ))
+        if not (out.is_cpu and out.is_contiguous()):
+            out = out.cpu().contiguous()
+        response = gqa_pb2.DecodeResponse(request_id=self.rid)
+        r = response.step
+        r.status.SetInParent()  # OK: code 0, present
+        r.layer = self.layer
+        t = r.output
+        t.dtype = self.dtype
+        t.shape.extend(self.shape)
+        t.data = ctypes.string_at(out.data_ptr(), out.nbytes)  # one copy, from a CPU tensor
+        r.tokens_seen = o.tokens_seen
+        r.resident = o.resident
+        r.first_position = o.first_position
+        r.last_position = o.last_position
+        r.evicted = o.evicted_tokens > 0
+        r.evicted_tokens = o.evicted_tokens
+        r.compute_ns = value.compute_ns
+        r.rollback_reach = value.rollback_reach
+        return response
 
 
 def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:

@@ -117,6 +117,8 @@ def test_backend_failure_mid_step_is_internal_and_changes_nothing(monkeypatch):
         def boom(*args, **kwargs):
             raise RuntimeError(f"kernel failed in {ROOT}/backends/cpu.py")
 
+        # the compute of either path: the compiled step's preparation, or torch's attention
+        monkeypatch.setattr(cache, "_prepare_native", boom)
         monkeypatch.setattr(cache, "_attend", boom)
         reply = victim.step(0, *_x(g))
         assert reply.step.status.code == grpc.StatusCode.INTERNAL.value[0]
