@@ -78,10 +78,14 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
             results[i] = exc
     size = ctypes.sizeof(native.CacheDesc)
     for key, members in groups.items():
-        descs = (native.CacheDesc * len(members))()
-        base = ctypes.addressof(descs)
-        for j, member in enumerate(members):
-            ctypes.memmove(base + j * size, ctypes.addressof(member[3].desc), size)
+        if len(members) == 1:  # a batch of one (the server's inline step): the cache's own descriptor
+            descs = (members[0][3].desc,)
+            base = ctypes.addressof(descs[0])
+        else:
+            descs = (native.CacheDesc * len(members))()
+            base = ctypes.addressof(descs)
+            for j, member in enumerate(members):
+                ctypes.memmove(base + j * size, ctypes.addressof(member[3].desc), size)
         try:
             kernels[key].run(base, len(members))
         except Exception as exc:  # the whole call refused: nothing was written
