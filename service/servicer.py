@@ -20,7 +20,6 @@ import concurrent.futures
 import contextlib
 import ctypes
 import logging
-import os
 import time
 
 import grpc
@@ -98,8 +97,7 @@ def _request_bytes(request) -> int:
 
 class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     def __init__(self, engine: Engine, config: ServerConfig, pool: concurrent.futures.Executor):
-        if os.environ.get("GQA_TUNE_MALLOC", "1") != "0":  # "0": the benchmarks' A/B
-            tune_allocator()  # the server's process: per-message buffers from the heap
+        tune_allocator()  # the server's process: per-message buffers from the heap, not fresh pages
         self.engine = engine
         self.config = config
         self.pool = pool

@@ -80,20 +80,23 @@ def to_proto(tensor: torch.Tensor) -> gqa_pb2.Tensor:
     return gqa_pb2.Tensor(dtype=TORCH_TO_DTYPE[tensor.dtype], shape=list(tensor.shape), data=data)
 
 
-_M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
 MMAP_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 128 << 20
 _tuned: bool | None = None
 
 
 def tune_allocator() -> bool:
-    """Serves buffers under 64 MiB from glibc's heap instead of fresh ``mmap``s (once per
-    process; False where the C library is not glibc).
+    """Serves buffers under 64 MiB from glibc's heap instead of fresh pages (once per process;
+    False where the C library is not glibc).
 
     A step's output, a reply's bytes and a request's tensors are allocated and freed once per
     message; at ~1 MiB (a 64-sequence ``Batch`` step, a long stream's reply) glibc maps each one
-    fresh and every page faults on first touch: serialising a 1 MiB output measured 1.16 ms
-    against 66 us from the heap (``MALLOC_MMAP_THRESHOLD_=64MiB``). The heap keeps what it grew
-    to, bounded by the largest messages in flight.
+    fresh (or, above its mmap threshold, gives the heap's top back to the kernel on free) and
+    every page faults on first touch. Building and serialising a 1 MiB ``BatchResponse``
+    measured 2.1 ms by default, 2.1 ms with the mmap threshold alone, 93 us with the trim
+    threshold raised too. The cost: each heap keeps up to 128 MiB of freed memory mapped
+    instead of returning it.
     """
     global _tuned
     if _tuned is None:
@@ -105,5 +108,6 @@ def tune_allocator() -> bool:
             return False
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
-        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES))
+        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                      and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
     return _tuned
