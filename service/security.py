@@ -167,12 +167,11 @@ def _tolerant(deserializer: Callable | None) -> Callable | None:
 class _GuardedContext:
     """The handler's context, refusing a streamed request that did not parse."""
 
-    __slots__ = ("_context", "_method", "write")
+    __slots__ = ("_context", "_method")
 
     def __init__(self, context, method: str):
         self._context = context
         self._method = method
-        self.write = context.write  # per message: bound once, not looked up by __getattr__
 
     def __getattr__(self, name):
         return getattr(self._context, name)
