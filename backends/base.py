@@ -273,7 +273,7 @@ class LayerCache(abc.ABC):
         prepared = self._prepare_native(query, new_key, new_value)
         if prepared is not None:  # the whole step in one native call (see native_step_done)
             desc = prepared.desc
-            self._native.run(ctypes.addressof(desc), 1)
+            self._native.run_one(ctypes.addressof(desc))
             if desc.status:
                 self.native_step_done(desc.status)
             return self._commit_plan(t, prepared.output, prepared.plan)
