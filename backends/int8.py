@@ -594,12 +594,14 @@ _FLOAT16_MAX = torch.finfo(torch.float16).max
 def _check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
     """Refuses non-finite values, and |values| beyond ``limit`` (keys: any key channel may be
     kept in float16), before anything is written. One reduction when all is well (NaN
-    propagates through amax); the message is worked out only for a refusal."""
+    propagates through aminmax); the message is worked out only for a refusal."""
     if not t.numel():
         return
-    m = float(t.detach().abs().amax())
-    if math.isfinite(m) and m <= limit:
+    lo, hi = t.detach().aminmax()  # one pass, no |t| written (2.5 us against 4 for abs().amax())
+    lo, hi = float(lo), float(hi)
+    if math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit:
         return
+    m = max(abs(lo), abs(hi))
     finite = torch.isfinite(t)
     if not bool(finite.all()):
         raise InputValueError(
