@@ -22,7 +22,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from .errors import BackendUnavailable, CacheFullError, RollbackError
+from .errors import BackendUnavailable, CacheFullError, InputTypeError, InputValueError, RollbackError
 from .policy import EvictionPolicy, PolicyKind
 from .validation import check_step_tensors, dtype_name
 
@@ -103,13 +103,15 @@ class NativeStep(NamedTuple):
 
     desc: object  # native.CacheDesc, the cache's own
     output: torch.Tensor  # (B, Hq, D) in the stream dtype, written by the call
-    attended: tuple  # the policy's attended ranges after the step
+    plan: tuple  # the step's arithmetic (``LayerCache._plan``), for ``_commit_plan``
     keep: tuple  # tensors the call reads (contiguous copies of the inputs where needed)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StepOutcome:
-    """What one step did: the output and the cache's bookkeeping after it."""
+    """What one step did: the output and the cache's bookkeeping after it. A record the step
+    hands over and never touches again (not frozen: a frozen dataclass's ``__init__`` costs
+    ~5 us, a fifth of a whole native step at S=1)."""
 
     output: torch.Tensor  # (B, Hq, D) in the spec's dtype
     tokens_seen: int  # T after the step
@@ -231,21 +233,38 @@ class LayerCache(abc.ABC):
         return self.policy.resident(self.tokens_seen)
 
     def check_step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
-        """Raises ``TypeError``/``ValueError`` for tensors this cache cannot take."""
+        """Raises ``InputTypeError``/``InputValueError`` (a ``TypeError``/``ValueError``) for
+        tensors this cache cannot take, ``CacheFullError`` when policy none has no room."""
         s = self.spec
-        b, d = check_step_tensors(query, new_key, new_value, s.num_query_heads, s.num_kv_heads)
-        if b != s.batch_size:
-            raise ValueError(f"query: batch size {b} (shape {tuple(query.shape)}) but the stream has batch_size {s.batch_size}")
-        if d != s.head_dim:
-            raise ValueError(f"query: head width {d} (shape {tuple(query.shape)}) but the stream has head_dim {s.head_dim}")
-        if query.dtype != s.dtype:
-            raise TypeError(f"query: dtype {dtype_name(query.dtype)} but the stream's dtype is {dtype_name(s.dtype)}")
-        if query.device.type != torch.device(s.device).type:
-            raise ValueError(f"query: device {query.device} but the stream lives on {s.device}")
+        shapes = self.__dict__.get("_step_shapes")
+        if shapes is None:
+            shapes = self._step_shapes = ((s.batch_size, s.num_query_heads, s.head_dim),
+                                          (s.batch_size, s.num_kv_heads, s.head_dim), s.dtype,
+                                          torch.device(s.device).type == "cpu")
+        qs, kvs, dtype, on_cpu = shapes
+        # the common case in integer and identity comparisons; anything else gets the full
+        # checks below, which name what is wrong
+        if not (on_cpu and type(query) is torch.Tensor and type(new_key) is torch.Tensor
+                and type(new_value) is torch.Tensor and query.shape == qs and new_key.shape == kvs
+                and new_value.shape == kvs and query.dtype is dtype and new_key.dtype is dtype
+                and new_value.dtype is dtype and query.is_cpu and new_key.is_cpu and new_value.is_cpu):
+            self._check_step_slow(query, new_key, new_value)
         if not self.policy.has_room(self.tokens_seen):
             raise CacheFullError(
                 f"cache full: policy none holds {self.policy.capacity} tokens and all are used"
             )
+
+    def _check_step_slow(self, query, new_key, new_value) -> None:
+        s = self.spec
+        b, d = check_step_tensors(query, new_key, new_value, s.num_query_heads, s.num_kv_heads)
+        if b != s.batch_size:
+            raise InputValueError(f"query: batch size {b} (shape {tuple(query.shape)}) but the stream has batch_size {s.batch_size}")
+        if d != s.head_dim:
+            raise InputValueError(f"query: head width {d} (shape {tuple(query.shape)}) but the stream has head_dim {s.head_dim}")
+        if query.dtype != s.dtype:
+            raise InputTypeError(f"query: dtype {dtype_name(query.dtype)} but the stream's dtype is {dtype_name(s.dtype)}")
+        if query.device.type != torch.device(s.device).type:
+            raise InputValueError(f"query: device {query.device} but the stream lives on {s.device}")
 
     def step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> StepOutcome:
         """Appends one token and attends to what the policy says; atomic."""
@@ -253,9 +272,11 @@ class LayerCache(abc.ABC):
         t = self.tokens_seen
         prepared = self._prepare_native(query, new_key, new_value)
         if prepared is not None:  # the whole step in one native call (see native_step_done)
-            self._native.run(ctypes.addressof(prepared.desc), 1)
-            self.native_step_done(prepared.desc.status)
-            return self._commit(t, prepared.output, prepared.attended)
+            desc = prepared.desc
+            self._native.run_one(ctypes.addressof(desc))
+            if desc.status:
+                self.native_step_done(desc.status)
+            return self._commit_plan(t, prepared.output, prepared.plan)
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
@@ -274,15 +295,43 @@ class LayerCache(abc.ABC):
 
     def _prepare_native(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor):
         """After ``check_step``: this step as a ``NativeStep`` (the cache's own descriptor filled
-        in, the output tensor the call writes, the attended ranges, the tensors the call reads,
+        in, the output tensor the call writes, the step's ``_plan``, the tensors the call reads,
         kept alive), or None when this step takes the Python path. Writes nothing."""
         return None
+
+    def _plan(self, t: int) -> tuple:
+        """The arithmetic of the step from T = t: ``(runs, write_row, attended, resident,
+        first_position, last_position, evicted)``, runs the merged row runs it attends (a
+        tuple of (a, b)). Policies none and strict in a few integer operations (the others
+        through the policy's ranges; ``tests/test_cpu_cache.py`` checks the two agree)."""
+        p = self.policy
+        kind = p.kind
+        u = t + 1
+        if kind is PolicyKind.NONE or (kind is PolicyKind.STRICT and u <= p.window):
+            return ((0, u),), t, u, u, 0, t, 0
+        if kind is PolicyKind.STRICT:  # the window covers the whole ring: one run
+            w = p.window
+            return ((0, w),), t % w, w, w, u - w, t, 1
+        return self._plan_ranges(t)
+
+    def _plan_ranges(self, t: int) -> tuple:
+        p = self.policy
+        u = t + 1
+        attended = p.attended(u)
+        resident = p.resident(u)
+        return (tuple(merge_runs(self._runs(attended))), self.row_of(t), sum(len(r) for r in attended),
+                p.resident_length(u), resident[0].start, resident[-1].stop - 1, p.evicted_by_step(t))
 
     @staticmethod
     def native_step_done(status: int) -> None:
         """Raises for a descriptor whose step the kernel did not complete (its row restored)."""
         if status:
             raise RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
+
+    def _commit_plan(self, t: int, output: torch.Tensor, plan: tuple) -> StepOutcome:
+        """``_commit`` from the step's ``_plan``."""
+        self.tokens_seen = t + 1
+        return StepOutcome(output, t + 1, plan[3], plan[4], plan[5], plan[6], self.row_bytes, 0, plan[2])
 
     def _commit(self, t: int, output: torch.Tensor, attended: tuple[range, ...] | None = None) -> StepOutcome:
         """The bookkeeping of a step from T = t whose row is written and output computed."""
@@ -428,6 +477,7 @@ class DenseRingCache(LayerCache):
         else:
             self._k = torch.zeros((b, h, d, key_row_stride(c)), dtype=spec.dtype, device=spec.device)[..., :c]
         self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+        self._row_bytes = 2 * b * h * d * self._v.element_size()
 
     @staticmethod
     def storage_nbytes(spec: CacheSpec, keys_as_rows: bool) -> int:
@@ -443,8 +493,7 @@ class DenseRingCache(LayerCache):
     @property
     def row_bytes(self) -> int:
         """Bytes one position occupies: a key and a value per KV head of the batch."""
-        s = self.spec
-        return 2 * s.batch_size * s.num_kv_heads * s.head_dim * self._v.element_size()
+        return self._row_bytes
 
     def _write_rows(self, start, keys, values):
         n = keys.shape[2]

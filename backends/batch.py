@@ -47,56 +47,64 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     refused step is refused alone), then computed together in one native call per library
     (``native.Kernel.run`` over their descriptors): the work is split across the kernels' pool
     in items of at most a fixed number of positions, so each output is bit-identical to the
-    cache's ``step`` alone. Other caches step one after the other. The GIL is released during
-    the native call.
+    cache's ``step`` alone. A cache class with a batched step of its own (``step_group``: the
+    cuda backend's one Triton launch) gets its slots handed to it. Other caches step one after
+    the other. The GIL is released during the native call.
     """
     if len({id(s.cache) for s in steps}) != len(steps):
         raise ValueError("step_many: a cache appears twice in one batch")
     results: list[StepOutcome | Exception | None] = [None] * len(steps)
-    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, desc, output, keep)]
+    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, prepared)]
     kernels = {}
     by_class: dict = {}  # a cache class's own batched step (``step_group``, e.g. cuda) -> slots
     for i, s in enumerate(steps):
-        cache = s.cache
+        cache, q, k, v = s
         step_group = getattr(type(cache), "step_group", None)
         if step_group is not None:
             by_class.setdefault(step_group, []).append(i)
             continue
-        if getattr(cache, "_native", None) is None:
+        kernel = getattr(cache, "_native", None)
+        if kernel is not None:
             try:
-                results[i] = cache.step(s.query, s.new_key, s.new_value)
-            except Exception as exc:  # refused alone; the cache restored itself
-                results[i] = exc
-            continue
-        try:
-            cache.check_step(s.query, s.new_key, s.new_value)
-            prepared = cache._prepare_native(s.query, s.new_key, s.new_value)
-        except Exception as exc:
-            results[i] = exc
-            continue
-        if prepared is None:  # this step takes the Python path (e.g. int8 calibration)
-            try:
-                results[i] = cache.step(s.query, s.new_key, s.new_value)
+                cache.check_step(q, k, v)
+                prepared = cache._prepare_native(q, k, v)
             except Exception as exc:
                 results[i] = exc
-            continue
-        kernels[id(cache._native)] = cache._native
-        groups.setdefault(id(cache._native), []).append((i, cache, cache.tokens_seen, prepared))
-    for key, members in groups.items():
-        descs = (native.CacheDesc * len(members))()
-        size = ctypes.sizeof(native.CacheDesc)
-        for j, (_, _, _, prepared) in enumerate(members):
-            ctypes.memmove(ctypes.addressof(descs) + j * size, ctypes.addressof(prepared.desc), size)
+                continue
+            if prepared is not None:
+                members = groups.get(id(kernel))
+                if members is None:
+                    members = groups[id(kernel)] = []
+                    kernels[id(kernel)] = kernel
+                members.append((i, cache, cache.tokens_seen, prepared))
+                continue
+        # no compiled step, or this step takes the Python path (e.g. int8 calibration)
         try:
-            kernels[key].run(descs, len(members))
+            results[i] = cache.step(q, k, v)
+        except Exception as exc:  # refused alone; the cache restored itself
+            results[i] = exc
+    size = ctypes.sizeof(native.CacheDesc)
+    for key, members in groups.items():
+        if len(members) == 1:  # a batch of one (the server's inline step): the cache's own descriptor
+            descs = (members[0][3].desc,)
+            base = ctypes.addressof(descs[0])
+        else:
+            descs = (native.CacheDesc * len(members))()
+            base = ctypes.addressof(descs)
+            for j, member in enumerate(members):
+                ctypes.memmove(base + j * size, ctypes.addressof(member[3].desc), size)
+        try:
+            kernels[key].run(base, len(members))
         except Exception as exc:  # the whole call refused: nothing was written
             for i, *_ in members:
                 results[i] = exc
             continue
         for j, (i, cache, t, prepared) in enumerate(members):
             try:
-                cache.native_step_done(descs[j].status)
-                results[i] = cache._commit(t, prepared.output, prepared.attended)
+                status = descs[j].status
+                if status:
+                    cache.native_step_done(status)
+                results[i] = cache._commit_plan(t, prepared.output, prepared.plan)
             except Exception as exc:
                 results[i] = exc
     for step_group, slots in by_class.items():

@@ -28,7 +28,7 @@ import torch
 
 from . import native
 from .attention import attend, attend_rows
-from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, NativeStep, merge_runs, scaled_query
+from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, NativeStep, scaled_query
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 
@@ -82,6 +82,8 @@ class DenseCache(DenseRingCache):
         n = s.batch_size * s.num_kv_heads
         enc = native.DTYPE_ENC[s.dtype]
         self._saved = torch.empty((2, n, s.head_dim), dtype=s.dtype)
+        # the output's shape and dtype: torch.empty_like of it costs half of torch.empty's parsing
+        self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
         x = native.CacheDesc()
         x.enc = x.io = enc
         x.flags = native.ISA[isa] << native.FLAG_ISA_SHIFT
@@ -98,19 +100,18 @@ class DenseCache(DenseRingCache):
         if self._native is None:
             return None
         t = self.tokens_seen
-        s = self.spec
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
-        out = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+        out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
         x = self._desc
-        attended = self.policy.attended(t + 1)
-        x.set_runs(merge_runs(self._runs(attended)))
-        x.write_row = self.row_of(t)
+        plan = self._plan(t)
+        x.set_runs(plan[0])
+        x.write_row = plan[1]
         x.q, x.new_k, x.new_v, x.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
         if self._fail_after_write:
             x.flags |= native.FLAG_FAIL_AFTER_WRITE
-        else:
+        elif x.flags & native.FLAG_FAIL_AFTER_WRITE:
             x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
-        return NativeStep(x, out, attended, (q, k, v))
+        return NativeStep(x, out, plan, (q, k, v))
 
     def _attend(self, query, runs):
         s = self.spec

@@ -154,6 +154,11 @@ class CacheDesc(ctypes.Structure):
     ]
 
     def set_runs(self, runs) -> None:
+        if len(runs) == 1:  # the common case
+            r = self.runs
+            r[0], r[1] = runs[0]
+            self.nruns = 1
+            return
         if not 1 <= len(runs) <= MAX_RUNS:
             raise ValueError(f"native kernel: {len(runs)} runs (1..{MAX_RUNS})")
         r = self.runs
@@ -198,9 +203,20 @@ class Kernel:
         refuses (a caller's bug: the caches check their input first), ``MemoryError`` when it cannot allocate (nothing written either way)."""
         rc = self._run(ctypes.addressof(descs) if not isinstance(descs, int) else descs, count, threads, ISA[isa])
         if rc:
-            if rc == -errno.ENOMEM:
-                raise MemoryError("native kernel: out of memory")
-            raise RuntimeError(f"native kernel: {os.strerror(-rc)}")
+            self.raise_for(rc)
+
+    def run_one(self, address: int) -> None:
+        """``run`` of the one descriptor at ``address`` on the whole pool, the best ISA (the
+        per-step path: no keyword parsing)."""
+        rc = self._run(address, 1, 0, 0)
+        if rc:
+            self.raise_for(rc)
+
+    @staticmethod
+    def raise_for(rc: int) -> None:
+        if rc == -errno.ENOMEM:
+            raise MemoryError("native kernel: out of memory")
+        raise RuntimeError(f"native kernel: {os.strerror(-rc)}")
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
                runs, ko: torch.Tensor | None = None, *, isa: str = "auto", threads: int | None = None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Input coercion and shape checks shared by the stateless operation and the stream caches.
 
 Every error names the argument and the shapes it saw, so that a message can go straight back
-to a client.
+to a client; each is an ``errors.InputValueError`` / ``InputTypeError`` (a ``ValueError`` /
+``TypeError`` that the service maps to INVALID_ARGUMENT by type).
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import InputTypeError, InputValueError
 
 __all__ = [
     "FLOAT_DTYPES",
@@ -40,13 +43,13 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
         try:
             tensor = torch.tensor(value, dtype=torch.float32)
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"{name}: cannot build a float32 tensor from the nested list ({exc})") from None
+            raise InputTypeError(f"{name}: cannot build a float32 tensor from the nested list ({exc})") from None
     else:
-        raise TypeError(
+        raise InputTypeError(
             f"{name}: expected a torch.Tensor, numpy array or nested list, got {type(value).__name__}"
         )
     if tensor.dtype not in FLOAT_DTYPES:
-        raise TypeError(
+        raise InputTypeError(
             f"{name}: expected a floating dtype (float32, float16, bfloat16, float64), got {dtype_name(tensor.dtype)}"
         )
     return tensor
@@ -55,11 +58,11 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
 def check_heads(num_query_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
     for label, v in (("num_query_heads", num_query_heads), ("num_kv_heads", num_kv_heads)):
         if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-            raise TypeError(f"{label}: expected an int, got {type(v).__name__}")
+            raise InputTypeError(f"{label}: expected an int, got {type(v).__name__}")
         if v <= 0:
-            raise ValueError(f"{label}: must be positive, got {v}")
+            raise InputValueError(f"{label}: must be positive, got {v}")
     if num_query_heads % num_kv_heads:
-        raise ValueError(
+        raise InputValueError(
             f"num_query_heads ({num_query_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
     return int(num_query_heads), int(num_kv_heads)
@@ -67,7 +70,7 @@ def check_heads(num_query_heads: Any, num_kv_heads: Any) -> tuple[int, int]:
 
 def _rank(t: torch.Tensor, name: str, rank: int, layout: str) -> None:
     if t.dim() != rank:
-        raise ValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(t.shape)}")
+        raise InputValueError(f"{name}: expected rank {rank} {layout}, got shape {tuple(t.shape)}")
 
 
 def check_step_tensors(
@@ -83,10 +86,10 @@ def check_step_tensors(
     _rank(new_value, "new_value", 3, "(B, Hkv, D)")
     b, hq, d = query.shape
     if hq != num_query_heads:
-        raise ValueError(f"query: has {hq} heads (shape {tuple(query.shape)}) but num_query_heads is {num_query_heads}")
+        raise InputValueError(f"query: has {hq} heads (shape {tuple(query.shape)}) but num_query_heads is {num_query_heads}")
     for name, t in (("new_key", new_key), ("new_value", new_value)):
         if tuple(t.shape) != (b, num_kv_heads, d):
-            raise ValueError(
+            raise InputValueError(
                 f"{name}: expected shape (B, Hkv, D) = {(b, num_kv_heads, d)} from query {tuple(query.shape)} "
                 f"and num_kv_heads={num_kv_heads}, got {tuple(t.shape)}"
             )
@@ -98,11 +101,11 @@ def _same_dtype_device(*named: tuple[str, torch.Tensor]) -> None:
     first_name, first = named[0]
     for name, t in named[1:]:
         if t.dtype != first.dtype:
-            raise TypeError(
+            raise InputTypeError(
                 f"{name}: dtype {dtype_name(t.dtype)} differs from {first_name}'s {dtype_name(first.dtype)}"
             )
         if t.device != first.device:
-            raise ValueError(f"{name}: device {t.device} differs from {first_name}'s {first.device}")
+            raise InputValueError(f"{name}: device {t.device} differs from {first_name}'s {first.device}")
 
 
 def check_cache_tensors(
@@ -114,11 +117,11 @@ def check_cache_tensors(
     b, _, d = query.shape
     kb, kh, s, kd = key_cache.shape
     if (kb, kh, kd) != (b, num_kv_heads, d):
-        raise ValueError(
+        raise InputValueError(
             f"key_cache: expected shape (B, Hkv, S, D) with B={b}, Hkv={num_kv_heads}, D={d}, got {tuple(key_cache.shape)}"
         )
     if tuple(value_cache.shape) != tuple(key_cache.shape):
-        raise ValueError(
+        raise InputValueError(
             f"value_cache: shape {tuple(value_cache.shape)} differs from key_cache {tuple(key_cache.shape)}"
         )
     _same_dtype_device(("query", query), ("key_cache", key_cache), ("value_cache", value_cache))

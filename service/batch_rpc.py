@@ -29,7 +29,7 @@ import torch
 
 from backends import registry
 from backends.batch import BatchStep, step_many
-from backends.errors import BackendUnavailable, CacheFullError
+from backends.errors import BackendUnavailable, CacheFullError, InvalidInput
 
 from . import snapshot
 from .api import gqa_pb2
@@ -225,7 +225,7 @@ class Session:
         if request.HasField("restore"):
             return await self._add_restore(request)
         try:
-            with self._refusals_counted():
+            with self.engine.counting_open_refusals():
                 if sid in self.sequences or sid in self.restoring:
                     raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
                 config = self._stream_config(request, "add")
@@ -241,15 +241,6 @@ class Session:
         except ServiceError as exc:
             return gqa_pb2.BatchAdded(status=_status(exc), id=sid)
         return self._added(sid, stream)
-
-    @contextlib.contextmanager
-    def _refusals_counted(self):
-        """Adds refused before they reach the engine count as open refusals too (reason invalid)."""
-        try:
-            yield
-        except ServiceError:
-            self.engine.observer.open_refused("invalid")
-            raise
 
     async def _add_restore(self, request: gqa_pb2.BatchAdd) -> gqa_pb2.BatchAdded | None:
         sid = request.id
@@ -273,7 +264,7 @@ class Session:
             return None
         del self.restoring[sid]
         try:
-            with self._refusals_counted():
+            with self.engine.counting_open_refusals():
                 if pending.error is not None:
                     raise pending.error
                 chunks = pending.chunks
@@ -464,7 +455,7 @@ def _as_service_error(exc: Exception, session: str, sid: int, layer: int) -> Ser
         return exc
     if isinstance(exc, CacheFullError):
         return ResourceExhausted(str(exc))
-    if isinstance(exc, (TypeError, ValueError)):
+    if isinstance(exc, InvalidInput):  # the backends' input errors, by type (not any ValueError)
         return InvalidArgument(str(exc))
     log.error("session %s: step of sequence %d on layer %d failed", session, sid, layer, exc_info=exc)
     return Internal()

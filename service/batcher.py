@@ -34,7 +34,7 @@ import torch
 
 from backends import batch as batch_module
 from backends.base import LayerCache, StepOutcome
-from backends.errors import CacheFullError
+from backends.errors import CacheFullError, InvalidInput
 
 from .errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
 
@@ -45,26 +45,17 @@ __all__ = ["Batcher", "PendingStep", "classify_step_error"]
 
 log = logging.getLogger("gqa.batcher")
 
-# Frames whose ValueError/TypeError is input validation (the caches' ``check_step`` and the
-# shared checks it calls): those are INVALID_ARGUMENT. A ValueError/TypeError raised anywhere
-# else inside a backend's compute is a fault of ours, INTERNAL.
-_VALIDATION_FRAMES = frozenset({"check_step", "check_step_tensors", "check_cache_tensors", "check_heads",
-                                "as_tensor", "_check_values", "_rank", "_same_dtype_device"})
-
-
 def classify_step_error(exc: BaseException, where: str) -> ServiceError:
-    """The status of an exception a step raised: validation -> INVALID_ARGUMENT, no room ->
-    RESOURCE_EXHAUSTED, anything else INTERNAL (logged with its traceback)."""
+    """The status of an exception a step raised, by type: the backends' input errors
+    (``backends.errors.InvalidInput``: shapes, dtypes, values a cache cannot store) ->
+    INVALID_ARGUMENT, no room -> RESOURCE_EXHAUSTED, anything else (a plain ``ValueError``
+    out of a computation included) INTERNAL, logged with its traceback."""
     if isinstance(exc, ServiceError):
         return exc
     if isinstance(exc, CacheFullError):
         return ResourceExhausted(str(exc))
-    if isinstance(exc, (TypeError, ValueError)):
-        tb = exc.__traceback__
-        while tb is not None:
-            if tb.tb_frame.f_code.co_name in _VALIDATION_FRAMES:
-                return InvalidArgument(str(exc))
-            tb = tb.tb_next
+    if isinstance(exc, InvalidInput):
+        return InvalidArgument(str(exc))
     log.error("%s failed", where, exc_info=(type(exc), exc, exc.__traceback__))
     return Internal()
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from .grpc_handlers import handler_kind
+
 __all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS"]
 
 # RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
@@ -169,14 +171,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         if handler is None:
             return None
         series = self._series(handler_call_details.method, handler.request_streaming, handler.response_streaming)
-        if handler.request_streaming and handler.response_streaming:
-            behavior, factory = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-        elif handler.request_streaming:
-            behavior, factory = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-        elif handler.response_streaming:
-            behavior, factory = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-        else:
-            behavior, factory = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+        behavior, factory = handler_kind(handler)
         if inspect.isasyncgenfunction(behavior):
             wrapped = self._wrap_generator(behavior, series, handler.request_streaming)
         elif inspect.iscoroutinefunction(behavior):

@@ -26,6 +26,7 @@ import grpc
 
 from .config import ConfigError, ServerConfig
 from .errors import InvalidArgument, ServiceError
+from .grpc_handlers import handler_kind
 
 __all__ = [
     "server_credentials",
@@ -86,17 +87,6 @@ def _digest(value: bytes) -> bytes:
     return hashlib.sha256(value).digest()
 
 
-def _kind(handler) -> tuple[Callable, Callable]:
-    """The handler's behaviour and the factory that rebuilds a handler of the same kind."""
-    if handler.request_streaming and handler.response_streaming:
-        return handler.stream_stream, grpc.stream_stream_rpc_method_handler
-    if handler.request_streaming:
-        return handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    if handler.response_streaming:
-        return handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    return handler.unary_unary, grpc.unary_unary_rpc_method_handler
-
-
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses RPCs without ``authorization: Bearer <token>``, health excepted.
 
@@ -126,7 +116,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if self._authorized(handler_call_details.invocation_metadata):
             return handler
         log.info("refused %s: missing or wrong bearer token", handler_call_details.method)
-        _, factory = _kind(handler)
+        _, factory = handler_kind(handler)
 
         async def refuse(request_or_iterator, context):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED,
@@ -208,7 +198,7 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        behavior, factory = _kind(handler)
+        behavior, factory = handler_kind(handler)
         method = handler_call_details.method
         if inspect.isasyncgenfunction(behavior):
             wrapped = self._wrap_generator(behavior, method, handler.request_streaming)

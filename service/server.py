@@ -32,6 +32,7 @@ from .errors import Unavailable
 from .metrics import ObserverFanOut, ServiceMetrics
 from .security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
 from .servicer import AttentionServicer
+from .tensors import tune_allocator
 
 __all__ = ["Server", "ServerThread", "run"]
 
@@ -64,6 +65,7 @@ class Server:
         if self.metrics is not None:
             self.metrics.bind(self.engine)
         torch.set_num_threads(config.torch_threads)
+        tune_allocator()  # process-wide: per-message buffers from the heap, not fresh pages
         native.set_threads(config.kernel_pool_threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
         self.health = health.aio.HealthServicer()

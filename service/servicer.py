@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import time
 
@@ -36,7 +37,15 @@ from .engine import Admission, Engine, StepReport, Stream
 from .errors import Internal, InvalidArgument, ServiceError
 from .session import EOF, StreamClosed, StreamSession
 from .tensors import from_proto, to_proto
-from .vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_DTYPES, TORCH_TO_DTYPE
+from .vocab import (
+    DTYPE_NAMES,
+    DTYPE_TO_TORCH,
+    NAME_TO_DTYPE,
+    POLICY_ENUMS,
+    POLICY_NAMES,
+    TORCH_DTYPES,
+    TORCH_TO_DTYPE,
+)
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
@@ -264,7 +273,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         return self.engine.build(admission, prefill, restore)
 
     async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
-        with self._refusals_counted():
+        with self.engine.counting_open_refusals():
             config = self._stream_config(request)
             prefill = {}
             for i, entry in enumerate(request.prefill):
@@ -280,20 +289,11 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         admission = self.engine.admit(config)
         return await self._build(admission, prefill)
 
-    @contextlib.contextmanager
-    def _refusals_counted(self):
-        """Opens refused before they reach the engine count as refusals too (reason invalid)."""
-        try:
-            yield
-        except ServiceError:
-            self.engine.observer.open_refused("invalid")
-            raise
-
     async def _restore(self, first, context) -> Stream:
         """Admits the stream from the first chunk's configuration (budget and stream limit
         included), then reads the rest of the snapshot, at most what the admitted stream can
         hold, and builds the stream from it on the pool."""
-        with self._refusals_counted():
+        with self.engine.counting_open_refusals():
             if not first.restore.HasField("config"):
                 raise InvalidArgument("restore: the first chunk must carry the stream's configuration")
             config = self._stream_config(first.restore.config)
@@ -403,7 +403,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
 class _StepReply:
     """Builds a step's reply on the compute worker: the output's bytes written once, into the
-    message."""
+    message. Fields are assigned one by one: upb's keyword constructor with nested messages
+    measured 20 us per reply against 5 us this way."""
 
     __slots__ = ("rid", "layer", "shape", "dtype")
 
@@ -415,21 +416,25 @@ class _StepReply:
             return _refusal(self.rid, self.layer, value)
         o = value.outcome
         out = o.output
-        if not out.is_contiguous():
-            out = out.contiguous()
-        return gqa_pb2.DecodeResponse(request_id=self.rid, step=gqa_pb2.StepResult(
-            status=_OK,
-            layer=self.layer,
-            output=gqa_pb2.Tensor(dtype=self.dtype, shape=self.shape, data=out.view(torch.uint8).numpy().tobytes()),
-            tokens_seen=o.tokens_seen,
-            resident=o.resident,
-            first_position=o.first_position,
-            last_position=o.last_position,
-            evicted=o.evicted_tokens > 0,
-            evicted_tokens=o.evicted_tokens,
-            compute_ns=value.compute_ns,
-            rollback_reach=value.rollback_reach,
-        ))
+        if not (out.is_cpu and out.is_contiguous()):
+            out = out.cpu().contiguous()
+        response = gqa_pb2.DecodeResponse(request_id=self.rid)
+        r = response.step
+        r.status.SetInParent()  # OK: code 0, present
+        r.layer = self.layer
+        t = r.output
+        t.dtype = self.dtype
+        t.shape.extend(self.shape)
+        t.data = ctypes.string_at(out.data_ptr(), out.nbytes)  # one copy, from a CPU tensor
+        r.tokens_seen = o.tokens_seen
+        r.resident = o.resident
+        r.first_position = o.first_position
+        r.last_position = o.last_position
+        r.evicted = o.evicted_tokens > 0
+        r.evicted_tokens = o.evicted_tokens
+        r.compute_ns = value.compute_ns
+        r.rollback_reach = value.rollback_reach
+        return response
 
 
 def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:

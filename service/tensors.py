@@ -5,6 +5,8 @@ Wire format: little-endian, row-major bytes; float16 and bfloat16 as raw 16-bit 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 import sys
 import warnings
@@ -15,7 +17,7 @@ from .api import gqa_pb2
 from .errors import InvalidArgument
 from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE  # noqa: F401 (re-exported)
 
-__all__ = ["from_proto", "to_proto", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE", "DTYPE_NAMES"]
+__all__ = ["from_proto", "to_proto", "tune_allocator", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE", "DTYPE_NAMES"]
 
 if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
     raise ImportError("gqa-serve's tensor codec assumes a little-endian host")
@@ -64,3 +66,36 @@ def to_proto(tensor: torch.Tensor) -> gqa_pb2.Tensor:
     tensor = tensor.detach().to("cpu").contiguous()
     data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
     return gqa_pb2.Tensor(dtype=TORCH_TO_DTYPE[tensor.dtype], shape=list(tensor.shape), data=data)
+
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+MMAP_THRESHOLD_BYTES = 64 << 20
+TRIM_THRESHOLD_BYTES = 128 << 20
+_tuned: bool | None = None
+
+
+def tune_allocator() -> bool:
+    """Serves buffers under 64 MiB from glibc's heap instead of fresh pages (once per process;
+    False where the C library is not glibc).
+
+    A step's output, a reply's bytes and a request's tensors are allocated and freed once per
+    message; at ~1 MiB (a 64-sequence ``Batch`` step, a long stream's reply) glibc maps each one
+    fresh (or, above its mmap threshold, gives the heap's top back to the kernel on free) and
+    every page faults on first touch. Building and serialising a 1 MiB ``BatchResponse``
+    measured 2.1 ms by default, 2.1 ms with the mmap threshold alone, 93 us with the trim
+    threshold raised too. The cost: each heap keeps up to 128 MiB of freed memory mapped
+    instead of returning it.
+    """
+    global _tuned
+    if _tuned is None:
+        _tuned = False
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            mallopt = libc.mallopt
+        except (OSError, AttributeError):
+            return False
+        mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+        mallopt.restype = ctypes.c_int
+        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+                      and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    return _tuned

@@ -221,3 +221,21 @@ def test_a_stream_ended_while_its_step_is_in_a_batch(monkeypatch, how):
         blocker.close()
         assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0)
         assert srv.engine.steps_waiting == 0 and srv.engine.steps_in_flight == 0
+
+
+def test_step_errors_map_to_statuses_by_type():
+    """The backends' input errors are INVALID_ARGUMENT wherever they are raised; a plain
+    ValueError/TypeError out of a computation is a fault of ours (INTERNAL); no room is
+    RESOURCE_EXHAUSTED."""
+    from backends.errors import CacheFullError, InputTypeError, InputValueError
+    from service.batcher import classify_step_error
+
+    def code(exc):
+        return classify_step_error(exc, "test").code
+
+    assert code(InputValueError("bad shape")) == "INVALID_ARGUMENT"
+    assert code(InputTypeError("bad dtype")) == "INVALID_ARGUMENT"
+    assert isinstance(InputValueError("x"), ValueError) and isinstance(InputTypeError("x"), TypeError)
+    assert code(CacheFullError("full")) == "RESOURCE_EXHAUSTED"
+    assert code(ValueError("an internal shape bug")) == "INTERNAL"
+    assert code(TypeError("an internal bug")) == "INTERNAL"

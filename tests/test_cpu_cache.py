@@ -8,7 +8,7 @@ import torch
 from backends import native, registry
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
-from backends.errors import BackendUnavailable, CacheFullError
+from backends.errors import BackendUnavailable, CacheFullError, InvalidInput
 from backends.policy import EvictionPolicy
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref
@@ -154,11 +154,21 @@ def test_rejected_step_leaves_cache_unchanged(name, make, exc):
     for _ in range(40):
         cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
     snap = snapshot(cache)
-    with pytest.raises(exc):
+    with pytest.raises(exc) as refused:
         cache.step(*make())
+    assert isinstance(refused.value, InvalidInput)  # typed: the service maps it by class
     assert_unchanged(cache, snap)
     cache.step(torch.randn(B, HQ, D), torch.randn(B, HKV, D), torch.randn(B, HKV, D))
     assert cache.tokens_seen == 41
+
+
+@pytest.mark.parametrize("policy", [*POLICIES.values(), EvictionPolicy.strict(1), EvictionPolicy.greedy(1, 1),
+                                    EvictionPolicy.greedy(3, 3), EvictionPolicy.sink(1, 0)], ids=repr)
+def test_step_plan_arithmetic_matches_the_policy_ranges(policy):
+    """The per-step arithmetic's shortcuts (policies none and strict) agree with the ranges."""
+    cache = make_cache(policy, kernel="torch")
+    for t in range(min(policy.capacity, STEPS) if policy.kind.value == "none" else STEPS):
+        assert cache._plan(t) == cache._plan_ranges(t), t
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
