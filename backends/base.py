@@ -17,7 +17,7 @@ import abc
 import ctypes
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import ClassVar, NamedTuple
 
 import torch
@@ -191,8 +191,7 @@ class LayerCache(abc.ABC):
         """An opaque copy of the stored rows, exactly as stored, for ``_restore_rows``."""
 
     @abc.abstractmethod
-    def _restore_rows(self, start: int, saved: object) -> None:
-        ...
+    def _restore_rows(self, start: int, saved: object) -> None: ...
 
     @abc.abstractmethod
     def _attend(self, query: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
@@ -238,31 +237,49 @@ class LayerCache(abc.ABC):
         s = self.spec
         shapes = self.__dict__.get("_step_shapes")
         if shapes is None:
-            shapes = self._step_shapes = ((s.batch_size, s.num_query_heads, s.head_dim),
-                                          (s.batch_size, s.num_kv_heads, s.head_dim), s.dtype,
-                                          torch.device(s.device).type == "cpu")
+            shapes = self._step_shapes = (
+                (s.batch_size, s.num_query_heads, s.head_dim),
+                (s.batch_size, s.num_kv_heads, s.head_dim),
+                s.dtype,
+                torch.device(s.device).type == "cpu",
+            )
         qs, kvs, dtype, on_cpu = shapes
         # the common case in integer and identity comparisons; anything else gets the full
         # checks below, which name what is wrong
-        if not (on_cpu and type(query) is torch.Tensor and type(new_key) is torch.Tensor
-                and type(new_value) is torch.Tensor and query.shape == qs and new_key.shape == kvs
-                and new_value.shape == kvs and query.dtype is dtype and new_key.dtype is dtype
-                and new_value.dtype is dtype and query.is_cpu and new_key.is_cpu and new_value.is_cpu):
+        if not (
+            on_cpu
+            and type(query) is torch.Tensor
+            and type(new_key) is torch.Tensor
+            and type(new_value) is torch.Tensor
+            and query.shape == qs
+            and new_key.shape == kvs
+            and new_value.shape == kvs
+            and query.dtype is dtype
+            and new_key.dtype is dtype
+            and new_value.dtype is dtype
+            and query.is_cpu
+            and new_key.is_cpu
+            and new_value.is_cpu
+        ):
             self._check_step_slow(query, new_key, new_value)
         if not self.policy.has_room(self.tokens_seen):
-            raise CacheFullError(
-                f"cache full: policy none holds {self.policy.capacity} tokens and all are used"
-            )
+            raise CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
 
     def _check_step_slow(self, query, new_key, new_value) -> None:
         s = self.spec
         b, d = check_step_tensors(query, new_key, new_value, s.num_query_heads, s.num_kv_heads)
         if b != s.batch_size:
-            raise InputValueError(f"query: batch size {b} (shape {tuple(query.shape)}) but the stream has batch_size {s.batch_size}")
+            raise InputValueError(
+                f"query: batch size {b} (shape {tuple(query.shape)}) but the stream has batch_size {s.batch_size}"
+            )
         if d != s.head_dim:
-            raise InputValueError(f"query: head width {d} (shape {tuple(query.shape)}) but the stream has head_dim {s.head_dim}")
+            raise InputValueError(
+                f"query: head width {d} (shape {tuple(query.shape)}) but the stream has head_dim {s.head_dim}"
+            )
         if query.dtype != s.dtype:
-            raise InputTypeError(f"query: dtype {dtype_name(query.dtype)} but the stream's dtype is {dtype_name(s.dtype)}")
+            raise InputTypeError(
+                f"query: dtype {dtype_name(query.dtype)} but the stream's dtype is {dtype_name(s.dtype)}"
+            )
         if query.device.type != torch.device(s.device).type:
             raise InputValueError(f"query: device {query.device} but the stream lives on {s.device}")
 
@@ -319,8 +336,15 @@ class LayerCache(abc.ABC):
         u = t + 1
         attended = p.attended(u)
         resident = p.resident(u)
-        return (tuple(merge_runs(self._runs(attended))), self.row_of(t), sum(len(r) for r in attended),
-                p.resident_length(u), resident[0].start, resident[-1].stop - 1, p.evicted_by_step(t))
+        return (
+            tuple(merge_runs(self._runs(attended))),
+            self.row_of(t),
+            sum(len(r) for r in attended),
+            p.resident_length(u),
+            resident[0].start,
+            resident[-1].stop - 1,
+            p.evicted_by_step(t),
+        )
 
     @staticmethod
     def native_step_done(status: int) -> None:
@@ -536,7 +560,9 @@ class Backend(abc.ABC):
         return list(probed)
 
     def reasons_against(self, spec: CacheSpec) -> list[str]:
-        return self.probe_reasons() + self.capabilities.reasons_against(self.name, spec.dtype, spec.head_dim, spec.device)
+        return self.probe_reasons() + self.capabilities.reasons_against(
+            self.name, spec.dtype, spec.head_dim, spec.device
+        )
 
     def check(self, spec: CacheSpec) -> None:
         reasons = self.reasons_against(spec)
@@ -548,8 +574,7 @@ class Backend(abc.ABC):
         """Bytes ``create_cache(spec)`` will allocate: admission is decided on this, before allocation."""
 
     @abc.abstractmethod
-    def create_cache(self, spec: CacheSpec) -> LayerCache:
-        ...
+    def create_cache(self, spec: CacheSpec) -> LayerCache: ...
 
 
 def key_row_stride(capacity: int) -> int:

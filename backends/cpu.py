@@ -28,7 +28,7 @@ import torch
 
 from . import native
 from .attention import attend, attend_rows
-from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, NativeStep, scaled_query
+from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, NativeStep, scaled_query
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 
@@ -40,7 +40,7 @@ KERNELS = ("native", "native-portable", "native-avx512", "torch")
 
 @functools.cache
 def default_kernel() -> str:
-    """"native" where the compiled library loads, else "torch" (the reason logged once)."""
+    """ "native" where the compiled library loads, else "torch" (the reason logged once)."""
     ok, reason = native.available()
     if ok:
         return "native"
@@ -120,7 +120,9 @@ class DenseCache(DenseRingCache):
         if self._keys_as_rows:
             q = query.reshape(n, s.group_size, s.head_dim)
             k = self._k.view(n, s.capacity, s.head_dim)
-            out = attend_rows(q, [k[:, a:b] for a, b in runs], [v[:, a:b] for a, b in runs], 1.0 / math.sqrt(s.head_dim))
+            out = attend_rows(
+                q, [k[:, a:b] for a, b in runs], [v[:, a:b] for a, b in runs], 1.0 / math.sqrt(s.head_dim)
+            )
             return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
         q = scaled_query(query, s.num_kv_heads)
         k = self._k.view(n, s.head_dim, s.capacity)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Backend, Capabilities, CacheSpec, DenseRingCache, LayerCache, StepOutcome, dense_nbytes, merge_runs
+from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, StepOutcome, dense_nbytes, merge_runs
 
 __all__ = [
     "ATTENTION_PATHS",
@@ -75,11 +75,12 @@ def reasons_from(facts: DeviceFacts) -> list[str]:
     return reasons
 
 
-def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   runs: list[tuple[int, int]]) -> torch.Tensor:
+def sdpa_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, runs: list[tuple[int, int]]
+) -> torch.Tensor:
     """The baseline: SDPA over a contiguous view of the runs of (B, Hkv, C, D) caches."""
     if len(runs) == 1:
-        (a, b), = runs
+        ((a, b),) = runs
         k, v = keys[:, :, a:b], values[:, :, a:b]
     else:
         k = torch.cat([keys[:, :, a:b] for a, b in runs], dim=2)

@@ -10,8 +10,7 @@ The other classes below are the conditions that are not a caller's typo.
 
 from __future__ import annotations
 
-__all__ = ["BackendUnavailable", "CacheFullError", "InputTypeError", "InputValueError", "InvalidInput",
-           "RollbackError"]
+__all__ = ["BackendUnavailable", "CacheFullError", "InputTypeError", "InputValueError", "InvalidInput", "RollbackError"]
 
 
 class InvalidInput(Exception):

@@ -79,7 +79,7 @@ import quant.int8 as quant_int8
 from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from . import native
-from .base import Backend, Capabilities, CacheSpec, LayerCache, NativeStep, merge_runs, scaled_query
+from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
 from .errors import InputValueError
 from .validation import dtype_name
 
@@ -107,7 +107,7 @@ def _has_int_mm() -> bool:
 
 
 def default_kernel(device) -> str:
-    """"native" on the CPU where it builds and loads, else "int_mm" there, else "blocks"."""
+    """ "native" on the CPU where it builds and loads, else "int_mm" there, else "blocks"."""
     if torch.device(device).type != "cpu":
         return "blocks"
     ok, reason = native.available()
@@ -194,8 +194,14 @@ class Int8Cache(LayerCache):
 
     state_encoding = "int8"
 
-    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype = torch.float16, kernel: str = "auto",
-                 rotate: bool = True, key_outliers: int = KEY_OUTLIERS):
+    def __init__(
+        self,
+        spec: CacheSpec,
+        scale_dtype: torch.dtype = torch.float16,
+        kernel: str = "auto",
+        rotate: bool = True,
+        key_outliers: int = KEY_OUTLIERS,
+    ):
         super().__init__(spec)
         if kernel == "auto":
             kernel = default_kernel(spec.device)
@@ -235,7 +241,9 @@ class Int8Cache(LayerCache):
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         # what the native step overwrites, kept until it has succeeded
-        self._saved_row = torch.empty(b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev)
+        self._saved_row = torch.empty(
+            b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev
+        )
         # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
         self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
         # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
@@ -245,9 +253,16 @@ class Int8Cache(LayerCache):
     @property
     def nbytes(self) -> int:
         calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
-        return (self._k.untyped_storage().nbytes() + self._ko.nbytes + self._v.nbytes + self._ks.nbytes
-                + self._vs.nbytes + (calibration if self.outliers else 0) + self._key_order.nbytes
-                + self._saved_row.nbytes)
+        return (
+            self._k.untyped_storage().nbytes()
+            + self._ko.nbytes
+            + self._v.nbytes
+            + self._ks.nbytes
+            + self._vs.nbytes
+            + (calibration if self.outliers else 0)
+            + self._key_order.nbytes
+            + self._saved_row.nbytes
+        )
 
     @property
     def rotation(self) -> torch.Tensor | None:
@@ -322,7 +337,9 @@ class Int8Cache(LayerCache):
         )
 
     def _decode(self, rows: Int8Rows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales), rows.key_outliers.to(torch.float32)], dim=3)
+        ordered = torch.cat(
+            [dequantize_int8(rows.key_codes, rows.key_scales), rows.key_outliers.to(torch.float32)], dim=3
+        )
         keys = torch.empty_like(ordered).scatter_(3, self._key_index.expand_as(ordered), ordered)
         values = self._rotate(dequantize_int8(rows.value_codes, rows.value_scales))
         return keys.to(dtype), values.to(dtype)
@@ -417,8 +434,9 @@ class Int8Cache(LayerCache):
             parts = [self._codes(0, 0)]
         return Int8Rows(*(torch.cat([p[i] for p in parts], dim=2) for i in range(len(Int8Rows._fields))))
 
-    def load_quantized(self, rows: Int8Rows, key_channels: torch.Tensor, tokens_seen: int,
-                       calibration: torch.Tensor | None = None) -> None:
+    def load_quantized(
+        self, rows: Int8Rows, key_channels: torch.Tensor, tokens_seen: int, calibration: torch.Tensor | None = None
+    ) -> None:
         """Loads what ``export_quantized`` and ``key_channels`` returned into an empty cache that
         then has seen ``tokens_seen`` tokens; everything is stored bit-exactly.
 
@@ -452,9 +470,13 @@ class Int8Cache(LayerCache):
             t = getattr(rows, name)
             label = name.replace("_", " ")
             if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-                raise TypeError(f"load_quantized: {label} must be a {dtype_name(dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}")
+                raise TypeError(
+                    f"load_quantized: {label} must be a {dtype_name(dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
+                )
             if tuple(t.shape) != shape:
-                raise ValueError(f"load_quantized: {label} expected shape {shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}")
+                raise ValueError(
+                    f"load_quantized: {label} expected shape {shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}"
+                )
             if not n:
                 continue
             if dtype == torch.int8 and int(t.min()) < -127:
@@ -463,17 +485,28 @@ class Int8Cache(LayerCache):
                 raise ValueError(f"load_quantized: {label} must be finite and >= 0")
             if name == "key_outliers" and not bool(torch.isfinite(t).all()):
                 raise ValueError("load_quantized: key outliers must be finite")
-        if not isinstance(key_channels, torch.Tensor) or key_channels.dtype != torch.int64 or tuple(key_channels.shape) != (b, h, d):
+        if (
+            not isinstance(key_channels, torch.Tensor)
+            or key_channels.dtype != torch.int64
+            or tuple(key_channels.shape) != (b, h, d)
+        ):
             raise ValueError(f"load_quantized: key_channels must be int64 of shape {(b, h, d)}")
-        if not torch.equal(key_channels.sort(dim=-1).values, torch.arange(d, device=key_channels.device).expand(b, h, d)):
+        if not torch.equal(
+            key_channels.sort(dim=-1).values, torch.arange(d, device=key_channels.device).expand(b, h, d)
+        ):
             raise ValueError("load_quantized: key_channels must order each head's channels 0..D-1 once each")
         cal_len = min(tokens_seen, CALIBRATION_TOKENS)
         if calibration is not None:
             if not o or tokens_seen >= CALIBRATION_TOKENS:
-                raise ValueError("load_quantized: calibration rows only come with T < "
-                                 f"{CALIBRATION_TOKENS} and outlier channels")
-            if (not isinstance(calibration, torch.Tensor) or calibration.dtype != torch.float32
-                    or tuple(calibration.shape) != (b, h, cal_len, d) or not bool(torch.isfinite(calibration).all())):
+                raise ValueError(
+                    f"load_quantized: calibration rows only come with T < {CALIBRATION_TOKENS} and outlier channels"
+                )
+            if (
+                not isinstance(calibration, torch.Tensor)
+                or calibration.dtype != torch.float32
+                or tuple(calibration.shape) != (b, h, cal_len, d)
+                or not bool(torch.isfinite(calibration).all())
+            ):
                 raise ValueError(f"load_quantized: calibration must be finite float32 of shape {(b, h, cal_len, d)}")
         self._set_key_channels(key_channels.to(self.spec.device).contiguous())
         offset = 0
@@ -490,16 +523,24 @@ class Int8Cache(LayerCache):
         """The stored codes, scales, outlier channels and their order, bit-exact (``encoding``
         "int8"), plus the calibration keys while the channels are not final; for snapshots."""
         rows = self.export_quantized()
-        state = {"encoding": self.state_encoding, "key": rows.key_codes, "value": rows.value_codes,
-                 "key_scale": rows.key_scales, "value_scale": rows.value_scales,
-                 "key_outliers": rows.key_outliers, "key_channels": self.key_channels}
+        state = {
+            "encoding": self.state_encoding,
+            "key": rows.key_codes,
+            "value": rows.value_codes,
+            "key_scale": rows.key_scales,
+            "value_scale": rows.value_scales,
+            "key_outliers": rows.key_outliers,
+            "key_channels": self.key_channels,
+        }
         if self._calibration is not None:
             state["key_calibration"] = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
         return state
 
     def _load_state(self, tokens_seen: int, state: dict) -> None:
         try:
-            rows = Int8Rows(state["key"], state["value"], state["key_scale"], state["value_scale"], state["key_outliers"])
+            rows = Int8Rows(
+                state["key"], state["value"], state["key_scale"], state["value_scale"], state["key_outliers"]
+            )
             self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
@@ -542,7 +583,13 @@ class Int8Cache(LayerCache):
         plan = self._plan(t)
         x.set_runs(plan[0])
         x.write_row = plan[1]
-        x.q, x.order, x.new_k, x.new_v, x.out = q.data_ptr(), order.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
+        x.q, x.order, x.new_k, x.new_v, x.out = (
+            q.data_ptr(),
+            order.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            out.data_ptr(),
+        )
         if self._fail_after_write:
             x.flags |= native.FLAG_FAIL_AFTER_WRITE
         elif x.flags & native.FLAG_FAIL_AFTER_WRITE:
@@ -552,8 +599,9 @@ class Int8Cache(LayerCache):
     @staticmethod
     def native_step_done(status: int) -> None:
         if status == -errno.ERANGE:
-            raise InputValueError("value: a row's absmax needs a scale beyond float16's range; use float32 scales "
-                             "(nothing was written)")
+            raise InputValueError(
+                "value: a row's absmax needs a scale beyond float16's range; use float32 scales (nothing was written)"
+            )
         LayerCache.native_step_done(status)
 
     # -- attention ------------------------------------------------------------------------------
@@ -706,8 +754,13 @@ class Int8Backend(Backend):
         devices=("cpu", "cuda"),
     )
 
-    def __init__(self, scale_dtype: torch.dtype = torch.float16, kernel: str = "auto", rotate: bool = True,
-                 key_outliers: int = KEY_OUTLIERS):
+    def __init__(
+        self,
+        scale_dtype: torch.dtype = torch.float16,
+        kernel: str = "auto",
+        rotate: bool = True,
+        key_outliers: int = KEY_OUTLIERS,
+    ):
         if scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"int8: scale_dtype must be float32 or float16, got {scale_dtype}")
         if kernel != "auto" and kernel not in KERNELS:

@@ -39,8 +39,20 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENC", "ISA", "CacheDesc", "Int8Kernel", "Kernel", "NativeUnavailable", "available", "build", "cache_dir",
-           "load", "set_threads", "threads"]
+__all__ = [
+    "ENC",
+    "ISA",
+    "CacheDesc",
+    "Int8Kernel",
+    "Kernel",
+    "NativeUnavailable",
+    "available",
+    "build",
+    "cache_dir",
+    "load",
+    "set_threads",
+    "threads",
+]
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gqa_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
@@ -115,7 +127,9 @@ def build(directory: Path | None = None) -> Path:
         return target
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
-        raise NativeUnavailable(f"no C compiler (set CC, or prebuild into {directory} with `python -m backends.native build`)")
+        raise NativeUnavailable(
+            f"no C compiler (set CC, or prebuild into {directory} with `python -m backends.native build`)"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
         # compile to a private name, then rename: concurrent builders never load a partial file
@@ -143,14 +157,33 @@ class CacheDesc(ctypes.Structure):
     pointers and shapes, the attended runs, the step's tensors and where the output goes."""
 
     _fields_ = [
-        ("enc", ctypes.c_int32), ("io", ctypes.c_int32), ("flags", ctypes.c_int32), ("nruns", ctypes.c_int32),
-        ("n", ctypes.c_int64), ("g", ctypes.c_int64), ("d", ctypes.c_int64), ("c", ctypes.c_int64),
-        ("kstride", ctypes.c_int64), ("dk", ctypes.c_int64), ("no", ctypes.c_int64), ("scale_stride", ctypes.c_int64),
-        ("runs", ctypes.c_int64 * (2 * MAX_RUNS)), ("write_row", ctypes.c_int64),
-        ("qscale", ctypes.c_float), ("status", ctypes.c_int32),
-        ("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
-        ("ko", ctypes.c_void_p), ("q", ctypes.c_void_p), ("order", ctypes.c_void_p), ("new_k", ctypes.c_void_p), ("new_v", ctypes.c_void_p),
-        ("saved", ctypes.c_void_p), ("out", ctypes.c_void_p),
+        ("enc", ctypes.c_int32),
+        ("io", ctypes.c_int32),
+        ("flags", ctypes.c_int32),
+        ("nruns", ctypes.c_int32),
+        ("n", ctypes.c_int64),
+        ("g", ctypes.c_int64),
+        ("d", ctypes.c_int64),
+        ("c", ctypes.c_int64),
+        ("kstride", ctypes.c_int64),
+        ("dk", ctypes.c_int64),
+        ("no", ctypes.c_int64),
+        ("scale_stride", ctypes.c_int64),
+        ("runs", ctypes.c_int64 * (2 * MAX_RUNS)),
+        ("write_row", ctypes.c_int64),
+        ("qscale", ctypes.c_float),
+        ("status", ctypes.c_int32),
+        ("k", ctypes.c_void_p),
+        ("v", ctypes.c_void_p),
+        ("ks", ctypes.c_void_p),
+        ("vs", ctypes.c_void_p),
+        ("ko", ctypes.c_void_p),
+        ("q", ctypes.c_void_p),
+        ("order", ctypes.c_void_p),
+        ("new_k", ctypes.c_void_p),
+        ("new_v", ctypes.c_void_p),
+        ("saved", ctypes.c_void_p),
+        ("out", ctypes.c_void_p),
     ]
 
     def set_runs(self, runs) -> None:
@@ -218,8 +251,19 @@ class Kernel:
             raise MemoryError("native kernel: out of memory")
         raise RuntimeError(f"native kernel: {os.strerror(-rc)}")
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-               runs, ko: torch.Tensor | None = None, *, isa: str = "auto", threads: int | None = None) -> torch.Tensor:
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        ks: torch.Tensor,
+        vs: torch.Tensor,
+        runs,
+        ko: torch.Tensor | None = None,
+        *,
+        isa: str = "auto",
+        threads: int | None = None,
+    ) -> torch.Tensor:
         """Attention of ``q`` over int8 codes (the int8 encoding of ``gqa_run``).
 
         q (N, G, Dk + O) float32 contiguous, already scaled, its channels in the cache's key
@@ -239,12 +283,25 @@ class Kernel:
                 raise ValueError(f"int8 kernel: {name} must be a contiguous CPU tensor")
         if dq != dk + no:
             raise ValueError(f"int8 kernel: q has {dq} channels, the keys {dk} coded + {no} outlier")
-        if k.device.type != "cpu" or k.stride(2) != 1 or (n > 1 and k.stride(0) != dk * k.stride(1)) or k.shape != (n, dk, c):
-            raise ValueError(f"int8 kernel: k must be ({n}, {dk}, {c}) with unit position stride and rows evenly spaced")
+        if (
+            k.device.type != "cpu"
+            or k.stride(2) != 1
+            or (n > 1 and k.stride(0) != dk * k.stride(1))
+            or k.shape != (n, dk, c)
+        ):
+            raise ValueError(
+                f"int8 kernel: k must be ({n}, {dk}, {c}) with unit position stride and rows evenly spaced"
+            )
         if ko is not None and (ko.dtype != torch.float16 or ko.shape != (n, no, c)):
             raise ValueError(f"int8 kernel: ko must be float16 ({n}, {no}, {c})")
-        if (ks.shape != (n, c) or vs.shape != (n, c) or not ks.is_contiguous() or not vs.is_contiguous()
-                or ks.dtype != vs.dtype or ks.dtype not in (torch.float32, torch.float16)):
+        if (
+            ks.shape != (n, c)
+            or vs.shape != (n, c)
+            or not ks.is_contiguous()
+            or not vs.is_contiguous()
+            or ks.dtype != vs.dtype
+            or ks.dtype not in (torch.float32, torch.float16)
+        ):
             raise ValueError(f"int8 kernel: scales must be contiguous float32 or float16 (N, C) = ({n}, {c})")
         if q.dtype != torch.float32:
             raise ValueError("int8 kernel: q must be float32")

@@ -98,15 +98,12 @@ class EvictionPolicy:
         return cls(PolicyKind.SINK, capacity=sinks + window, window=window, sinks=sinks)
 
     @classmethod
-    def create(cls, kind: str | PolicyKind, *, window: int = 0, capacity: int = 0,
-               sinks: int = 0) -> "EvictionPolicy":
+    def create(cls, kind: str | PolicyKind, *, window: int = 0, capacity: int = 0, sinks: int = 0) -> "EvictionPolicy":
         """One entry point for configuration: validates the fields the kind needs."""
         try:
             kind = PolicyKind(kind)
         except ValueError:
-            raise PolicyError(
-                f"unknown policy {kind!r}; expected one of {[k.value for k in PolicyKind]}"
-            ) from None
+            raise PolicyError(f"unknown policy {kind!r}; expected one of {[k.value for k in PolicyKind]}") from None
         if kind is PolicyKind.NONE:
             return cls.none(capacity)
         if kind is PolicyKind.STRICT:

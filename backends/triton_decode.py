@@ -108,17 +108,42 @@ def _mm(a, b, UPCAST: tl.constexpr):
 
 @triton.jit(do_not_specialize=["s0", "l0", "s1", "l1", "s2", "n_total"])
 def _split_kernel(
-    Q, K, V, KS, VS, O, LSE,
-    s0, l0, s1, l1, s2, n_total, chunk,
-    stride_qn, stride_qg,
-    stride_kn, stride_kc,
-    stride_vn, stride_vc,
-    stride_ksn, stride_vsn,
-    stride_on, stride_os, stride_og,
-    stride_ln, stride_ls,
+    Q,
+    K,
+    V,
+    KS,
+    VS,
+    O,
+    LSE,
+    s0,
+    l0,
+    s1,
+    l1,
+    s2,
+    n_total,
+    chunk,
+    stride_qn,
+    stride_qg,
+    stride_kn,
+    stride_kc,
+    stride_vn,
+    stride_vc,
+    stride_ksn,
+    stride_vsn,
+    stride_on,
+    stride_os,
+    stride_og,
+    stride_ln,
+    stride_ls,
     qk_scale,
-    G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, QUANT: tl.constexpr, DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    QUANT: tl.constexpr,
+    DIRECT: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_s = tl.program_id(1)
@@ -189,10 +214,19 @@ def _split_kernel(
 
 @triton.jit
 def _combine_kernel(
-    O_part, LSE, Out, num_splits,
-    stride_on, stride_os, stride_og,
-    stride_ln, stride_ls,
-    G: tl.constexpr, D: tl.constexpr, SPLITS_PAD: tl.constexpr, D_PAD: tl.constexpr,
+    O_part,
+    LSE,
+    Out,
+    num_splits,
+    stride_on,
+    stride_os,
+    stride_og,
+    stride_ln,
+    stride_ls,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
 ):
     # One program per (KV head, group member) = one query head of the flat (B*Hq, D) output.
     pid = tl.program_id(0)
@@ -305,25 +339,56 @@ def _launch(query, keys, values, key_scales, value_scales, runs, num_kv_heads, s
         o_part = torch.empty((n, splits, g, d), dtype=torch.float32, device=query.device)
         lse = torch.empty((n, splits, g), dtype=torch.float32, device=query.device)
     _split_kernel[(n, splits)](
-        q, keys, values, ks, vs, o_part, lse,
-        *run_args, total, chunk,
-        q.stride(0), q.stride(1),
-        keys.stride(0), keys.stride(1),
-        values.stride(0), values.stride(1),
-        ks.stride(0), vs.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2),
-        lse.stride(0), lse.stride(1),
+        q,
+        keys,
+        values,
+        ks,
+        vs,
+        o_part,
+        lse,
+        *run_args,
+        total,
+        chunk,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        ks.stride(0),
+        vs.stride(0),
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
         qk_scale,
-        G=g, D=d, G_PAD=g_pad, D_PAD=d_pad, BLOCK_N=config.block_n, QUANT=quant, DIRECT=direct,
+        G=g,
+        D=d,
+        G_PAD=g_pad,
+        D_PAD=d_pad,
+        BLOCK_N=config.block_n,
+        QUANT=quant,
+        DIRECT=direct,
         UPCAST=query.device.type != "cuda" and query.dtype == torch.bfloat16,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     if not direct:
         _combine_kernel[(n * g,)](
-            o_part, lse, out, splits,
-            o_part.stride(0), o_part.stride(1), o_part.stride(2),
-            lse.stride(0), lse.stride(1),
-            G=g, D=d, SPLITS_PAD=max(2, triton.next_power_of_2(splits)), D_PAD=triton.next_power_of_2(d),
+            o_part,
+            lse,
+            out,
+            splits,
+            o_part.stride(0),
+            o_part.stride(1),
+            o_part.stride(2),
+            lse.stride(0),
+            lse.stride(1),
+            G=g,
+            D=d,
+            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+            D_PAD=triton.next_power_of_2(d),
             num_warps=4 if d >= 128 else 1,
         )
     return out
@@ -373,13 +438,16 @@ def decode_attention_int8(
             raise TypeError(f"{name}: expected int8, got {codes.dtype}")
     for name, s, codes in (("key_scales", key_scales, key_codes), ("value_scales", value_scales, value_codes)):
         if s.dim() != 2 or tuple(s.shape) != tuple(codes.shape[:2]) or s.stride(1) != 1:
-            raise ValueError(f"{name}: expected shape (B*Hkv, C) = {tuple(codes.shape[:2])} with unit stride, got {tuple(s.shape)}")
+            raise ValueError(
+                f"{name}: expected shape (B*Hkv, C) = {tuple(codes.shape[:2])} with unit stride, got {tuple(s.shape)}"
+            )
         if not s.dtype.is_floating_point:
             raise TypeError(f"{name}: expected a float dtype, got {s.dtype}")
     if query.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise TypeError(f"query: dtype {query.dtype} not supported")
-    return _launch(query, key_codes, value_codes, key_scales, value_scales, runs, num_kv_heads, scale, config, num_splits)
-
+    return _launch(
+        query, key_codes, value_codes, key_scales, value_scales, runs, num_kv_heads, scale, config, num_splits
+    )
 
 
 # -- the batched step: many caches in one launch ------------------------------------------------
@@ -399,11 +467,31 @@ def decode_attention_int8(
 # total, the split size and the number of splits, the output's element offset, the first
 # partial's index, the first counter's index, the ring row written, the new key's and value's
 # base addresses, the first saved row's index.
-_DESC_FIELDS = ("q", "k", "v", "cap", "s0", "l0", "s1", "l1", "s2", "total", "chunk", "splits",
-                "out", "part", "count", "row", "new_k", "new_v", "saved")
+_DESC_FIELDS = (
+    "q",
+    "k",
+    "v",
+    "cap",
+    "s0",
+    "l0",
+    "s1",
+    "l1",
+    "s2",
+    "total",
+    "chunk",
+    "splits",
+    "out",
+    "part",
+    "count",
+    "row",
+    "new_k",
+    "new_v",
+    "saved",
+)
 _F_Q, _F_K, _F_V, _F_CAP, _F_S0, _F_L0, _F_S1, _F_L1, _F_S2, _F_TOTAL = (tl.constexpr(i) for i in range(10))
 _F_CHUNK, _F_SPLITS, _F_OUT, _F_PART, _F_COUNT, _F_ROW, _F_NEWK, _F_NEWV, _F_SAVED = (
-    tl.constexpr(i) for i in range(10, 19))
+    tl.constexpr(i) for i in range(10, 19)
+)
 _DESC_W = len(_DESC_FIELDS)
 
 
@@ -421,9 +509,20 @@ def _as_ptr(addr, ty):
 
 @triton.jit
 def _batched_kernel(
-    DESC, WORK, COUNT, PART, LSE, OUT, qk_scale,
-    G: tl.constexpr, D: tl.constexpr, G_PAD: tl.constexpr, D_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, UPCAST: tl.constexpr, DESC_W: tl.constexpr,
+    DESC,
+    WORK,
+    COUNT,
+    PART,
+    LSE,
+    OUT,
+    qk_scale,
+    G: tl.constexpr,
+    D: tl.constexpr,
+    G_PAD: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DESC_W: tl.constexpr,
 ):
     pid = tl.program_id(0)
     c = tl.load(WORK + pid * 3)
@@ -500,8 +599,12 @@ def _batched_kernel(
             for j in range(0, splits):  # in split order, whichever split merges
                 lse = tl.load(LSE + (first + j) * G + offs_g, mask=g_mask, other=0.0, cache_modifier=".cg")
                 w = tl.exp2(lse - m)
-                o = tl.load(PART + ((first + j) * G + offs_g[:, None]) * D + offs_d[None, :], mask=out_mask,
-                            other=0.0, cache_modifier=".cg")
+                o = tl.load(
+                    PART + ((first + j) * G + offs_g[:, None]) * D + offs_d[None, :],
+                    mask=out_mask,
+                    other=0.0,
+                    cache_modifier=".cg",
+                )
                 num += w[:, None] * o
                 den += w
             tl.store(out_ptrs, (num / den[:, None]).to(ty), mask=out_mask)
@@ -587,7 +690,10 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def decode_batched(
-    steps: Sequence[BatchedStep], *, config: KernelConfig = DEFAULT_CONFIG, scale: float | None = None,
+    steps: Sequence[BatchedStep],
+    *,
+    config: KernelConfig = DEFAULT_CONFIG,
+    scale: float | None = None,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
     """The steps of many caches: their rows written, then attention, in two launches.
 
@@ -627,12 +733,25 @@ def decode_batched(
     new_v = [_aligned(s.new_value) if s.row >= 0 else None for s in steps]
     run_args = np.array([r for r, _ in runs], dtype=np.int64).reshape(len(steps), 5)
     columns = dict(
-        q=[t.data_ptr() for t in queries], k=[st.keys.data_ptr() for st in steps],
-        v=[st.values.data_ptr() for st in steps], cap=[st.keys.shape[1] for st in steps],
-        s0=run_args[:, 0], l0=run_args[:, 1], s1=run_args[:, 2], l1=run_args[:, 3], s2=run_args[:, 4],
-        total=totals, chunk=chunk, splits=splits, out=out_off, part=part_off, count=count_off,
-        row=[st.row for st in steps], new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
-        new_v=[t.data_ptr() if t is not None else 0 for t in new_v], saved=saved_off,
+        q=[t.data_ptr() for t in queries],
+        k=[st.keys.data_ptr() for st in steps],
+        v=[st.values.data_ptr() for st in steps],
+        cap=[st.keys.shape[1] for st in steps],
+        s0=run_args[:, 0],
+        l0=run_args[:, 1],
+        s1=run_args[:, 2],
+        l1=run_args[:, 3],
+        s2=run_args[:, 4],
+        total=totals,
+        chunk=chunk,
+        splits=splits,
+        out=out_off,
+        part=part_off,
+        count=count_off,
+        row=[st.row for st in steps],
+        new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
+        new_v=[t.data_ptr() if t is not None else 0 for t in new_v],
+        saved=saved_off,
     )
     desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
     for name, values in columns.items():
@@ -670,10 +789,23 @@ def decode_batched(
     try:
         with _on(device):
             _launch_batched(
-                (len(work),), desc_t, work_t, count_t, part, lse, out, qk_scale,
-                G=g, D=d, G_PAD=g_pad, D_PAD=d_pad, BLOCK_N=config.block_n,
-                UPCAST=device.type != "cuda" and dtype == torch.bfloat16, DESC_W=_DESC_W,
-                num_warps=config.num_warps, num_stages=config.num_stages,
+                (len(work),),
+                desc_t,
+                work_t,
+                count_t,
+                part,
+                lse,
+                out,
+                qk_scale,
+                G=g,
+                D=d,
+                G_PAD=g_pad,
+                D_PAD=d_pad,
+                BLOCK_N=config.block_n,
+                UPCAST=device.type != "cuda" and dtype == torch.bfloat16,
+                DESC_W=_DESC_W,
+                num_warps=config.num_warps,
+                num_stages=config.num_stages,
             )
     except BaseException:
         restore_rows(steps, saves)

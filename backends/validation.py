@@ -45,9 +45,7 @@ def as_tensor(value: Any, name: str) -> torch.Tensor:
         except (TypeError, ValueError) as exc:
             raise InputTypeError(f"{name}: cannot build a float32 tensor from the nested list ({exc})") from None
     else:
-        raise InputTypeError(
-            f"{name}: expected a torch.Tensor, numpy array or nested list, got {type(value).__name__}"
-        )
+        raise InputTypeError(f"{name}: expected a torch.Tensor, numpy array or nested list, got {type(value).__name__}")
     if tensor.dtype not in FLOAT_DTYPES:
         raise InputTypeError(
             f"{name}: expected a floating dtype (float32, float16, bfloat16, float64), got {dtype_name(tensor.dtype)}"
@@ -86,7 +84,9 @@ def check_step_tensors(
     _rank(new_value, "new_value", 3, "(B, Hkv, D)")
     b, hq, d = query.shape
     if hq != num_query_heads:
-        raise InputValueError(f"query: has {hq} heads (shape {tuple(query.shape)}) but num_query_heads is {num_query_heads}")
+        raise InputValueError(
+            f"query: has {hq} heads (shape {tuple(query.shape)}) but num_query_heads is {num_query_heads}"
+        )
     for name, t in (("new_key", new_key), ("new_value", new_value)):
         if tuple(t.shape) != (b, num_kv_heads, d):
             raise InputValueError(

@@ -23,8 +23,15 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
     include = pathlib.Path(grpc_tools.__file__).parent / "_proto"
     written = []
     with tempfile.TemporaryDirectory() as tmp:
-        args = ["protoc", f"-I{ROOT}", f"-I{include}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                f"--grpc_python_out={tmp}", *PROTOS]
+        args = [
+            "protoc",
+            f"-I{ROOT}",
+            f"-I{include}",
+            f"--python_out={tmp}",
+            f"--pyi_out={tmp}",
+            f"--grpc_python_out={tmp}",
+            *PROTOS,
+        ]
         if protoc.main(args) != 0:
             raise SystemExit("protoc failed")
         for proto in PROTOS:

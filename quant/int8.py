@@ -137,7 +137,9 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtyp
     if codes.dtype != torch.int8:
         raise TypeError(f"codes: expected int8, got {codes.dtype}")
     if tuple(scales.shape) != tuple(codes.shape[:-1]):
-        raise ValueError(f"scales: expected shape {tuple(codes.shape[:-1])} for codes {tuple(codes.shape)}, got {tuple(scales.shape)}")
+        raise ValueError(
+            f"scales: expected shape {tuple(codes.shape[:-1])} for codes {tuple(codes.shape)}, got {tuple(scales.shape)}"
+        )
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return (codes.to(work) * scales.to(work).unsqueeze(-1)).to(dtype)
 
@@ -176,7 +178,9 @@ def quantize_int8_residual(
     return codes, scales
 
 
-def dequantize_int8_residual(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def dequantize_int8_residual(
+    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The sum of the pieces of ``quantize_int8_residual``."""
     work = torch.float64 if dtype == torch.float64 else torch.float32
     return (codes.to(work) * scales.to(work).unsqueeze(-1)).sum(0).to(dtype)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import math
 import time
@@ -99,10 +98,18 @@ def session_config(engine: Engine, request: gqa_pb2.BatchOpen) -> SessionConfig:
         raise InvalidArgument(f"open.dtype: {request.dtype} is not a known DType")
     # The shared fields are checked by the engine's own rules, with a placeholder policy.
     probe = engine.stream_config(
-        backend=request.backend, dtype=DTYPE_NAMES.get(request.dtype, ""), batch_size=1,
-        num_query_heads=request.num_query_heads, num_kv_heads=request.num_kv_heads,
-        head_dim=request.head_dim, num_layers=request.num_layers, policy="strict", window=1, capacity=0,
-        sink_tokens=0)
+        backend=request.backend,
+        dtype=DTYPE_NAMES.get(request.dtype, ""),
+        batch_size=1,
+        num_query_heads=request.num_query_heads,
+        num_kv_heads=request.num_kv_heads,
+        head_dim=request.head_dim,
+        num_layers=request.num_layers,
+        policy="strict",
+        window=1,
+        capacity=0,
+        sink_tokens=0,
+    )
     try:
         backend = registry.get_backend(probe.backend)
         backend.check(probe.spec(backend.default_device))
@@ -110,8 +117,9 @@ def session_config(engine: Engine, request: gqa_pb2.BatchOpen) -> SessionConfig:
         raise FailedPrecondition(f"backend {probe.backend!r} cannot serve this session: {exc}") from None
     if engine.draining:
         raise Unavailable("the server is shutting down; open the session on another replica")
-    return SessionConfig(probe.backend, probe.dtype, probe.num_query_heads, probe.num_kv_heads, probe.head_dim,
-                         probe.num_layers)
+    return SessionConfig(
+        probe.backend, probe.dtype, probe.num_query_heads, probe.num_kv_heads, probe.head_dim, probe.num_layers
+    )
 
 
 def _packed(message: gqa_pb2.Tensor, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -159,8 +167,15 @@ def _timed_step_many(steps: list[BatchStep], received: float):
 class Session:
     """One Batch RPC's sequences. Driven by one handler on the event loop, so no lock."""
 
-    def __init__(self, engine: Engine, config: ServerConfig, pool: concurrent.futures.Executor,
-                 shared: SessionConfig, session_id: str, on_forced_close):
+    def __init__(
+        self,
+        engine: Engine,
+        config: ServerConfig,
+        pool: concurrent.futures.Executor,
+        shared: SessionConfig,
+        session_id: str,
+        on_forced_close,
+    ):
         self.engine = engine
         self.config = config
         self.pool = pool
@@ -201,22 +216,39 @@ class Session:
     def _stream_config(self, source, what: str) -> StreamConfig:
         if source.policy not in POLICY_NAMES:
             raise InvalidArgument(
-                f"{what}.policy: {source.policy} is not one of EVICTION_POLICY_NONE, _STRICT, _GREEDY, _SINK")
+                f"{what}.policy: {source.policy} is not one of EVICTION_POLICY_NONE, _STRICT, _GREEDY, _SINK"
+            )
         s = self.shared
         return self.engine.stream_config(
-            backend=s.backend, dtype=s.dtype, batch_size=1, num_query_heads=s.num_query_heads,
-            num_kv_heads=s.num_kv_heads, head_dim=s.head_dim, num_layers=s.num_layers,
-            policy=POLICY_NAMES[source.policy], window=source.window, capacity=source.capacity,
-            sink_tokens=source.sink_tokens)
+            backend=s.backend,
+            dtype=s.dtype,
+            batch_size=1,
+            num_query_heads=s.num_query_heads,
+            num_kv_heads=s.num_kv_heads,
+            head_dim=s.head_dim,
+            num_layers=s.num_layers,
+            policy=POLICY_NAMES[source.policy],
+            window=source.window,
+            capacity=source.capacity,
+            sink_tokens=source.sink_tokens,
+        )
 
     def _sequence_config(self, stream: Stream) -> gqa_pb2.OpenStream:
         """A sequence's configuration as a Decode stream's (snapshots restore into either RPC)."""
         c = stream.config
         return gqa_pb2.OpenStream(
-            backend=c.backend, dtype=NAME_TO_DTYPE[c.dtype], batch_size=1, num_query_heads=c.num_query_heads,
-            num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_layers=c.num_layers,
-            policy=POLICY_ENUMS[c.policy.kind.value], window=c.policy.window, capacity=c.policy.capacity,
-            sink_tokens=c.policy.sinks)
+            backend=c.backend,
+            dtype=NAME_TO_DTYPE[c.dtype],
+            batch_size=1,
+            num_query_heads=c.num_query_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            num_layers=c.num_layers,
+            policy=POLICY_ENUMS[c.policy.kind.value],
+            window=c.policy.window,
+            capacity=c.policy.capacity,
+            sink_tokens=c.policy.sinks,
+        )
 
     # -- requests ----------------------------------------------------------------------------
     async def add(self, request: gqa_pb2.BatchAdd) -> gqa_pb2.BatchAdded | None:
@@ -233,8 +265,10 @@ class Session:
                 for i, entry in enumerate(request.prefill):
                     if entry.layer in prefill:
                         raise InvalidArgument(f"add.prefill[{i}].layer: layer {entry.layer} appears twice")
-                    prefill[entry.layer] = (from_proto(entry.key, f"add.prefill[{i}].key", rank=4),
-                                            from_proto(entry.value, f"add.prefill[{i}].value", rank=4))
+                    prefill[entry.layer] = (
+                        from_proto(entry.key, f"add.prefill[{i}].key", rank=4),
+                        from_proto(entry.value, f"add.prefill[{i}].value", rank=4),
+                    )
                     cost += len(entry.key.data) + len(entry.value.data)
             # From here the engine counts its own refusals (budget, streams, backend...).
             stream = await self._compute(cost, self.engine.open, config, prefill)
@@ -252,7 +286,8 @@ class Session:
             elif request.policy or request.window or request.capacity or request.sink_tokens or request.prefill:
                 pending.error = InvalidArgument(
                     "add: with `restore`, policy, window, capacity, sink_tokens and prefill must be unset "
-                    "(the snapshot carries them)")
+                    "(the snapshot carries them)"
+                )
         chunk = request.restore
         if pending.error is None:
             pending.chunks.append(chunk)
@@ -281,8 +316,15 @@ class Session:
 
     def _check_snapshot_config(self, c: gqa_pb2.OpenStream) -> None:
         s = self.shared
-        theirs = (c.backend or s.backend, DTYPE_NAMES.get(c.dtype, "?"), c.batch_size, c.num_query_heads,
-                  c.num_kv_heads, c.head_dim, c.num_layers)
+        theirs = (
+            c.backend or s.backend,
+            DTYPE_NAMES.get(c.dtype, "?"),
+            c.batch_size,
+            c.num_query_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            c.num_layers,
+        )
         ours = (s.backend, s.dtype, 1, s.num_query_heads, s.num_kv_heads, s.head_dim, s.num_layers)
         if theirs != ours:
             names = ("backend", "dtype", "batch_size", "num_query_heads", "num_kv_heads", "head_dim", "num_layers")
@@ -293,9 +335,15 @@ class Session:
         self._admit(sid, stream)
         p = stream.config.policy
         return gqa_pb2.BatchAdded(
-            status=_OK, id=sid, policy=POLICY_ENUMS[p.kind.value], window=p.window, capacity=p.capacity,
-            sink_tokens=p.sinks, bytes_reserved=stream.bytes_reserved,
-            tokens_seen=[c.tokens_seen for c in stream.caches])
+            status=_OK,
+            id=sid,
+            policy=POLICY_ENUMS[p.kind.value],
+            window=p.window,
+            capacity=p.capacity,
+            sink_tokens=p.sinks,
+            bytes_reserved=stream.bytes_reserved,
+            tokens_seen=[c.tokens_seen for c in stream.caches],
+        )
 
     async def step(self, request: gqa_pb2.BatchStep, result: gqa_pb2.BatchStepResult) -> None:
         """Answers a step message into ``result``, the response's own field: building the
@@ -346,7 +394,8 @@ class Session:
         if batch:
             try:
                 outcomes, compute_ns, queue_seconds = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, _timed_step_many, batch, received)
+                    self.pool, _timed_step_many, batch, received
+                )
             except Exception:  # the call as a whole failed: nothing was written (Contract 1)
                 log.exception("session %s: batched step on layer %d failed", self.id, layer)
                 outcomes = [Internal()] * len(batch)
@@ -365,14 +414,23 @@ class Session:
                 continue
             reach = entry.cache.policy.rollback_reach(outcome.tokens_seen)
             out_rows[i] = outcome.output
-            rows[i] = (outcome.tokens_seen, outcome.resident, outcome.first_position, outcome.last_position,
-                       outcome.evicted_tokens, reach)
+            rows[i] = (
+                outcome.tokens_seen,
+                outcome.resident,
+                outcome.first_position,
+                outcome.last_position,
+                outcome.evicted_tokens,
+                reach,
+            )
             observer.step_done(stream, StepReport(outcome, compute_ns, reach), queue_seconds)
         if refused:
             # zeros on the outputs' device (a cuda backend's outputs stay there until the copy below)
             like = next((r for r in out_rows if r is not None), None)
-            zero = torch.zeros((1, s.num_query_heads, s.head_dim), dtype=s.torch_dtype,
-                               device=like.device if like is not None else "cpu")
+            zero = torch.zeros(
+                (1, s.num_query_heads, s.head_dim),
+                dtype=s.torch_dtype,
+                device=like.device if like is not None else "cpu",
+            )
             out_rows = [zero if r is None else r for r in out_rows]
             refusals.sort(key=lambda r: r.index)
         output = self._packed_output(out_rows)
@@ -441,9 +499,15 @@ class Session:
         try:
             if stream is None:
                 raise NotFound(f"snapshot.id: sequence {sid} is not in the session")
-            chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
-                                         self._sequence_config(stream), self.config.max_message_bytes,
-                                         request.max_chunk_bytes, self.engine.snapshot_key)
+            chunks = await self._compute(
+                stream.bytes_in_use(),
+                snapshot.encode,
+                stream,
+                self._sequence_config(stream),
+                self.config.max_message_bytes,
+                request.max_chunk_bytes,
+                self.engine.snapshot_key,
+            )
         except ServiceError as exc:
             return [gqa_pb2.BatchSnapshotChunk(id=sid, status=_status(exc))]
         return [gqa_pb2.BatchSnapshotChunk(id=sid, status=_OK, chunk=c) for c in chunks]
@@ -474,8 +538,13 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
     try:
         shared = session_config(engine, first.open)
     except ServiceError as exc:
-        engine.observer.open_refused("invalid" if isinstance(exc, InvalidArgument) else
-                                     "backend" if isinstance(exc, FailedPrecondition) else "draining")
+        engine.observer.open_refused(
+            "invalid"
+            if isinstance(exc, InvalidArgument)
+            else "backend"
+            if isinstance(exc, FailedPrecondition)
+            else "draining"
+        )
         await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
 
     task = asyncio.current_task()
@@ -490,15 +559,26 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
             forced.append(error)
             if state["waiting"] and task is not None:
                 task.cancel()
+
         loop.call_soon_threadsafe(wake)
 
     session = Session(engine, config, pool, shared, f"b{next(_session_ids)}", on_forced_close)
     reason = "client"
     try:
-        await context.write(gqa_pb2.BatchResponse(request_id=first.request_id, opened=gqa_pb2.BatchOpened(
-            session_id=session.id, backend=shared.backend, dtype=NAME_TO_DTYPE[shared.dtype],
-            num_query_heads=shared.num_query_heads, num_kv_heads=shared.num_kv_heads, head_dim=shared.head_dim,
-            num_layers=shared.num_layers)))
+        await context.write(
+            gqa_pb2.BatchResponse(
+                request_id=first.request_id,
+                opened=gqa_pb2.BatchOpened(
+                    session_id=session.id,
+                    backend=shared.backend,
+                    dtype=NAME_TO_DTYPE[shared.dtype],
+                    num_query_heads=shared.num_query_heads,
+                    num_kv_heads=shared.num_kv_heads,
+                    head_dim=shared.head_dim,
+                    num_layers=shared.num_layers,
+                ),
+            )
+        )
         while True:
             if forced:
                 raise _SessionClosed(forced[0])
@@ -534,8 +614,10 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
             elif kind == "open":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "`open` may only begin a Batch stream")
             else:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    "a Batch request must set one of add, step, remove, rollback or snapshot")
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "a Batch request must set one of add, step, remove, rollback or snapshot",
+                )
     except _SessionClosed as closed:
         reason = "forced"
         session.close(reason)
@@ -547,4 +629,3 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
         await context.abort(grpc.StatusCode.INTERNAL, "internal error; the session was closed")
     finally:
         session.close(reason if not forced else "forced")
-

@@ -45,6 +45,7 @@ __all__ = ["Batcher", "PendingStep", "classify_step_error"]
 
 log = logging.getLogger("gqa.batcher")
 
+
 def classify_step_error(exc: BaseException, where: str) -> ServiceError:
     """The status of an exception a step raised, by type: the backends' input errors
     (``backends.errors.InvalidInput``: shapes, dtypes, values a cache cannot store) ->
@@ -86,8 +87,15 @@ def _tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tens
 class Batcher:
     """Compute workers over one queue of steps; see the module docstring."""
 
-    def __init__(self, workers: int, *, observer: "EngineObserver", max_delay_s: float = 0.0,
-                 max_steps: int = 0, name: str = "gqa-compute"):
+    def __init__(
+        self,
+        workers: int,
+        *,
+        observer: "EngineObserver",
+        max_delay_s: float = 0.0,
+        max_steps: int = 0,
+        name: str = "gqa-compute",
+    ):
         self.workers = max(1, workers)
         self.observer = observer
         self.max_delay_s = max_delay_s
@@ -120,8 +128,10 @@ class Batcher:
             if self._stopped:
                 raise Unavailable("the server is shutting down")
             if not self._threads:
-                self._threads = [threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
-                                 for i in range(self.workers)]
+                self._threads = [
+                    threading.Thread(target=self._work, name=f"{self._name}-{i}", daemon=True)
+                    for i in range(self.workers)
+                ]
                 for t in self._threads:
                     t.start()
             self._queue.append(step)
@@ -224,18 +234,21 @@ class Batcher:
         for step in steps:
             queue_seconds = max(0.0, started - step.received)
             if step.stream.closed:
-                step.result = self._reply(step, Unavailable(
-                    f"stream {step.stream.id} is closed ({step.stream.close_reason})"), queue_seconds)
+                step.result = self._reply(
+                    step, Unavailable(f"stream {step.stream.id} is closed ({step.stream.close_reason})"), queue_seconds
+                )
                 continue
             spec = step.cache.spec
             b, hq, hkv, d = spec.batch_size, spec.num_query_heads, spec.num_kv_heads, spec.head_dim
             try:
-                batch.append(batch_module.BatchStep(
-                    step.cache,
-                    _tensor(step.query, spec.dtype, (b, hq, d)),
-                    _tensor(step.new_key, spec.dtype, (b, hkv, d)),
-                    _tensor(step.new_value, spec.dtype, (b, hkv, d)),
-                ))
+                batch.append(
+                    batch_module.BatchStep(
+                        step.cache,
+                        _tensor(step.query, spec.dtype, (b, hq, d)),
+                        _tensor(step.new_key, spec.dtype, (b, hkv, d)),
+                        _tensor(step.new_value, spec.dtype, (b, hkv, d)),
+                    )
+                )
             except (TypeError, ValueError, RuntimeError) as exc:
                 step.result = self._reply(step, InvalidArgument(f"step: {exc}"), queue_seconds)
                 continue

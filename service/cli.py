@@ -17,6 +17,7 @@ from .cli_common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail  # noqa: F
 
 __all__ = ["main", "fail", "OneLineParser"]
 
+
 def _shortest(value: float, dtype) -> float:
     # The shortest decimal that reads back as the same value in the tensor's own dtype, so
     # a float32 0.2 prints as 0.2, not 0.20000000298023224.
@@ -46,8 +47,10 @@ def _explicit_tensor(name: str, spec: dict):
     import torch
 
     if set(spec) != {"shape", "values"}:
-        raise ValueError(f"{name}: an explicit tensor is {{\"shape\": [...], \"values\": [...]}}, got keys "
-                         f"{', '.join(sorted(spec)) or 'none'}")
+        raise ValueError(
+            f'{name}: an explicit tensor is {{"shape": [...], "values": [...]}}, got keys '
+            f"{', '.join(sorted(spec)) or 'none'}"
+        )
     shape, values = spec["shape"], spec["values"]
     if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
         raise ValueError(f"{name}.shape: expected a list of non-negative integers, got {shape!r}")
@@ -77,8 +80,10 @@ def cmd_step(args: argparse.Namespace) -> int:
     if unknown:
         return fail(f"input has unknown keys {', '.join(unknown)}")
     try:
-        inputs = {k: _explicit_tensor(k, payload[k]) if k in TENSOR_KEYS and isinstance(payload[k], dict)
-                  else payload[k] for k in STEP_KEYS}
+        inputs = {
+            k: _explicit_tensor(k, payload[k]) if k in TENSOR_KEYS and isinstance(payload[k], dict) else payload[k]
+            for k in STEP_KEYS
+        }
         result = gqa_decode_step(**inputs)
     except (TypeError, ValueError) as exc:
         return fail(str(exc))
@@ -103,9 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gqa-serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{step,serve,demo,bench}")
 
-    step = sub.add_parser("step", help="one decode step: a JSON object on stdin (or --json) to a JSON object on stdout",
-                          description="One decode step computed locally (no server): JSON in, JSON out.",
-                          epilog=STEP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    step = sub.add_parser(
+        "step",
+        help="one decode step: a JSON object on stdin (or --json) to a JSON object on stdout",
+        description="One decode step computed locally (no server): JSON in, JSON out.",
+        epilog=STEP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     step.add_argument("--json", help="the input object, instead of reading stdin")
     step.set_defaults(func=cmd_step)
 

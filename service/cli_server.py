@@ -25,15 +25,22 @@ tokens per layer, past greedy's window of 64 (capacity 96)."""
 
 
 def add_commands(sub) -> None:
-    serve = sub.add_parser("serve", help="start the gRPC service (every flag also as a GQA_* variable)",
-                           description="Start the gRPC service. Every flag is also a GQA_* variable; the flag wins. "
-                                       "Ctrl-C (or SIGTERM) drains: streams get --grace-period-s to finish; a second "
-                                       "Ctrl-C stops at once.")
+    serve = sub.add_parser(
+        "serve",
+        help="start the gRPC service (every flag also as a GQA_* variable)",
+        description="Start the gRPC service. Every flag is also a GQA_* variable; the flag wins. "
+        "Ctrl-C (or SIGTERM) drains: streams get --grace-period-s to finish; a second "
+        "Ctrl-C stops at once.",
+    )
     add_arguments(serve)
     serve.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="open a stream against a running server and run N steps",
-                          description=DEMO_DESCRIPTION, formatter_class=argparse.RawDescriptionHelpFormatter)
+    demo = sub.add_parser(
+        "demo",
+        help="open a stream against a running server and run N steps",
+        description=DEMO_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     from .vocab import DTYPE_CHOICES, POLICY_CHOICES
 
     add_client_arguments(demo)
@@ -41,15 +48,31 @@ def add_commands(sub) -> None:
     shape.add_argument("--steps", type=positive_int, default=500, help="decode steps to send (default %(default)s)")
     shape.add_argument("--layers", type=positive_int, default=2, help="layers of the stream (default %(default)s)")
     shape.add_argument("--heads", type=positive_int, default=32, help="query heads Hq (default %(default)s)")
-    shape.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads Hkv, dividing Hq (default %(default)s)")
+    shape.add_argument(
+        "--kv-heads", type=positive_int, default=8, help="KV heads Hkv, dividing Hq (default %(default)s)"
+    )
     shape.add_argument("--head-dim", type=positive_int, default=128, help="head width D (default %(default)s)")
-    shape.add_argument("--policy", choices=POLICY_CHOICES, default="greedy",
-                       help="eviction policy (docs/eviction.md; default %(default)s)")
-    shape.add_argument("--window", type=positive_int, default=64,
-                       help="W, keys a token attends to including itself (strict, greedy, sink; default %(default)s)")
-    shape.add_argument("--capacity", type=non_negative_int, default=0,
-                       help="rows per layer: none's maximum length (0: the steps each layer gets), greedy's C >= W (0: 1.5 W)")
-    shape.add_argument("--sink-tokens", type=non_negative_int, default=4, help="sink policy: first tokens kept (default %(default)s)")
+    shape.add_argument(
+        "--policy",
+        choices=POLICY_CHOICES,
+        default="greedy",
+        help="eviction policy (docs/eviction.md; default %(default)s)",
+    )
+    shape.add_argument(
+        "--window",
+        type=positive_int,
+        default=64,
+        help="W, keys a token attends to including itself (strict, greedy, sink; default %(default)s)",
+    )
+    shape.add_argument(
+        "--capacity",
+        type=non_negative_int,
+        default=0,
+        help="rows per layer: none's maximum length (0: the steps each layer gets), greedy's C >= W (0: 1.5 W)",
+    )
+    shape.add_argument(
+        "--sink-tokens", type=non_negative_int, default=4, help="sink policy: first tokens kept (default %(default)s)"
+    )
     shape.add_argument("--backend", default="", help="backend name (default: the server's)")
     shape.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="stream dtype (default %(default)s)")
     shape.add_argument("--seed", type=int, default=0, help="random data seed (default %(default)s)")
@@ -67,8 +90,9 @@ def _check_port(host: str, port: int, flags: str) -> str | None:
         return None
     host = host.strip("[]")
     try:
-        family, kind, proto, _, address = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
     except socket.gaierror as exc:
         return f"cannot listen on {host}:{port}: {exc.strerror} ({flags})"
     with socket.socket(family, kind, proto) as probe:
@@ -86,9 +110,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         config = from_args(args)
     except ConfigError as exc:  # also a token file that holds no usable token
         return fail(str(exc))
-    for port, flags in ((int(config.address.rpartition(":")[2]), "--address / GQA_ADDRESS"),
-                        (config.metrics_port, "--metrics-port / GQA_METRICS_PORT; 0 turns metrics off"),
-                        (config.health_port, "--health-port / GQA_HEALTH_PORT")):
+    for port, flags in (
+        (int(config.address.rpartition(":")[2]), "--address / GQA_ADDRESS"),
+        (config.metrics_port, "--metrics-port / GQA_METRICS_PORT; 0 turns metrics off"),
+        (config.health_port, "--health-port / GQA_HEALTH_PORT"),
+    ):
         reason = _check_port(config.host, port, flags)
         if reason:
             return fail(reason, EXIT_FAILURE)
@@ -100,8 +126,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return fail(str(exc))
     except RuntimeError as exc:
         if str(exc).startswith("Failed to bind"):
-            return fail(f"cannot listen on {config.address}: the port is in use or the address is not on this "
-                        "machine (--address / GQA_ADDRESS)", EXIT_FAILURE)
+            return fail(
+                f"cannot listen on {config.address}: the port is in use or the address is not on this "
+                "machine (--address / GQA_ADDRESS)",
+                EXIT_FAILURE,
+            )
         raise
     except OSError as exc:  # the metrics or health port in use; the message names the flag
         return fail(str(exc), EXIT_FAILURE)

@@ -46,16 +46,29 @@ from .vocab import NAME_TO_DTYPE as DTYPES
 from .vocab import POLICY_ENUMS as POLICIES
 
 __all__ = [
-    "Client", "AsyncClient", "DecodeStream", "AsyncDecodeStream", "Snapshot", "StepResult",
-    "RollbackResult", "DecodeStepResult", "GqaError", "Refused", "InvalidArgument", "CacheFull",
-    "InexactRollback", "ServerFault", "CallFailed", "DEFAULT_CHUNK_BYTES", "DEFAULT_MESSAGE_BYTES",
+    "Client",
+    "AsyncClient",
+    "DecodeStream",
+    "AsyncDecodeStream",
+    "Snapshot",
+    "StepResult",
+    "RollbackResult",
+    "DecodeStepResult",
+    "GqaError",
+    "Refused",
+    "InvalidArgument",
+    "CacheFull",
+    "InexactRollback",
+    "ServerFault",
+    "CallFailed",
+    "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_MESSAGE_BYTES",
 ]
 
 DEFAULT_MESSAGE_BYTES = 64 << 20
 """The channel's message limit, both ways: the server's default ``--max-message-bytes``."""
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Largest snapshot message asked for by default: gRPC's default receive limit everywhere."""
-
 
 
 # -- errors --------------------------------------------------------------------------------------
@@ -244,7 +257,7 @@ class Snapshot:
                     break
             if pos + size > len(view):
                 raise ValueError("truncated snapshot")
-            chunks.append(gqa_pb2.SnapshotChunk.FromString(bytes(view[pos:pos + size])))
+            chunks.append(gqa_pb2.SnapshotChunk.FromString(bytes(view[pos : pos + size])))
             pos += size
         return cls(chunks)
 
@@ -270,27 +283,55 @@ def _as_snapshot(snapshot) -> Snapshot:
 
 
 # -- requests and replies (shared by both flavours) --------------------------------------------
-def open_message(*, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
-                 batch_size: int = 1, dtype="float32", policy="none", window: int = 0, capacity: int = 0,
-                 sink_tokens: int = 0, backend: str = "",
-                 prefill: Mapping[int, tuple[Any, Any]] | None = None) -> gqa_pb2.OpenStream:
+def open_message(
+    *,
+    num_query_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    num_layers: int = 1,
+    batch_size: int = 1,
+    dtype="float32",
+    policy="none",
+    window: int = 0,
+    capacity: int = 0,
+    sink_tokens: int = 0,
+    backend: str = "",
+    prefill: Mapping[int, tuple[Any, Any]] | None = None,
+) -> gqa_pb2.OpenStream:
     """An ``OpenStream``; ``prefill`` maps a layer to its (key, value), each (B, Hkv, n, D)."""
     torch_dtype = _torch_dtype(dtype)
     message = gqa_pb2.OpenStream(
-        backend=backend, dtype=TORCH_TO_DTYPE[torch_dtype], batch_size=batch_size,
-        num_query_heads=num_query_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-        num_layers=num_layers, policy=POLICIES[policy] if isinstance(policy, str) else policy,
-        window=window, capacity=capacity, sink_tokens=sink_tokens)
+        backend=backend,
+        dtype=TORCH_TO_DTYPE[torch_dtype],
+        batch_size=batch_size,
+        num_query_heads=num_query_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        num_layers=num_layers,
+        policy=POLICIES[policy] if isinstance(policy, str) else policy,
+        window=window,
+        capacity=capacity,
+        sink_tokens=sink_tokens,
+    )
     for layer, (key, value) in (prefill or {}).items():
-        message.prefill.add(layer=layer, key=_tensor(key, torch_dtype, f"prefill[{layer}].key"),
-                            value=_tensor(value, torch_dtype, f"prefill[{layer}].value"))
+        message.prefill.add(
+            layer=layer,
+            key=_tensor(key, torch_dtype, f"prefill[{layer}].key"),
+            value=_tensor(value, torch_dtype, f"prefill[{layer}].value"),
+        )
     return message
 
 
 def _step_request(rid: int, layer: int, query, new_key, new_value, dtype) -> gqa_pb2.DecodeRequest:
-    return gqa_pb2.DecodeRequest(request_id=rid, step=gqa_pb2.Step(
-        layer=layer, query=_tensor(query, dtype, "query"), new_key=_tensor(new_key, dtype, "new_key"),
-        new_value=_tensor(new_value, dtype, "new_value")))
+    return gqa_pb2.DecodeRequest(
+        request_id=rid,
+        step=gqa_pb2.Step(
+            layer=layer,
+            query=_tensor(query, dtype, "query"),
+            new_key=_tensor(new_key, dtype, "new_key"),
+            new_value=_tensor(new_value, dtype, "new_value"),
+        ),
+    )
 
 
 def _rollback_request(rid: int, count: int, layer: int | None) -> gqa_pb2.DecodeRequest:
@@ -305,10 +346,17 @@ def _step_result(response: gqa_pb2.DecodeResponse, query) -> StepResult:
     if step.status.code:
         raise _refusal(step.status)
     return StepResult(
-        output=_like(step.output, query, "output"), layer=step.layer, tokens_seen=step.tokens_seen,
-        resident=step.resident, first_position=step.first_position, last_position=step.last_position,
-        evicted=step.evicted, evicted_tokens=step.evicted_tokens, compute_ns=step.compute_ns,
-        rollback_reach=step.rollback_reach)
+        output=_like(step.output, query, "output"),
+        layer=step.layer,
+        tokens_seen=step.tokens_seen,
+        resident=step.resident,
+        first_position=step.first_position,
+        last_position=step.last_position,
+        evicted=step.evicted,
+        evicted_tokens=step.evicted_tokens,
+        compute_ns=step.compute_ns,
+        rollback_reach=step.rollback_reach,
+    )
 
 
 def _rollback_result(response: gqa_pb2.DecodeResponse) -> RollbackResult:
@@ -335,27 +383,35 @@ def _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_
     dtype = q.dtype
     k = _as_torch(new_key, dtype, "new_key")
     return gqa_pb2.DecodeStepRequest(
-        query=to_proto(q), new_key=to_proto(k), new_value=_tensor(new_value, dtype, "new_value"),
-        key_cache=_tensor(key_cache, dtype, "key_cache"), value_cache=_tensor(value_cache, dtype, "value_cache"),
+        query=to_proto(q),
+        new_key=to_proto(k),
+        new_value=_tensor(new_value, dtype, "new_value"),
+        key_cache=_tensor(key_cache, dtype, "key_cache"),
+        value_cache=_tensor(value_cache, dtype, "value_cache"),
         num_query_heads=num_query_heads or (q.shape[1] if q.dim() == 3 else 0),
-        num_kv_heads=num_kv_heads or (k.shape[1] if k.dim() == 3 else 0))
+        num_kv_heads=num_kv_heads or (k.shape[1] if k.dim() == 3 else 0),
+    )
 
 
 def _decode_step_result(response: gqa_pb2.DecodeStepResponse, query) -> DecodeStepResult:
-    return DecodeStepResult(_like(response.output, query, "output"),
-                            _like(response.new_key_cache, query, "new_key_cache"),
-                            _like(response.new_value_cache, query, "new_value_cache"))
+    return DecodeStepResult(
+        _like(response.output, query, "output"),
+        _like(response.new_key_cache, query, "new_key_cache"),
+        _like(response.new_value_cache, query, "new_value_cache"),
+    )
 
 
 def _credentials(tls: bool, root_certificates, certificate_chain, private_key):
     if not (tls or root_certificates or certificate_chain):
         return None
-    return grpc.ssl_channel_credentials(_read_bytes(root_certificates), _read_bytes(private_key),
-                                        _read_bytes(certificate_chain))
+    return grpc.ssl_channel_credentials(
+        _read_bytes(root_certificates), _read_bytes(private_key), _read_bytes(certificate_chain)
+    )
 
 
-def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-                    options: Iterable[tuple[str, Any]] = ()) -> list[tuple[str, Any]]:
+def channel_options(
+    max_message_bytes: int = DEFAULT_MESSAGE_BYTES, options: Iterable[tuple[str, Any]] = ()
+) -> list[tuple[str, Any]]:
     """Message limits both ways, a user agent, then ``options`` (which win)."""
     base = {
         "grpc.max_receive_message_length": max_message_bytes,
@@ -367,8 +423,19 @@ def channel_options(max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
 
 
 class _Base:
-    def __init__(self, address: str, *, tls: bool, root_certificates, certificate_chain, private_key,
-                 token: str | None, max_message_bytes: int, options, timeout: float | None):
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls: bool,
+        root_certificates,
+        certificate_chain,
+        private_key,
+        token: str | None,
+        max_message_bytes: int,
+        options,
+        timeout: float | None,
+    ):
         self.address = address
         self.timeout = timeout
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
@@ -386,8 +453,7 @@ class DecodeStream:
     Use as a context manager, or call ``close`` (which frees the server's caches).
     """
 
-    def __init__(self, stub: gqa_pb2_grpc.AttentionServiceStub, first: Sequence[gqa_pb2.DecodeRequest],
-                 metadata=None):
+    def __init__(self, stub: gqa_pb2_grpc.AttentionServiceStub, first: Sequence[gqa_pb2.DecodeRequest], metadata=None):
         self._requests: queue.Queue = queue.Queue()
         for request in first:
             self._requests.put(request)
@@ -436,8 +502,11 @@ class DecodeStream:
 
     def snapshot(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Snapshot:
         """The stream's state, in messages of at most ``max_chunk_bytes`` each."""
-        rid = self._send(lambda rid: gqa_pb2.DecodeRequest(
-            request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)))
+        rid = self._send(
+            lambda rid: gqa_pb2.DecodeRequest(
+                request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)
+            )
+        )
         chunks = [_snapshot_chunk(self._reply(rid))]
         while not chunks[-1].last:
             chunks.append(_snapshot_chunk(self._reply(rid)))
@@ -483,13 +552,30 @@ class Client(_Base):
     is the deadline of unary calls (never of ``Decode`` streams).
     """
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, tls: bool = False, root_certificates=None,
-                 certificate_chain=None, private_key=None, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES, options: Iterable[tuple[str, Any]] = (),
-                 timeout: float | None = 30.0):
-        super().__init__(address, tls=tls, root_certificates=root_certificates,
-                         certificate_chain=certificate_chain, private_key=private_key, token=token,
-                         max_message_bytes=max_message_bytes, options=options, timeout=timeout)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        tls: bool = False,
+        root_certificates=None,
+        certificate_chain=None,
+        private_key=None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        options: Iterable[tuple[str, Any]] = (),
+        timeout: float | None = 30.0,
+    ):
+        super().__init__(
+            address,
+            tls=tls,
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
+            token=token,
+            max_message_bytes=max_message_bytes,
+            options=options,
+            timeout=timeout,
+        )
         if self._credentials is None:
             self.channel = grpc.insecure_channel(address, options=self._options)
         else:
@@ -516,27 +602,51 @@ class Client(_Base):
         """``SERVING`` or ``NOT_SERVING`` (``""``: the server; ``gqa.v1.AttentionService``)."""
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        response = self._unary(health_pb2_grpc.HealthStub(self.channel).Check,
-                               health_pb2.HealthCheckRequest(service=service))
+        response = self._unary(
+            health_pb2_grpc.HealthStub(self.channel).Check, health_pb2.HealthCheckRequest(service=service)
+        )
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
-    def decode_step(self, query, new_key, new_value, key_cache, value_cache, *,
-                    num_query_heads: int = 0, num_kv_heads: int = 0) -> DecodeStepResult:
+    def decode_step(
+        self, query, new_key, new_value, key_cache, value_cache, *, num_query_heads: int = 0, num_kv_heads: int = 0
+    ) -> DecodeStepResult:
         """The stateless operation; head counts default to the shapes' (query and new_key dim 1)."""
-        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads,
-                                       num_kv_heads)
+        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads)
         return _decode_step_result(self._unary(self.stub.DecodeStep, request), query)
 
-    def open(self, *, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
-             batch_size: int = 1, dtype="float32", policy="none", window: int = 0, capacity: int = 0,
-             sink_tokens: int = 0, backend: str = "", prefill=None) -> DecodeStream:
+    def open(
+        self,
+        *,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        batch_size: int = 1,
+        dtype="float32",
+        policy="none",
+        window: int = 0,
+        capacity: int = 0,
+        sink_tokens: int = 0,
+        backend: str = "",
+        prefill=None,
+    ) -> DecodeStream:
         """Opens a ``Decode`` stream (``CallFailed`` if the server refuses it). ``policy`` is
         ``none`` (needs ``capacity``), ``strict``, ``greedy`` or ``sink`` (need ``window``);
         see docs/eviction.md."""
-        message = open_message(num_query_heads=num_query_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                               num_layers=num_layers, batch_size=batch_size, dtype=dtype, policy=policy,
-                               window=window, capacity=capacity, sink_tokens=sink_tokens, backend=backend,
-                               prefill=prefill)
+        message = open_message(
+            num_query_heads=num_query_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            batch_size=batch_size,
+            dtype=dtype,
+            policy=policy,
+            window=window,
+            capacity=capacity,
+            sink_tokens=sink_tokens,
+            backend=backend,
+            prefill=prefill,
+        )
         return self.open_message(message)
 
     def open_message(self, message: gqa_pb2.OpenStream) -> DecodeStream:
@@ -545,19 +655,33 @@ class Client(_Base):
     def restore(self, snapshot: Snapshot | bytes | str | os.PathLike) -> DecodeStream:
         """Reopens a stream from a ``Snapshot``, its bytes or a file, on this server."""
         chunks = _as_snapshot(snapshot).chunks
-        return DecodeStream(self.stub, [gqa_pb2.DecodeRequest(request_id=0, restore=c) for c in chunks],
-                            self.metadata)
+        return DecodeStream(self.stub, [gqa_pb2.DecodeRequest(request_id=0, restore=c) for c in chunks], self.metadata)
 
-    def batch(self, *, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int = 1,
-              dtype="float32", backend: str = ""):
+    def batch(
+        self,
+        *,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        dtype="float32",
+        backend: str = "",
+    ):
         """Opens a ``Batch`` session (many sequences per message) on this client's channel, with
         its token; see ``service.client_batch.BatchSession`` for add, step, remove, rollback and
         snapshot."""
         from .client_batch import BatchSession
 
-        return BatchSession(self.stub, num_query_heads=num_query_heads, num_kv_heads=num_kv_heads,
-                            head_dim=head_dim, num_layers=num_layers, dtype=dtype, backend=backend,
-                            metadata=self.metadata)
+        return BatchSession(
+            self.stub,
+            num_query_heads=num_query_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            dtype=dtype,
+            backend=backend,
+            metadata=self.metadata,
+        )
 
     def close(self) -> None:
         self.channel.close()
@@ -603,8 +727,10 @@ class AsyncDecodeStream:
         if response is grpc.aio.EOF:
             self._closed = True
             code = await self._call.code()
-            raise CallFailed(code if code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
-                             await self._call.details() or "the server ended the stream")
+            raise CallFailed(
+                code if code != grpc.StatusCode.OK else grpc.StatusCode.UNKNOWN,
+                await self._call.details() or "the server ended the stream",
+            )
         return response
 
     async def _send(self, request_for) -> int:
@@ -636,8 +762,11 @@ class AsyncDecodeStream:
         return _rollback_result(await self._reply(rid))
 
     async def snapshot(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Snapshot:
-        rid = await self._send(lambda rid: gqa_pb2.DecodeRequest(
-            request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)))
+        rid = await self._send(
+            lambda rid: gqa_pb2.DecodeRequest(
+                request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)
+            )
+        )
         chunks = [_snapshot_chunk(await self._reply(rid))]
         while not chunks[-1].last:
             chunks.append(_snapshot_chunk(await self._reply(rid)))
@@ -672,13 +801,30 @@ class AsyncDecodeStream:
 class AsyncClient(_Base):
     """``Client`` for asyncio (``grpc.aio``); the same arguments. Create it inside the loop."""
 
-    def __init__(self, address: str = "127.0.0.1:50051", *, tls: bool = False, root_certificates=None,
-                 certificate_chain=None, private_key=None, token: str | None = None,
-                 max_message_bytes: int = DEFAULT_MESSAGE_BYTES, options: Iterable[tuple[str, Any]] = (),
-                 timeout: float | None = 30.0):
-        super().__init__(address, tls=tls, root_certificates=root_certificates,
-                         certificate_chain=certificate_chain, private_key=private_key, token=token,
-                         max_message_bytes=max_message_bytes, options=options, timeout=timeout)
+    def __init__(
+        self,
+        address: str = "127.0.0.1:50051",
+        *,
+        tls: bool = False,
+        root_certificates=None,
+        certificate_chain=None,
+        private_key=None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        options: Iterable[tuple[str, Any]] = (),
+        timeout: float | None = 30.0,
+    ):
+        super().__init__(
+            address,
+            tls=tls,
+            root_certificates=root_certificates,
+            certificate_chain=certificate_chain,
+            private_key=private_key,
+            token=token,
+            max_message_bytes=max_message_bytes,
+            options=options,
+            timeout=timeout,
+        )
         if self._credentials is None:
             self.channel = grpc.aio.insecure_channel(address, options=self._options)
         else:
@@ -694,10 +840,10 @@ class AsyncClient(_Base):
     async def server_info(self) -> gqa_pb2.GetServerInfoResponse:
         return await self._unary(self.stub.GetServerInfo, gqa_pb2.GetServerInfoRequest())
 
-    async def decode_step(self, query, new_key, new_value, key_cache, value_cache, *,
-                          num_query_heads: int = 0, num_kv_heads: int = 0) -> DecodeStepResult:
-        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads,
-                                       num_kv_heads)
+    async def decode_step(
+        self, query, new_key, new_value, key_cache, value_cache, *, num_query_heads: int = 0, num_kv_heads: int = 0
+    ) -> DecodeStepResult:
+        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads)
         return _decode_step_result(await self._unary(self.stub.DecodeStep, request), query)
 
     async def open(self, **kwargs) -> AsyncDecodeStream:

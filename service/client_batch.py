@@ -63,16 +63,40 @@ class BatchStepOutput:
 class BatchSession:
     """One ``Batch`` RPC. ``target`` is a ``grpc.Channel`` or an ``AttentionServiceStub``."""
 
-    def __init__(self, target, *, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int,
-                 dtype: torch.dtype | str = torch.float32, backend: str = "", metadata=None, timeout=None):
-        stub = target if isinstance(target, gqa_pb2_grpc.AttentionServiceStub) else \
-            gqa_pb2_grpc.AttentionServiceStub(target)
+    def __init__(
+        self,
+        target,
+        *,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        dtype: torch.dtype | str = torch.float32,
+        backend: str = "",
+        metadata=None,
+        timeout=None,
+    ):
+        stub = (
+            target
+            if isinstance(target, gqa_pb2_grpc.AttentionServiceStub)
+            else gqa_pb2_grpc.AttentionServiceStub(target)
+        )
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         self._requests: queue.Queue = queue.Queue()
         self._rid = 0
-        self._requests.put(gqa_pb2.BatchRequest(request_id=0, open=gqa_pb2.BatchOpen(
-            backend=backend, dtype=NAME_TO_DTYPE[name], num_query_heads=num_query_heads, num_kv_heads=num_kv_heads,
-            head_dim=head_dim, num_layers=num_layers)))
+        self._requests.put(
+            gqa_pb2.BatchRequest(
+                request_id=0,
+                open=gqa_pb2.BatchOpen(
+                    backend=backend,
+                    dtype=NAME_TO_DTYPE[name],
+                    num_query_heads=num_query_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    num_layers=num_layers,
+                ),
+            )
+        )
         self._call = stub.Batch(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
         self.opened = next(self._call).opened
         self.closed = False
@@ -90,12 +114,19 @@ class BatchSession:
         return response
 
     # -- sequences ----------------------------------------------------------------------------
-    def add(self, sid: int, *, policy: str = "strict", window: int = 0, capacity: int = 0, sinks: int = 0,
-            prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> gqa_pb2.BatchAdded:
+    def add(
+        self,
+        sid: int,
+        *,
+        policy: str = "strict",
+        window: int = 0,
+        capacity: int = 0,
+        sinks: int = 0,
+        prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> gqa_pb2.BatchAdded:
         """Adds sequence ``sid``; ``prefill`` maps a layer to (1, Hkv, n, D) keys and values.
         Raises ``Refused`` (budget, limits, a bad configuration, an id in use)."""
-        add = gqa_pb2.BatchAdd(id=sid, policy=POLICIES[policy], window=window, capacity=capacity,
-                               sink_tokens=sinks)
+        add = gqa_pb2.BatchAdd(id=sid, policy=POLICIES[policy], window=window, capacity=capacity, sink_tokens=sinks)
         for layer, (k, v) in (prefill or {}).items():
             add.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))
         return self._added(self._recv(self._send(add=add)).added)
@@ -114,21 +145,32 @@ class BatchSession:
             raise Refused(added.status, added.id)
         return added
 
-    def step(self, layer: int, ids, query: torch.Tensor, new_key: torch.Tensor,
-             new_value: torch.Tensor) -> BatchStepOutput:
+    def step(
+        self, layer: int, ids, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor
+    ) -> BatchStepOutput:
         """One layer's token for the sequences ``ids``: query (N, Hq, D), new_key and new_value
         (N, Hkv, D), row i for ids[i]. Raises ``Refused`` when the message as a whole is refused."""
         ids = list(ids)
-        rid = self._send(step=gqa_pb2.BatchStep(layer=layer, ids=ids, query=to_proto(query),
-                                                new_key=to_proto(new_key), new_value=to_proto(new_value)))
+        rid = self._send(
+            step=gqa_pb2.BatchStep(
+                layer=layer, ids=ids, query=to_proto(query), new_key=to_proto(new_key), new_value=to_proto(new_value)
+            )
+        )
         r = self._recv(rid).step
         if r.status.code:
             raise Refused(r.status)
         return BatchStepOutput(
-            layer=r.layer, output=from_proto(r.output, "output", rank=3), tokens_seen=list(r.tokens_seen),
-            resident=list(r.resident), first_position=list(r.first_position), last_position=list(r.last_position),
-            evicted_tokens=list(r.evicted_tokens), rollback_reach=list(r.rollback_reach), compute_ns=r.compute_ns,
-            refusals={x.id: (x.status.code, x.status.message) for x in r.refusals})
+            layer=r.layer,
+            output=from_proto(r.output, "output", rank=3),
+            tokens_seen=list(r.tokens_seen),
+            resident=list(r.resident),
+            first_position=list(r.first_position),
+            last_position=list(r.last_position),
+            evicted_tokens=list(r.evicted_tokens),
+            rollback_reach=list(r.rollback_reach),
+            compute_ns=r.compute_ns,
+            refusals={x.id: (x.status.code, x.status.message) for x in r.refusals},
+        )
 
     def remove(self, ids) -> dict[int, tuple[int, str]]:
         """Ends sequences, freeing their bytes; returns the refusals (unknown ids)."""

@@ -22,7 +22,15 @@ import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 
-__all__ = ["ServerConfig", "ConfigError", "add_arguments", "from_args", "parse_size", "format_size", "load_snapshot_key"]
+__all__ = [
+    "ServerConfig",
+    "ConfigError",
+    "add_arguments",
+    "from_args",
+    "parse_size",
+    "format_size",
+    "load_snapshot_key",
+]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -32,8 +40,17 @@ class ConfigError(ValueError):
     """A configuration value that cannot be served; the message names the flag."""
 
 
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 1 << 10,
+    "mi": 1 << 20,
+    "gi": 1 << 30,
+    "ti": 1 << 40,
+}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 
 
@@ -236,11 +253,24 @@ class ServerConfig:
         from .vocab import BACKEND_CHOICES, DTYPE_CHOICES  # names only: no backend module is imported
 
         if self.backend not in BACKEND_CHOICES:
-            raise ConfigError(f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKEND_CHOICES))})")
+            raise ConfigError(
+                f"--backend: unknown backend {self.backend!r} (known: {', '.join(sorted(BACKEND_CHOICES))})"
+            )
         if self.dtype not in DTYPE_CHOICES:
-            raise ConfigError(f"--dtype: expected {', '.join(DTYPE_CHOICES[:-1])} or {DTYPE_CHOICES[-1]}, got {self.dtype!r}")
-        for name in ("max_streams", "max_cache_bytes", "max_capacity", "max_layers", "max_heads",
-                     "max_head_dim", "max_batch_size", "max_message_bytes", "max_queued_steps"):
+            raise ConfigError(
+                f"--dtype: expected {', '.join(DTYPE_CHOICES[:-1])} or {DTYPE_CHOICES[-1]}, got {self.dtype!r}"
+            )
+        for name in (
+            "max_streams",
+            "max_cache_bytes",
+            "max_capacity",
+            "max_layers",
+            "max_heads",
+            "max_head_dim",
+            "max_batch_size",
+            "max_message_bytes",
+            "max_queued_steps",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{_flag(name)}: must be positive, got {getattr(self, name)}")
         if self.idle_timeout_s <= 0:
@@ -319,13 +349,17 @@ def load_snapshot_key(config: ServerConfig) -> bytes | None:
             with open(config.snapshot_key_file, "rb") as f:
                 key, where = f.read().strip(), "--snapshot-key-file"
         except OSError as exc:
-            raise ConfigError(f"--snapshot-key-file: cannot read {config.snapshot_key_file!r} ({exc.strerror})") from None
+            raise ConfigError(
+                f"--snapshot-key-file: cannot read {config.snapshot_key_file!r} ({exc.strerror})"
+            ) from None
     elif config.snapshot_key:
         key, where = config.snapshot_key.strip().encode(), "GQA_SNAPSHOT_KEY"
     else:
         return None
     if len(key) < MIN_SNAPSHOT_KEY_BYTES:
-        raise ConfigError(f"{where}: the snapshot key must hold at least {MIN_SNAPSHOT_KEY_BYTES} bytes, got {len(key)}")
+        raise ConfigError(
+            f"{where}: the snapshot key must hold at least {MIN_SNAPSHOT_KEY_BYTES} bytes, got {len(key)}"
+        )
     return key
 
 
@@ -333,8 +367,9 @@ def _check_token(raw: str, where: str) -> None:
     """A configured token source must hold a usable token: never fall back to no authentication."""
     token = raw.strip()
     if not token:
-        raise ConfigError(f"{where}: set but empty; refusing to start without authentication "
-                          "(unset it to run without a token)")
+        raise ConfigError(
+            f"{where}: set but empty; refusing to start without authentication (unset it to run without a token)"
+        )
     if any(c.isspace() for c in token):
         raise ConfigError(f"{where}: the token must not contain whitespace")
 
@@ -371,9 +406,13 @@ def field_docs() -> dict[str, str]:
     body = tree.body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
-                and isinstance(after.value.value, str)):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        ):
             docs[node.target.id] = inspect.cleandoc(after.value.value)
     return docs
 
@@ -416,8 +455,10 @@ def from_args(args: argparse.Namespace | None = None, env: Mapping[str, str] | N
             if f.metadata.get("env_only") and not raw.strip():
                 # A secret variable present but empty is a misconfigured Secret, not a request
                 # to run without authentication or without snapshot signing.
-                raise ConfigError(f"{_env(f.name)}: set but empty; refusing to start without it "
-                                  "(unset the variable to run without it)")
+                raise ConfigError(
+                    f"{_env(f.name)}: set but empty; refusing to start without it "
+                    "(unset the variable to run without it)"
+                )
             try:
                 values[f.name] = kind(raw)
             except ValueError as exc:

@@ -198,8 +198,13 @@ class Admission:
 class Engine:
     """All open streams of one server, with their admission and limits."""
 
-    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] = time.monotonic,
-                 observer: EngineObserver | None = None):
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        observer: EngineObserver | None = None,
+    ):
         self.config = config
         self.clock = clock
         self.observer = observer or EngineObserver()
@@ -218,8 +223,12 @@ class Engine:
         self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
         self._last_stream: Stream | None = None  # the stream of the last step submitted, and when
         self._last_step_at = 0.0
-        self.batcher = Batcher(config.compute_workers, observer=self.observer,
-                               max_delay_s=config.batch_max_delay_us * 1e-6, max_steps=config.batch_max_steps)
+        self.batcher = Batcher(
+            config.compute_workers,
+            observer=self.observer,
+            max_delay_s=config.batch_max_delay_us * 1e-6,
+            max_steps=config.batch_max_steps,
+        )
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -282,9 +291,21 @@ class Engine:
             return list(self._streams.values())
 
     # -- configuration ----------------------------------------------------------------------
-    def stream_config(self, *, backend: str, dtype: str, batch_size: int, num_query_heads: int,
-                      num_kv_heads: int, head_dim: int, num_layers: int, policy: str,
-                      window: int, capacity: int, sink_tokens: int) -> StreamConfig:
+    def stream_config(
+        self,
+        *,
+        backend: str,
+        dtype: str,
+        batch_size: int,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int,
+        policy: str,
+        window: int,
+        capacity: int,
+        sink_tokens: int,
+    ) -> StreamConfig:
         """Validates an open request against the limits; ``InvalidArgument`` names the field."""
         c = self.config
         backend = backend or c.backend
@@ -323,7 +344,9 @@ class Engine:
         """
         if restore_layers is not None and restore_layers != config.num_layers:
             self.observer.open_refused("invalid")
-            raise InvalidArgument(f"restore: the snapshot has {restore_layers} layers, its configuration {config.num_layers}")
+            raise InvalidArgument(
+                f"restore: the snapshot has {restore_layers} layers, its configuration {config.num_layers}"
+            )
         try:
             backend = registry.get_backend(config.backend)
             spec = config.spec(backend.default_device)
@@ -362,9 +385,12 @@ class Engine:
         if stream is not None:
             self.close(stream, "cancelled")
 
-    def build(self, admission: Admission,
-              prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-              restore: list[tuple[int, dict]] | None = None) -> Stream:
+    def build(
+        self,
+        admission: Admission,
+        prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        restore: list[tuple[int, dict]] | None = None,
+    ) -> Stream:
         """Allocates and prefills (or restores) an admitted stream and registers it.
 
         Runs on a worker thread: allocation and zero-fill cost time proportional to the stream.
@@ -381,7 +407,9 @@ class Engine:
                 if not 0 <= layer < config.num_layers:
                     raise InvalidArgument(f"prefill.layer: {layer} is out of range; num_layers={config.num_layers}")
             if restore is not None and len(restore) != config.num_layers:
-                raise InvalidArgument(f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}")
+                raise InvalidArgument(
+                    f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}"
+                )
             caches = [backend.create_cache(spec) for _ in range(config.num_layers)]
             for layer, (keys, values) in prefill.items():
                 try:
@@ -432,16 +460,20 @@ class Engine:
         self.observer.stream_opened(stream)
         return stream
 
-    def open(self, config: StreamConfig,
-             prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
-             restore: list[tuple[int, dict]] | None = None) -> Stream:
+    def open(
+        self,
+        config: StreamConfig,
+        prefill: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None,
+        restore: list[tuple[int, dict]] | None = None,
+    ) -> Stream:
         """``admit`` then ``build``, on the calling thread (tests and in-process use)."""
         admission = self.admit(config, restore_layers=None if restore is None else len(restore))
         return self.build(admission, prefill, restore)
 
     # -- steps ------------------------------------------------------------------------------------
-    def submit_step(self, stream: Stream, layer: int, query, new_key, new_value, *,
-                    received: float | None = None, reply=None) -> "asyncio.Future":
+    def submit_step(
+        self, stream: Stream, layer: int, query, new_key, new_value, *, received: float | None = None, reply=None
+    ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
         itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
@@ -450,8 +482,17 @@ class Engine:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
         future = asyncio.get_running_loop().create_future()
-        pending = PendingStep(stream, layer, cache, query, new_key, new_value,
-                              time.perf_counter() if received is None else received, future, reply)
+        pending = PendingStep(
+            stream,
+            layer,
+            cache,
+            query,
+            new_key,
+            new_value,
+            time.perf_counter() if received is None else received,
+            future,
+            reply,
+        )
         # A small step of a stream stepping alone runs right here: the hop to a worker and back
         # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
         # other step queued or computing, and no other stream's step submitted within the last
@@ -459,8 +500,11 @@ class Engine:
         now = pending.received
         alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
         self._last_stream, self._last_step_at = stream, now
-        if (alone and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
-                and self.batcher.run_inline(pending)):
+        if (
+            alone
+            and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
+            and self.batcher.run_inline(pending)
+        ):
             future.set_result(pending.result)
             return future
         self.batcher.submit(pending)
@@ -488,9 +532,11 @@ class Engine:
             if self.close(stream, "idle"):
                 reaped.append(stream)
                 if stream.on_forced_close is not None:
-                    stream.on_forced_close(DeadlineExceeded(
-                        f"stream idle for more than {self.config.idle_timeout_s:g} s; its caches were freed"
-                    ))
+                    stream.on_forced_close(
+                        DeadlineExceeded(
+                            f"stream idle for more than {self.config.idle_timeout_s:g} s; its caches were freed"
+                        )
+                    )
         return reaped
 
     def stop(self) -> None:

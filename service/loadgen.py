@@ -61,10 +61,18 @@ class LoadConfig:
             capacity = self.context + per_stream
         elif not capacity and self.policy == "greedy":
             capacity = window + max(1, window // 2)
-        return dict(num_query_heads=self.heads, num_kv_heads=self.kv_heads, head_dim=self.head_dim,
-                    num_layers=self.layers, dtype=self.dtype, policy=self.policy,
-                    window=0 if self.policy == "none" else window, capacity=capacity,
-                    sink_tokens=self.sink_tokens if self.policy == "sink" else 0, backend=self.backend)
+        return dict(
+            num_query_heads=self.heads,
+            num_kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            num_layers=self.layers,
+            dtype=self.dtype,
+            policy=self.policy,
+            window=0 if self.policy == "none" else window,
+            capacity=capacity,
+            sink_tokens=self.sink_tokens if self.policy == "sink" else 0,
+            backend=self.backend,
+        )
 
 
 @dataclasses.dataclass
@@ -94,12 +102,20 @@ async def run_load(client, config: LoadConfig, *, progress=None) -> LoadResult:
 
     prefill = None
     if config.context:
-        kv = (rnd(1, config.kv_heads, config.context, config.head_dim), rnd(1, config.kv_heads, config.context,
-                                                                            config.head_dim))
+        kv = (
+            rnd(1, config.kv_heads, config.context, config.head_dim),
+            rnd(1, config.kv_heads, config.context, config.head_dim),
+        )
         prefill = {layer: kv for layer in range(config.layers)}
     # One set of step inputs, reused: the load measures the service, not this client's RNG.
-    inputs = [(rnd(1, config.heads, config.head_dim), rnd(1, config.kv_heads, config.head_dim),
-               rnd(1, config.kv_heads, config.head_dim)) for _ in range(16)]
+    inputs = [
+        (
+            rnd(1, config.heads, config.head_dim),
+            rnd(1, config.kv_heads, config.head_dim),
+            rnd(1, config.kv_heads, config.head_dim),
+        )
+        for _ in range(16)
+    ]
 
     async def open_stream():
         return await client.open(**kw, prefill=prefill)
@@ -192,16 +208,18 @@ def format_summary(summary: dict) -> str:
         value = summary[key]
         return "-" if value != value else f"{value:.3f} ms"
 
-    return "\n".join([
-        f"gqa-serve bench against {summary['address']}: {c['streams']} streams, {min(c['streams'], c['concurrency'] or c['streams'])} "
-        f"in flight, context {c['context']}, {policy}, {c['dtype']}, Hq={c['heads']} Hkv={c['kv_heads']} "
-        f"D={c['head_dim']}, {c['layers']} layer(s)",
-        f"  steps            {summary['steps_ok']} ok in {summary['elapsed_s']:.1f} s; errors: {error_text}",
-        f"  throughput       {summary['steps_per_s']:.1f} steps/s",
-        f"  round trip       p50 {ms('round_trip_p50_ms')}   p90 {ms('round_trip_p90_ms')}   p99 {ms('round_trip_p99_ms')}",
-        f"  server compute   p50 {ms('compute_p50_ms')}   p90 {ms('compute_p90_ms')}   p99 {ms('compute_p99_ms')}"
-        "   (compute_ns of the replies)",
-    ])
+    return "\n".join(
+        [
+            f"gqa-serve bench against {summary['address']}: {c['streams']} streams, {min(c['streams'], c['concurrency'] or c['streams'])} "
+            f"in flight, context {c['context']}, {policy}, {c['dtype']}, Hq={c['heads']} Hkv={c['kv_heads']} "
+            f"D={c['head_dim']}, {c['layers']} layer(s)",
+            f"  steps            {summary['steps_ok']} ok in {summary['elapsed_s']:.1f} s; errors: {error_text}",
+            f"  throughput       {summary['steps_per_s']:.1f} steps/s",
+            f"  round trip       p50 {ms('round_trip_p50_ms')}   p90 {ms('round_trip_p90_ms')}   p99 {ms('round_trip_p99_ms')}",
+            f"  server compute   p50 {ms('compute_p50_ms')}   p90 {ms('compute_p90_ms')}   p99 {ms('compute_p99_ms')}"
+            "   (compute_ns of the replies)",
+        ]
+    )
 
 
 def plot(result: LoadResult, summary: dict, path: str | pathlib.Path) -> None:
@@ -220,8 +238,9 @@ def plot(result: LoadResult, summary: dict, path: str | pathlib.Path) -> None:
         hist.hist(rt, bins=bins, alpha=0.7, label="round trip")
         hist.hist(cp, bins=bins, alpha=0.7, label="server compute")
         for q, style in ((50, "-"), (99, "--")):
-            hist.axvline(summary[f"round_trip_p{q}_ms"], color="k", linestyle=style, linewidth=1,
-                         label=f"round trip p{q}")
+            hist.axvline(
+                summary[f"round_trip_p{q}_ms"], color="k", linestyle=style, linewidth=1, label=f"round trip p{q}"
+            )
         hist.legend()
     hist.set_xlabel("ms per step")
     hist.set_ylabel("steps")
@@ -244,24 +263,41 @@ def add_command(sub) -> None:
     from .cli_common import add_client_arguments, non_negative_int, positive_int
     from .vocab import DTYPE_CHOICES, POLICY_CHOICES
 
-    bench = sub.add_parser("bench", help="load a running server: steps/s, round-trip and compute percentiles",
-                           description=__doc__.split("\n\n")[1].replace("\n", " "),
-                           epilog=f"Progress bar and plots: {INSTALL_HINT}.")
+    bench = sub.add_parser(
+        "bench",
+        help="load a running server: steps/s, round-trip and compute percentiles",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        epilog=f"Progress bar and plots: {INSTALL_HINT}.",
+    )
     add_client_arguments(bench)
     load = bench.add_argument_group("load")
     load.add_argument("--streams", type=positive_int, default=4, help="streams to open (default %(default)s)")
-    load.add_argument("--concurrency", type=non_negative_int, default=0,
-                      help="steps in flight at once, at most one per stream (default: one per stream)")
-    load.add_argument("--context", type=non_negative_int, default=1024,
-                      help="tokens prefilled in each layer of each stream (default %(default)s)")
+    load.add_argument(
+        "--concurrency",
+        type=non_negative_int,
+        default=0,
+        help="steps in flight at once, at most one per stream (default: one per stream)",
+    )
+    load.add_argument(
+        "--context",
+        type=non_negative_int,
+        default=1024,
+        help="tokens prefilled in each layer of each stream (default %(default)s)",
+    )
     load.add_argument("--layers", type=positive_int, default=1, help="layers per stream (default %(default)s)")
     load.add_argument("--heads", type=positive_int, default=32, help="query heads Hq (default %(default)s)")
     load.add_argument("--kv-heads", type=positive_int, default=8, help="KV heads Hkv (default %(default)s)")
     load.add_argument("--head-dim", type=positive_int, default=128, help="head width D (default %(default)s)")
-    load.add_argument("--policy", choices=POLICY_CHOICES, default="strict", help="eviction policy (default %(default)s)")
+    load.add_argument(
+        "--policy", choices=POLICY_CHOICES, default="strict", help="eviction policy (default %(default)s)"
+    )
     load.add_argument("--window", type=non_negative_int, default=0, help="W (default: context + 1)")
-    load.add_argument("--capacity", type=non_negative_int, default=0,
-                      help="rows per layer (none: default context + steps per stream; greedy: 1.5 W)")
+    load.add_argument(
+        "--capacity",
+        type=non_negative_int,
+        default=0,
+        help="rows per layer (none: default context + steps per stream; greedy: 1.5 W)",
+    )
     load.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="stream dtype (default %(default)s)")
     load.add_argument("--backend", default="", help="backend (default: the server's)")
     stop = load.add_mutually_exclusive_group()
@@ -285,10 +321,22 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return fail("--duration: must be positive")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         return fail(f"--plot needs matplotlib: {INSTALL_HINT}")
-    config = LoadConfig(streams=args.streams, concurrency=args.concurrency, context=args.context,
-                        layers=args.layers, heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                        policy=args.policy, window=args.window, capacity=args.capacity, dtype=args.dtype,
-                        backend=args.backend, duration_s=args.duration, steps=args.steps)
+    config = LoadConfig(
+        streams=args.streams,
+        concurrency=args.concurrency,
+        context=args.context,
+        layers=args.layers,
+        heads=args.heads,
+        kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        policy=args.policy,
+        window=args.window,
+        capacity=args.capacity,
+        dtype=args.dtype,
+        backend=args.backend,
+        duration_s=args.duration,
+        steps=args.steps,
+    )
     try:
         result = asyncio.run(_main(args, config))
     except ConfigError as exc:
@@ -326,9 +374,14 @@ class _Bar:
         from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
         self.config = config
-        self.progress = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
-                                 TextColumn("{task.fields[rate]}"), TimeRemainingColumn(), transient=True,
-                                 console=_stderr_console())
+        self.progress = Progress(
+            TextColumn("[progress.description]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeRemainingColumn(),
+            transient=True,
+            console=_stderr_console(),
+        )
         total = config.steps or config.duration_s
         self.task = self.progress.add_task("bench", total=total, rate="")
         self.start = time.perf_counter()

@@ -61,9 +61,25 @@ __all__ = [
 # A decode step on a CPU takes tens of microseconds for a small head, milliseconds for a long
 # window, and a queued step can wait up to seconds under overload: 10 us .. 10 s, ~2.5x apart.
 LATENCY_BUCKETS = (
-    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6,
-    1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
-    1.0, 2.5, 5.0, 10.0,
+    10e-6,
+    25e-6,
+    50e-6,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    500e-3,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 LIFETIME_BUCKETS = (0.01, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0, 4 * 3600.0)
 
@@ -102,49 +118,77 @@ class MetricsRecorder(EngineObserver):
         self.step_queue = Histogram(
             "gqa_step_queue_seconds",
             "Time a decode step waited between its arrival at the server and the start of its compute.",
-            stream, buckets=LATENCY_BUCKETS, registry=r)
+            stream,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.step_compute = Histogram(
             "gqa_step_compute_seconds",
             "Time a decode step spent computing: cache append, eviction and attention.",
-            stream, buckets=LATENCY_BUCKETS, registry=r)
+            stream,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.step_duration = Histogram(
             "gqa_step_duration_seconds",
             "Server-side latency of a decode step that succeeded: queue wait plus compute.",
-            stream, buckets=LATENCY_BUCKETS, registry=r)
+            stream,
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
         self.steps = Counter(
             "gqa_steps_total",
             "Decode steps on streams by outcome: ok, or the lower-case status code it was refused with.",
-            stream + ("outcome",), registry=r)
-        self.opened = Counter(
-            "gqa_streams_opened_total", "Streams opened.", stream, registry=r)
+            stream + ("outcome",),
+            registry=r,
+        )
+        self.opened = Counter("gqa_streams_opened_total", "Streams opened.", stream, registry=r)
         self.open_refusals = Counter(
             "gqa_stream_open_refusals_total",
             "Stream opens the engine refused, by reason: budget (cache bytes), streams (stream limit), "
             "draining (shutting down), backend (cannot serve it), invalid (bad prefill), memory (allocation).",
-            ("reason",), registry=r)
+            ("reason",),
+            registry=r,
+        )
         self.lifetime = Histogram(
             "gqa_stream_lifetime_seconds",
             "Time from a stream's open to its close, by why it closed (client, forced, idle, shutdown).",
-            stream + ("reason",), buckets=LIFETIME_BUCKETS, registry=r)
+            stream + ("reason",),
+            buckets=LIFETIME_BUCKETS,
+            registry=r,
+        )
         self.evicted = Counter(
-            "gqa_evicted_tokens_total", "Tokens that stopped being resident in a cache because of eviction.",
-            stream, registry=r)
+            "gqa_evicted_tokens_total",
+            "Tokens that stopped being resident in a cache because of eviction.",
+            stream,
+            registry=r,
+        )
         self.evictions = Counter(
-            "gqa_eviction_events_total", "Decode steps that evicted at least one token.", stream, registry=r)
+            "gqa_eviction_events_total", "Decode steps that evicted at least one token.", stream, registry=r
+        )
         self.moved = Counter(
             "gqa_cache_moved_bytes_total",
             "Bytes copied inside caches to evict (0 for ring layouts): the cost that separates strict from greedy.",
-            stream, registry=r)
+            stream,
+            registry=r,
+        )
         self.written = Counter(
-            "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r)
+            "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r
+        )
         self.batch_size = Histogram(
             "gqa_batch_size",
             "Steps computed together in one batched computation (one kernel call).",
-            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
+            ("backend", "dtype"),
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         self.batch_message_sequences = Histogram(
             "gqa_batch_message_sequences",
             "Sequences in one Batch RPC step message that was answered.",
-            ("backend", "dtype"), buckets=BATCH_BUCKETS, registry=r)
+            ("backend", "dtype"),
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
         info = Gauge("gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=r)
         info.labels(__version__).set(1)
         for reason in OPEN_REFUSAL_REASONS:
@@ -237,8 +281,10 @@ def _cuda_memory() -> list[tuple[str, int, int]]:
     try:
         if not torch.cuda.is_initialized():
             return []
-        return [(str(i), torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
-                for i in range(torch.cuda.device_count())]
+        return [
+            (str(i), torch.cuda.memory_allocated(i), torch.cuda.memory_reserved(i))
+            for i in range(torch.cuda.device_count())
+        ]
     except Exception:  # a scrape must not fail because a device went away
         return []
 
@@ -253,17 +299,22 @@ class _EngineStateCollector:
     def _families() -> tuple:
         return (
             GaugeMetricFamily("gqa_active_streams", "Streams open now.", labels=STREAM_LABELS),
-            GaugeMetricFamily("gqa_cache_reserved_bytes",
-                              "Cache bytes reserved by open streams (each reserves its full capacity at open)."),
+            GaugeMetricFamily(
+                "gqa_cache_reserved_bytes",
+                "Cache bytes reserved by open streams (each reserves its full capacity at open).",
+            ),
             GaugeMetricFamily("gqa_cache_in_use_bytes", "Cache bytes holding resident tokens now."),
-            GaugeMetricFamily("gqa_cache_budget_bytes",
-                              "The server's cache budget (--max-cache-bytes); opens past it are refused."),
+            GaugeMetricFamily(
+                "gqa_cache_budget_bytes", "The server's cache budget (--max-cache-bytes); opens past it are refused."
+            ),
             GaugeMetricFamily("gqa_streams_limit", "Streams the server holds at most (--max-streams)."),
             GaugeMetricFamily("gqa_steps_waiting", "Steps accepted and waiting for a compute worker."),
             GaugeMetricFamily("gqa_steps_in_flight", "Steps being computed now."),
-            CounterMetricFamily("gqa_compute_busy_seconds",
-                                "Seconds the compute workers spent computing, summed over workers; "
-                                "rate() / gqa_compute_workers is their busy fraction."),
+            CounterMetricFamily(
+                "gqa_compute_busy_seconds",
+                "Seconds the compute workers spent computing, summed over workers; "
+                "rate() / gqa_compute_workers is their busy fraction.",
+            ),
             GaugeMetricFamily("gqa_compute_workers", "Compute workers (threads that run steps)."),
             GaugeMetricFamily("gqa_batch_sequences_open", "Sequences open in Batch sessions."),
         )
@@ -271,12 +322,17 @@ class _EngineStateCollector:
     @staticmethod
     def _cuda_families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
         return (
-            GaugeMetricFamily("gqa_cuda_memory_allocated_bytes",
-                              "CUDA memory held by tensors (torch.cuda.memory_allocated), per device.",
-                              labels=("device",)),
-            GaugeMetricFamily("gqa_cuda_memory_reserved_bytes",
-                              "CUDA memory held by torch's caching allocator (torch.cuda.memory_reserved), "
-                              "per device: what the process takes from the GPU.", labels=("device",)),
+            GaugeMetricFamily(
+                "gqa_cuda_memory_allocated_bytes",
+                "CUDA memory held by tensors (torch.cuda.memory_allocated), per device.",
+                labels=("device",),
+            ),
+            GaugeMetricFamily(
+                "gqa_cuda_memory_reserved_bytes",
+                "CUDA memory held by torch's caching allocator (torch.cuda.memory_reserved), "
+                "per device: what the process takes from the GPU.",
+                labels=("device",),
+            ),
         )
 
     def describe(self) -> Iterable:

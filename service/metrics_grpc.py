@@ -23,9 +23,29 @@ __all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS"]
 # RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
 # client's generation (minutes).
 RPC_BUCKETS = (
-    100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 100e-3, 250e-3, 500e-3,
-    1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0, 3600.0,
+    100e-6,
+    250e-6,
+    500e-6,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    10e-3,
+    25e-3,
+    50e-3,
+    100e-3,
+    250e-3,
+    500e-3,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    300.0,
+    900.0,
+    3600.0,
 )
+
 
 def _go_code_name(code: grpc.StatusCode) -> str:
     # The names of Go's codes.Code.String(), which the go-grpc-prometheus dashboards filter on.
@@ -132,20 +152,34 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
 
     def __init__(self, registry: CollectorRegistry):
         r = registry
-        self.started = Counter("grpc_server_started_total", "Total number of RPCs started on the server.",
-                               _RPC_LABELS, registry=r)
-        self.handled = Counter("grpc_server_handled_total",
-                               "Total number of RPCs completed on the server, regardless of success or failure.",
-                               _RPC_LABELS + ("grpc_code",), registry=r)
-        self.received = Counter("grpc_server_msg_received_total",
-                                "Total number of RPC stream messages received on the server.",
-                                _RPC_LABELS, registry=r)
-        self.sent = Counter("grpc_server_msg_sent_total", "Total number of gRPC stream messages sent by the server.",
-                            _RPC_LABELS, registry=r)
-        self.handling = Histogram("grpc_server_handling_seconds",
-                                  "Histogram of response latency (seconds) of gRPC that had been application-level "
-                                  "handled by the server.",
-                                  _RPC_LABELS, buckets=RPC_BUCKETS, registry=r)
+        self.started = Counter(
+            "grpc_server_started_total", "Total number of RPCs started on the server.", _RPC_LABELS, registry=r
+        )
+        self.handled = Counter(
+            "grpc_server_handled_total",
+            "Total number of RPCs completed on the server, regardless of success or failure.",
+            _RPC_LABELS + ("grpc_code",),
+            registry=r,
+        )
+        self.received = Counter(
+            "grpc_server_msg_received_total",
+            "Total number of RPC stream messages received on the server.",
+            _RPC_LABELS,
+            registry=r,
+        )
+        self.sent = Counter(
+            "grpc_server_msg_sent_total",
+            "Total number of gRPC stream messages sent by the server.",
+            _RPC_LABELS,
+            registry=r,
+        )
+        self.handling = Histogram(
+            "grpc_server_handling_seconds",
+            "Histogram of response latency (seconds) of gRPC that had been application-level handled by the server.",
+            _RPC_LABELS,
+            buckets=RPC_BUCKETS,
+            registry=r,
+        )
         self._methods: dict[str, _MethodSeries] = {}
 
     def _series(self, full_method: str, request_streaming: bool, response_streaming: bool) -> _MethodSeries:
@@ -153,8 +187,14 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         if series is None:
             service, _, method = full_method.lstrip("/").rpartition("/")
             labels = (_rpc_type(request_streaming, response_streaming), service, method)
-            series = _MethodSeries(labels, self.started.labels(*labels), self.received.labels(*labels),
-                                   self.sent.labels(*labels), self.handling.labels(*labels), self.handled)
+            series = _MethodSeries(
+                labels,
+                self.started.labels(*labels),
+                self.received.labels(*labels),
+                self.sent.labels(*labels),
+                self.handling.labels(*labels),
+                self.handled,
+            )
             self._methods[full_method] = series
         return series
 
@@ -178,8 +218,9 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             wrapped = self._wrap_coroutine(behavior, series, handler.request_streaming, handler.response_streaming)
         else:
             return handler
-        return factory(wrapped, request_deserializer=handler.request_deserializer,
-                       response_serializer=handler.response_serializer)
+        return factory(
+            wrapped, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
     @staticmethod
     def _begin(series: _MethodSeries, request_or_iterator, request_streaming: bool):
@@ -194,8 +235,9 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         series.handled_child(_final_code(call, exc)).inc()
         series.handling.observe(time.perf_counter() - t0)
 
-    def _wrap_coroutine(self, behavior: Callable, series: _MethodSeries, request_streaming: bool,
-                        response_streaming: bool):
+    def _wrap_coroutine(
+        self, behavior: Callable, series: _MethodSeries, request_streaming: bool, response_streaming: bool
+    ):
         begin, end = self._begin, self._end
 
         async def handler(request_or_iterator, context):

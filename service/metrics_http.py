@@ -34,8 +34,14 @@ __all__ = ["MetricsHttpServer", "serve_http", "MAX_CONNECTIONS", "TIMEOUT_S", "M
 MAX_CONNECTIONS = 64
 TIMEOUT_S = 10.0
 MAX_REQUEST_BYTES = 16 * 1024
-_REASONS = {200: "OK", 400: "Bad Request", 404: "Not Found", 405: "Method Not Allowed",
-            431: "Request Header Fields Too Large", 500: "Internal Server Error"}
+_REASONS = {
+    200: "OK",
+    400: "Bad Request",
+    404: "Not Found",
+    405: "Method Not Allowed",
+    431: "Request Header Fields Too Large",
+    500: "Internal Server Error",
+}
 
 
 @dataclass(eq=False)
@@ -46,18 +52,35 @@ class _Connection:
     response: memoryview | None = None
 
 
-def _response(status: int, body: bytes, content_type: str = "text/plain; charset=utf-8",
-              extra: tuple[tuple[str, str], ...] = (), head: bool = False) -> bytes:
-    lines = [f"HTTP/1.1 {status} {_REASONS[status]}", f"Content-Type: {content_type}",
-             f"Content-Length: {len(body)}", "Connection: close", *(f"{k}: {v}" for k, v in extra)]
+def _response(
+    status: int,
+    body: bytes,
+    content_type: str = "text/plain; charset=utf-8",
+    extra: tuple[tuple[str, str], ...] = (),
+    head: bool = False,
+) -> bytes:
+    lines = [
+        f"HTTP/1.1 {status} {_REASONS[status]}",
+        f"Content-Type: {content_type}",
+        f"Content-Length: {len(body)}",
+        "Connection: close",
+        *(f"{k}: {v}" for k, v in extra),
+    ]
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + (b"" if head else body)
 
 
 class MetricsHttpServer:
     """Serves a registry on one thread; ``close()`` stops it and frees the port."""
 
-    def __init__(self, registry: CollectorRegistry, host: str, port: int, *,
-                 max_connections: int = MAX_CONNECTIONS, timeout_s: float = TIMEOUT_S):
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        host: str,
+        port: int,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        timeout_s: float = TIMEOUT_S,
+    ):
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self.registry = registry

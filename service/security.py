@@ -119,16 +119,18 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         _, factory = handler_kind(handler)
 
         async def refuse(request_or_iterator, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                "missing or invalid bearer token (metadata `authorization: Bearer <token>`)")
+            await context.abort(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "missing or invalid bearer token (metadata `authorization: Bearer <token>`)",
+            )
 
         if handler.response_streaming:
+
             async def refuse_stream(request_or_iterator, context):
                 await refuse(request_or_iterator, context)
                 yield  # pragma: no cover - abort raised above
 
-            return factory(refuse_stream, request_deserializer=None,
-                           response_serializer=handler.response_serializer)
+            return factory(refuse_stream, request_deserializer=None, response_serializer=handler.response_serializer)
         return factory(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
@@ -206,8 +208,11 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
             wrapped = self._wrap_coroutine(behavior, method, handler.request_streaming)
         else:
             return handler
-        return factory(wrapped, request_deserializer=_tolerant(handler.request_deserializer),
-                       response_serializer=handler.response_serializer)
+        return factory(
+            wrapped,
+            request_deserializer=_tolerant(handler.request_deserializer),
+            response_serializer=handler.response_serializer,
+        )
 
     @staticmethod
     async def _fail(context, method: str, exc: BaseException):

@@ -44,15 +44,24 @@ SERVICE_NAME = gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name
 class Server:
     """One gRPC server over one engine."""
 
-    def __init__(self, config: ServerConfig, *, clock: Callable[[], float] | None = None,
-                 observer: EngineObserver | None = None, interceptors: list | None = None):
+    def __init__(
+        self,
+        config: ServerConfig,
+        *,
+        clock: Callable[[], float] | None = None,
+        observer: EngineObserver | None = None,
+        interceptors: list | None = None,
+    ):
         self.config = config
         # Authentication first, then the guard that keeps statuses safe to show; a metrics
         # interceptor goes outside both, so refused and failed RPCs are counted with their code.
         token = load_token(config)
         self.authenticates = token is not None
-        interceptors = [*([BearerTokenInterceptor(token)] if token else []), SafeStatusInterceptor(),
-                        *(interceptors or [])]
+        interceptors = [
+            *([BearerTokenInterceptor(token)] if token else []),
+            SafeStatusInterceptor(),
+            *(interceptors or []),
+        ]
         self.metrics: ServiceMetrics | None = None
         if config.metrics_port:
             self.metrics = ServiceMetrics()
@@ -118,8 +127,10 @@ class Server:
             try:
                 self.metrics.start_http(self.config.metrics_bind_host, self.config.metrics_port)
             except OSError as exc:
-                raise OSError(f"cannot serve metrics on {self.config.metrics_bind_host}:{self.config.metrics_port}: {exc} "
-                              "(--metrics-port / GQA_METRICS_PORT; 0 turns metrics off)") from None
+                raise OSError(
+                    f"cannot serve metrics on {self.config.metrics_bind_host}:{self.config.metrics_port}: {exc} "
+                    "(--metrics-port / GQA_METRICS_PORT; 0 turns metrics off)"
+                ) from None
         # Probe the backends before reporting SERVING: the first probe imports optional modules.
         await self.servicer.backend_infos()
         await self.grpc.start()
@@ -128,9 +139,14 @@ class Server:
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         self._reaper = asyncio.create_task(self._reap_forever())
-        log.info("gqa-serve listening on %s (backend %s, dtype %s, %s%s)", self.address, self.config.backend,
-                 self.config.dtype, "mutual TLS" if self.config.tls_client_ca_file else "TLS" if self.config.tls
-                 else "plaintext", ", bearer token required" if self.authenticates else "")
+        log.info(
+            "gqa-serve listening on %s (backend %s, dtype %s, %s%s)",
+            self.address,
+            self.config.backend,
+            self.config.dtype,
+            "mutual TLS" if self.config.tls_client_ca_file else "TLS" if self.config.tls else "plaintext",
+            ", bearer token required" if self.authenticates else "",
+        )
 
     async def _reap_forever(self) -> None:
         period = min(5.0, max(0.05, self.config.idle_timeout_s / 4))
@@ -148,8 +164,9 @@ class Server:
         deadline = loop.time() + self.config.grace_period_s
         while self.engine.active_streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
-        self.engine.close_all(Unavailable("the server is shutting down; reopen the stream on another replica"),
-                              "shutdown")
+        self.engine.close_all(
+            Unavailable("the server is shutting down; reopen the stream on another replica"), "shutdown"
+        )
         # A step being computed finishes and its reply goes out before its RPC ends (a stuck
         # write is cut by the session after its grace), so no RPC is left for stop to cancel.
         await self.servicer.sessions_ended()

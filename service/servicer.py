@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import ctypes
 import logging
 import time
@@ -39,7 +38,6 @@ from .session import EOF, StreamClosed, StreamSession
 from .tensors import from_proto, to_proto
 from .vocab import (
     DTYPE_NAMES,
-    DTYPE_TO_TORCH,
     NAME_TO_DTYPE,
     POLICY_ENUMS,
     POLICY_NAMES,
@@ -86,9 +84,17 @@ class _StepShape:
 
     def matches(self, step) -> bool:
         q, k, v = step.query, step.new_key, step.new_value
-        return (q.dtype == self.dtype and k.dtype == self.dtype and v.dtype == self.dtype
-                and len(q.data) == self.q_bytes and len(k.data) == self.kv_bytes and len(v.data) == self.kv_bytes
-                and q.shape == self.q_shape and k.shape == self.kv_shape and v.shape == self.kv_shape)
+        return (
+            q.dtype == self.dtype
+            and k.dtype == self.dtype
+            and v.dtype == self.dtype
+            and len(q.data) == self.q_bytes
+            and len(k.data) == self.kv_bytes
+            and len(v.data) == self.kv_bytes
+            and q.shape == self.q_shape
+            and k.shape == self.kv_shape
+            and v.shape == self.kv_shape
+        )
 
 
 def _request_bytes(request) -> int:
@@ -144,14 +150,16 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         backends = []
         for info in await self.backend_infos():
             caps = info.capabilities
-            backends.append(gqa_pb2.BackendInfo(
-                name=info.name,
-                available=info.available,
-                reasons=info.reasons,
-                dtypes=[TORCH_TO_DTYPE[d] for d in caps.dtypes if d in TORCH_TO_DTYPE] if caps else [],
-                devices=list(caps.devices) if caps else [],
-                max_head_dim=min(caps.max_head_dim, c.max_head_dim) if caps else 0,
-            ))
+            backends.append(
+                gqa_pb2.BackendInfo(
+                    name=info.name,
+                    available=info.available,
+                    reasons=info.reasons,
+                    dtypes=[TORCH_TO_DTYPE[d] for d in caps.dtypes if d in TORCH_TO_DTYPE] if caps else [],
+                    devices=list(caps.devices) if caps else [],
+                    max_head_dim=min(caps.max_head_dim, c.max_head_dim) if caps else 0,
+                )
+            )
         return gqa_pb2.GetServerInfoResponse(
             version=__version__,
             default_backend=c.backend,
@@ -184,8 +192,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             return
         kind = first.WhichOneof("kind")
         if kind not in ("open", "restore"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "the first message of a Decode stream must be `open` or `restore`")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Decode stream must be `open` or `restore`"
+            )
         try:
             if kind == "open":
                 stream = await self._open(first.open)
@@ -196,8 +205,15 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         except Exception as exc:
             await _abort(context, exc, "Decode open")
 
-        session = StreamSession(self.engine, stream, context.read, grpc.aio.EOF, _request_bytes,
-                                max_steps=self.config.max_queued_steps, max_bytes=self.config.max_queued_bytes)
+        session = StreamSession(
+            self.engine,
+            stream,
+            context.read,
+            grpc.aio.EOF,
+            _request_bytes,
+            max_steps=self.config.max_queued_steps,
+            max_bytes=self.config.max_queued_bytes,
+        )
         shape = _StepShape(stream)
         self.sessions += 1
         self._no_sessions.clear()
@@ -280,7 +296,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 if entry.layer in prefill:
                     raise InvalidArgument(f"open.prefill[{i}].layer: layer {entry.layer} appears twice")
                 if entry.layer >= config.num_layers:
-                    raise InvalidArgument(f"prefill.layer: {entry.layer} is out of range; num_layers={config.num_layers}")
+                    raise InvalidArgument(
+                        f"prefill.layer: {entry.layer} is out of range; num_layers={config.num_layers}"
+                    )
                 prefill[entry.layer] = (
                     from_proto(entry.key, f"open.prefill[{i}].key", rank=4, copy=False),
                     from_proto(entry.value, f"open.prefill[{i}].value", rank=4, copy=False),
@@ -328,10 +346,17 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     def _opened_config(self, stream: Stream) -> gqa_pb2.OpenStream:
         c = stream.config
         return gqa_pb2.OpenStream(
-            backend=c.backend, dtype=NAME_TO_DTYPE[c.dtype], batch_size=c.batch_size,
-            num_query_heads=c.num_query_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim,
-            num_layers=c.num_layers, policy=POLICY_ENUMS[c.policy.kind.value], window=c.policy.window,
-            capacity=c.policy.capacity, sink_tokens=c.policy.sinks,
+            backend=c.backend,
+            dtype=NAME_TO_DTYPE[c.dtype],
+            batch_size=c.batch_size,
+            num_query_heads=c.num_query_heads,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            num_layers=c.num_layers,
+            policy=POLICY_ENUMS[c.policy.kind.value],
+            window=c.policy.window,
+            capacity=c.policy.capacity,
+            sink_tokens=c.policy.sinks,
         )
 
     def _opened(self, stream: Stream) -> gqa_pb2.StreamOpened:
@@ -358,21 +383,28 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             yield self._rollback(stream, request.rollback, rid)
         elif kind == "snapshot":
             try:
-                chunks = await self._compute(stream.bytes_in_use(), snapshot.encode, stream,
-                                             self._opened_config(stream), self.config.max_message_bytes,
-                                             request.snapshot.max_chunk_bytes, self.engine.snapshot_key)
+                chunks = await self._compute(
+                    stream.bytes_in_use(),
+                    snapshot.encode,
+                    stream,
+                    self._opened_config(stream),
+                    self.config.max_message_bytes,
+                    request.snapshot.max_chunk_bytes,
+                    self.engine.snapshot_key,
+                )
             except ServiceError as exc:
-                yield gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(
-                    code=exc.code_number, message=exc.message))
+                yield gqa_pb2.DecodeResponse(
+                    request_id=rid, error=gqa_pb2.Status(code=exc.code_number, message=exc.message)
+                )
                 return
             for chunk in chunks:
                 yield gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk)
         elif kind in ("open", "restore"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"`{kind}` may only begin a Decode stream")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"`{kind}` may only begin a Decode stream")
         else:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "a Decode request must set one of step, rollback or snapshot")
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "a Decode request must set one of step, rollback or snapshot"
+            )
 
     async def _step(self, stream: Stream, shape: _StepShape, step, rid: int) -> gqa_pb2.DecodeResponse:
         """Integer checks here; tensors, compute and the reply message on a compute worker."""
@@ -381,8 +413,15 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         try:
             if not shape.matches(step):
                 raise _step_input_error(stream, step)
-            future = self.engine.submit_step(stream, layer, step.query.data, step.new_key.data, step.new_value.data,
-                                             received=received, reply=_StepReply(rid, layer, shape.out_shape, shape.dtype))
+            future = self.engine.submit_step(
+                stream,
+                layer,
+                step.query.data,
+                step.new_key.data,
+                step.new_value.data,
+                received=received,
+                reply=_StepReply(rid, layer, shape.out_shape, shape.dtype),
+            )
         except ServiceError as exc:
             self.engine.observer.step_refused(stream, exc.code)
             return _refusal(rid, layer, exc)
@@ -394,11 +433,14 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             stream.rollback(request.count, None if request.all_layers else request.layer)
         except ServiceError as exc:
             status = gqa_pb2.Status(code=exc.code_number, message=exc.message)
-        return gqa_pb2.DecodeResponse(request_id=rid, rollback=gqa_pb2.RollbackResult(
-            status=status,
-            tokens_seen=[c.tokens_seen for c in stream.caches],
-            rollback_reach=[c.policy.rollback_reach(c.tokens_seen) for c in stream.caches],
-        ))
+        return gqa_pb2.DecodeResponse(
+            request_id=rid,
+            rollback=gqa_pb2.RollbackResult(
+                status=status,
+                tokens_seen=[c.tokens_seen for c in stream.caches],
+                rollback_reach=[c.policy.rollback_reach(c.tokens_seen) for c in stream.caches],
+            ),
+        )
 
 
 class _StepReply:
@@ -438,14 +480,18 @@ class _StepReply:
 
 
 def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
-    return gqa_pb2.DecodeResponse(request_id=rid, step=gqa_pb2.StepResult(
-        status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=layer))
+    return gqa_pb2.DecodeResponse(
+        request_id=rid,
+        step=gqa_pb2.StepResult(status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=layer),
+    )
 
 
 def _step_input_error(stream: Stream, step) -> ServiceError:
     """The slow path of a step that failed the integer checks: the precise message."""
     if not 0 <= step.layer < stream.config.num_layers:
-        return InvalidArgument(f"layer: {step.layer} is out of range; the stream has num_layers={stream.config.num_layers}")
+        return InvalidArgument(
+            f"layer: {step.layer} is out of range; the stream has num_layers={stream.config.num_layers}"
+        )
     try:
         query = from_proto(step.query, "step.query", rank=3, copy=False)
         new_key = from_proto(step.new_key, "step.new_key", rank=3, copy=False)

@@ -50,8 +50,18 @@ class StreamSession:
     """``read`` is an async callable returning the next request or ``end`` (the transport's
     end-of-stream marker); ``size`` gives a request's bytes."""
 
-    def __init__(self, engine: Engine, stream: Stream, read, end: Any, size, *,
-                 max_steps: int, max_bytes: int, write_grace_s: float = WRITE_GRACE_S):
+    def __init__(
+        self,
+        engine: Engine,
+        stream: Stream,
+        read,
+        end: Any,
+        size,
+        *,
+        max_steps: int,
+        max_bytes: int,
+        write_grace_s: float = WRITE_GRACE_S,
+    ):
         self.engine = engine
         self.stream = stream
         self._read = read
@@ -62,10 +72,10 @@ class StreamSession:
         self._write_grace_s = write_grace_s
         self._queue: deque = deque()  # (request, size)
         self.queued_bytes = 0
-        self._wake = asyncio.Event()   # the handler: a request arrived, or a forced close
-        self._room = asyncio.Event()   # the reader: room in the read-ahead
+        self._wake = asyncio.Event()  # the handler: a request arrived, or a forced close
+        self._room = asyncio.Event()  # the reader: room in the read-ahead
         self.forced: ServiceError | None = None
-        self._writes = 0       # writes started; the watchdog cuts only the write it saw
+        self._writes = 0  # writes started; the watchdog cuts only the write it saw
         self.writing = False
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()

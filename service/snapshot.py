@@ -75,8 +75,9 @@ def signature(chunks, key: bytes) -> bytes:
         last.signature = saved
 
 
-def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int, max_chunk_bytes: int = 0,
-           key: bytes | None = None) -> list[gqa_pb2.SnapshotChunk]:
+def encode(
+    stream, config: gqa_pb2.OpenStream, max_message_bytes: int, max_chunk_bytes: int = 0, key: bytes | None = None
+) -> list[gqa_pb2.SnapshotChunk]:
     """The stream's state as chunks; the last one has ``last``, the checksum and, with ``key``,
     the signature set.
 
@@ -121,24 +122,32 @@ def encode(stream, config: gqa_pb2.OpenStream, max_message_bytes: int, max_chunk
     return chunks
 
 
-def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig,
-           key: bytes | None = None) -> list[tuple[int, dict]]:
+def decode(
+    chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig, key: bytes | None = None
+) -> list[tuple[int, dict]]:
     """Per layer ``(tokens_seen, state)``; ``InvalidArgument`` for anything inconsistent, and,
     with ``key``, for a missing or wrong signature."""
     if key is not None:
         if not chunks[-1].signature:
-            raise InvalidArgument("restore: this server requires signed snapshots and the snapshot carries no signature")
+            raise InvalidArgument(
+                "restore: this server requires signed snapshots and the snapshot carries no signature"
+            )
         if not hmac.compare_digest(signature(chunks, key), chunks[-1].signature):
-            raise InvalidArgument("restore: the snapshot's signature does not match (altered, or signed with another key)")
+            raise InvalidArgument(
+                "restore: the snapshot's signature does not match (altered, or signed with another key)"
+            )
     if _checksum(chunks) != chunks[-1].checksum:
         raise InvalidArgument("restore: the snapshot's checksum does not match its data (corrupted or truncated)")
     tokens = list(chunks[0].tokens_seen)
     if len(tokens) != config.num_layers:
         raise InvalidArgument(
-            f"restore: tokens_seen has {len(tokens)} entries but the configuration has {config.num_layers} layers")
+            f"restore: tokens_seen has {len(tokens)} entries but the configuration has {config.num_layers} layers"
+        )
     for layer, t in enumerate(tokens):
         if t >= MAX_TOKENS:
-            raise InvalidArgument(f"restore: tokens_seen[{layer}] = {t} is beyond any stream (at most {MAX_TOKENS - 1})")
+            raise InvalidArgument(
+                f"restore: tokens_seen[{layer}] = {t} is beyond any stream (at most {MAX_TOKENS - 1})"
+            )
     pieces: dict[int, list[gqa_pb2.SnapshotChunk]] = {}
     for i, chunk in enumerate(chunks[1:], start=1):
         if chunk.HasField("config") or chunk.tokens_seen:
@@ -161,26 +170,35 @@ def decode(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig,
                 raise InvalidArgument(f"restore: layer {layer} mixes encodings {encoding!r} and {part.encoding!r}")
             if part.offset != expected_offset:
                 raise InvalidArgument(
-                    f"restore: layer {layer} chunk at offset {part.offset}, expected {expected_offset}")
+                    f"restore: layer {layer} chunk at offset {part.offset}, expected {expected_offset}"
+                )
             for name, rank in _TENSORS.items():
                 if not part.HasField(name):
                     continue
-                tensor = from_proto(getattr(part, name), f"restore.layer{layer}.{name}", rank=rank,
-                                    allow_int8=encoding == "int8" and name in ("key", "value"))
+                tensor = from_proto(
+                    getattr(part, name),
+                    f"restore.layer{layer}.{name}",
+                    rank=rank,
+                    allow_int8=encoding == "int8" and name in ("key", "value"),
+                )
                 columns.setdefault(name, []).append(tensor)
             head = part is parts[0]
             if part.key_channels or part.HasField("key_calibration"):
                 if not head or encoding != "int8":
                     raise InvalidArgument(
-                        f"restore: layer {layer} carries key_channels or key_calibration outside an int8 layer's first chunk")
+                        f"restore: layer {layer} carries key_channels or key_calibration outside an int8 layer's first chunk"
+                    )
             if head and part.key_channels:
                 b, h, d = config.batch_size, config.num_kv_heads, config.head_dim
                 if len(part.key_channels) != b * h * d:
                     raise InvalidArgument(
-                        f"restore: layer {layer} key_channels has {len(part.key_channels)} entries, expected B*Hkv*D = {b * h * d}")
+                        f"restore: layer {layer} key_channels has {len(part.key_channels)} entries, expected B*Hkv*D = {b * h * d}"
+                    )
                 state["key_channels"] = torch.tensor(list(part.key_channels), dtype=torch.int64).view(b, h, d)
             if head and part.HasField("key_calibration"):
-                state["key_calibration"] = from_proto(part.key_calibration, f"restore.layer{layer}.key_calibration", rank=4)
+                state["key_calibration"] = from_proto(
+                    part.key_calibration, f"restore.layer{layer}.key_calibration", rank=4
+                )
             if "key" not in columns or len(columns["key"]) != len(columns.get("value", [])):
                 raise InvalidArgument(f"restore: layer {layer} chunk at offset {part.offset} lacks keys or values")
             expected_offset += columns["key"][-1].shape[2]

@@ -29,8 +29,9 @@ _ITEMSIZE = {torch.float32: 4, torch.float16: 2, torch.bfloat16: 2, torch.int8: 
 warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
 
 
-def from_proto(message: gqa_pb2.Tensor, name: str, *, rank: int | None = None,
-               allow_int8: bool = False, copy: bool = True) -> torch.Tensor:
+def from_proto(
+    message: gqa_pb2.Tensor, name: str, *, rank: int | None = None, allow_int8: bool = False, copy: bool = True
+) -> torch.Tensor:
     """A torch tensor; ``InvalidArgument`` naming ``name`` for anything malformed.
 
     With ``copy`` it is a writable copy; without, a read-only view of the message's bytes
@@ -96,6 +97,7 @@ def tune_allocator() -> bool:
             return False
         mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
         mallopt.restype = ctypes.c_int
-        _tuned = bool(mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
-                      and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+        _tuned = bool(
+            mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) and mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
+        )
     return _tuned

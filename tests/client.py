@@ -17,19 +17,43 @@ _END = object()
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
-def open_message(*, batch=1, hq=4, hkv=2, d=8, layers=1, policy="strict", window=8, capacity=0, sinks=0,
-                 dtype=torch.float32, backend="", prefill=None) -> gqa_pb2.OpenStream:
-    msg = gqa_pb2.OpenStream(backend=backend, dtype=TORCH_TO_DTYPE[dtype], batch_size=batch, num_query_heads=hq,
-                             num_kv_heads=hkv, head_dim=d, num_layers=layers, policy=POLICY_ENUMS[policy],
-                             window=window, capacity=capacity, sink_tokens=sinks)
+def open_message(
+    *,
+    batch=1,
+    hq=4,
+    hkv=2,
+    d=8,
+    layers=1,
+    policy="strict",
+    window=8,
+    capacity=0,
+    sinks=0,
+    dtype=torch.float32,
+    backend="",
+    prefill=None,
+) -> gqa_pb2.OpenStream:
+    msg = gqa_pb2.OpenStream(
+        backend=backend,
+        dtype=TORCH_TO_DTYPE[dtype],
+        batch_size=batch,
+        num_query_heads=hq,
+        num_kv_heads=hkv,
+        head_dim=d,
+        num_layers=layers,
+        policy=POLICY_ENUMS[policy],
+        window=window,
+        capacity=capacity,
+        sink_tokens=sinks,
+    )
     for layer, (k, v) in (prefill or {}).items():
         msg.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))
     return msg
 
 
 def step_request(rid: int, layer: int, q, k, v) -> gqa_pb2.DecodeRequest:
-    return gqa_pb2.DecodeRequest(request_id=rid, step=gqa_pb2.Step(
-        layer=layer, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v)))
+    return gqa_pb2.DecodeRequest(
+        request_id=rid, step=gqa_pb2.Step(layer=layer, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v))
+    )
 
 
 class Session:
@@ -38,8 +62,14 @@ class Session:
     Opened with ``open_msg``, or from a snapshot's chunks with ``restore``.
     """
 
-    def __init__(self, channel: grpc.Channel, open_msg: gqa_pb2.OpenStream | None = None, metadata=None, *,
-                 restore: list[gqa_pb2.SnapshotChunk] | None = None):
+    def __init__(
+        self,
+        channel: grpc.Channel,
+        open_msg: gqa_pb2.OpenStream | None = None,
+        metadata=None,
+        *,
+        restore: list[gqa_pb2.SnapshotChunk] | None = None,
+    ):
         self._requests: queue.Queue = queue.Queue()
         if restore is not None:
             for chunk in restore:

@@ -50,13 +50,24 @@ class StreamResult:
     seconds: float = 0.0
 
 
-def open_request(policy: str = "strict", window: int = 8, shape: Shape = Shape(), *, capacity: int = 0,
-                 sinks: int = 0) -> gqa_pb2.DecodeRequest:
-    return gqa_pb2.DecodeRequest(request_id=0, open=gqa_pb2.OpenStream(
-        dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=shape.heads, num_kv_heads=shape.kv_heads,
-        head_dim=shape.head_dim, num_layers=shape.layers, policy=POLICIES[policy], window=window,
-        capacity=capacity, sink_tokens=sinks,
-    ))
+def open_request(
+    policy: str = "strict", window: int = 8, shape: Shape = Shape(), *, capacity: int = 0, sinks: int = 0
+) -> gqa_pb2.DecodeRequest:
+    return gqa_pb2.DecodeRequest(
+        request_id=0,
+        open=gqa_pb2.OpenStream(
+            dtype=gqa_pb2.DTYPE_FLOAT32,
+            batch_size=1,
+            num_query_heads=shape.heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            num_layers=shape.layers,
+            policy=POLICIES[policy],
+            window=window,
+            capacity=capacity,
+            sink_tokens=sinks,
+        ),
+    )
 
 
 def step_requests(shape: Shape, count: int, *, seed: int = 0) -> list[gqa_pb2.DecodeRequest]:
@@ -64,18 +75,31 @@ def step_requests(shape: Shape, count: int, *, seed: int = 0) -> list[gqa_pb2.De
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
-        out.append(gqa_pb2.DecodeRequest(request_id=i + 1, step=gqa_pb2.Step(
-            layer=i % shape.layers,
-            query=to_proto(torch.randn(1, shape.heads, shape.head_dim, generator=g)),
-            new_key=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
-            new_value=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
-        )))
+        out.append(
+            gqa_pb2.DecodeRequest(
+                request_id=i + 1,
+                step=gqa_pb2.Step(
+                    layer=i % shape.layers,
+                    query=to_proto(torch.randn(1, shape.heads, shape.head_dim, generator=g)),
+                    new_key=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
+                    new_value=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
+                ),
+            )
+        )
     return out
 
 
-def run_stream(address: str, open_req: gqa_pb2.DecodeRequest, steps: list[gqa_pb2.DecodeRequest], *,
-               pace_s: float = 0.0, hold: threading.Event | None = None, hold_timeout_s: float = 20.0,
-               opened: threading.Event | None = None, timeout_s: float = 60.0) -> StreamResult:
+def run_stream(
+    address: str,
+    open_req: gqa_pb2.DecodeRequest,
+    steps: list[gqa_pb2.DecodeRequest],
+    *,
+    pace_s: float = 0.0,
+    hold: threading.Event | None = None,
+    hold_timeout_s: float = 20.0,
+    opened: threading.Event | None = None,
+    timeout_s: float = 60.0,
+) -> StreamResult:
     """Opens a stream, sends ``steps`` (pipelined, or one per ``pace_s``), then waits for
     ``hold`` (at most ``hold_timeout_s``) and half-closes. Returns what the responses said."""
     result = StreamResult()

@@ -5,8 +5,6 @@ It shares no code with ``backends/``: K/V repeated per query head, float64 every
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 
 

@@ -23,13 +23,22 @@ RULES = ROOT / "helm" / "gqa-serve" / "rules" / "gqa-serve-alerts.yaml"
 RULE_TESTS = sorted((ROOT / "tests" / "promtool").glob("*.test.yaml"))
 DASHBOARD = ROOT / "helm" / "gqa-serve" / "dashboards" / "gqa-serve.json"
 RUNBOOK = ROOT / "docs" / "runbook.md"
-ALERTS = {"GqaQueueWaitHigh", "GqaRpcErrorRatioHigh", "GqaStepErrorRatioHigh", "GqaSaturated", "GqaStreamOpensRefused",
-          "GqaBudgetNearlyExhausted", "GqaTargetDown", "GqaTargetAbsent"}
+ALERTS = {
+    "GqaQueueWaitHigh",
+    "GqaRpcErrorRatioHigh",
+    "GqaStepErrorRatioHigh",
+    "GqaSaturated",
+    "GqaStreamOpensRefused",
+    "GqaBudgetNearlyExhausted",
+    "GqaTargetDown",
+    "GqaTargetAbsent",
+}
 # Grafana's range variables are not PromQL; any duration stands in for them.
 GRAFANA_INTERVALS = re.compile(r"\$__(rate_interval|interval|range)\b|\$\{__(rate_interval|interval|range)\}")
 
-needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool not installed (tests/tools/install_prometheus.sh; `make tools`)")
+needs_promtool = pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (tests/tools/install_prometheus.sh; `make tools`)"
+)
 
 
 def _promtool(*args: str, cwd: pathlib.Path = ROOT) -> subprocess.CompletedProcess:
@@ -64,8 +73,10 @@ def test_no_alert_on_raw_step_latency():
 
 
 def test_every_runbook_url_points_at_a_section_of_the_runbook():
-    anchors = {re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
-               for h in re.findall(r"^#+ (.+)$", RUNBOOK.read_text(), re.M)}
+    anchors = {
+        re.sub(r"[^a-z0-9 -]", "", h.strip().lower()).replace(" ", "-")
+        for h in re.findall(r"^#+ (.+)$", RUNBOOK.read_text(), re.M)
+    }
     for name, text in _rule_blocks().items():
         url = re.search(r"runbook_url: (\S+)", text).group(1)
         assert url.endswith(f"docs/runbook.md#{name.lower()}"), (name, url)
@@ -75,8 +86,9 @@ def test_every_runbook_url_points_at_a_section_of_the_runbook():
 def test_every_alert_has_unit_tests_firing_and_silent():
     fired, silent = set(), set()
     for path in RULE_TESTS:
-        for name, body in re.findall(r"alertname: (\w+)\n\s+exp_alerts:(.*?)(?=\n\s+- eval_time|\n  - interval|\n  #|\Z)",
-                                     path.read_text(), re.S):
+        for name, body in re.findall(
+            r"alertname: (\w+)\n\s+exp_alerts:(.*?)(?=\n\s+- eval_time|\n  - interval|\n  #|\Z)", path.read_text(), re.S
+        ):
             (fired if "exp_labels" in body else silent).add(name)
     assert fired == ALERTS
     assert silent == ALERTS
@@ -113,10 +125,17 @@ def test_promtool_test_rules(path):
 @needs_promtool
 def test_every_dashboard_query_parses(tmp_path):
     queries = _panel_queries()
-    rules = {"groups": [{"name": "dashboard", "rules": [
-        {"record": f"dashboard_query_{i}", "expr": GRAFANA_INTERVALS.sub("5m", expr)}
-        for i, (_, expr) in enumerate(queries)
-    ]}]}
+    rules = {
+        "groups": [
+            {
+                "name": "dashboard",
+                "rules": [
+                    {"record": f"dashboard_query_{i}", "expr": GRAFANA_INTERVALS.sub("5m", expr)}
+                    for i, (_, expr) in enumerate(queries)
+                ],
+            }
+        ]
+    }
     path = tmp_path / "dashboard-queries.yaml"
     path.write_text(json.dumps(rules, indent=1))  # JSON is YAML
     done = _promtool("check", "rules", str(path))
@@ -128,8 +147,18 @@ def test_every_dashboard_query_parses(tmp_path):
 @needs_promtool
 def test_the_query_check_rejects_bad_promql(tmp_path):
     path = tmp_path / "bad.yaml"
-    path.write_text(json.dumps({"groups": [{"name": "bad", "rules": [
-        {"record": "bad_query", "expr": "sum by (backend (rate(gqa_steps_total[5m]))"}]}]}))
+    path.write_text(
+        json.dumps(
+            {
+                "groups": [
+                    {
+                        "name": "bad",
+                        "rules": [{"record": "bad_query", "expr": "sum by (backend (rate(gqa_steps_total[5m]))"}],
+                    }
+                ]
+            }
+        )
+    )
     assert _promtool("check", "rules", str(path)).returncode != 0
 
 

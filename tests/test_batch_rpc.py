@@ -21,7 +21,7 @@ from service.client_batch import BatchSession, Refused
 from service.config import ServerConfig
 from service.engine import EngineObserver
 from service.server import ServerThread
-from service.tensors import from_proto, to_proto
+from service.tensors import to_proto
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref
@@ -85,8 +85,11 @@ def state(s: BatchSession, sid: int) -> list[bytes]:
 
 
 def prefills(g, lengths, dtype):
-    return {layer: (rand(g, 1, HKV, n, D, dtype=dtype), rand(g, 1, HKV, n, D, dtype=dtype))
-            for layer, n in enumerate(lengths) if n}
+    return {
+        layer: (rand(g, 1, HKV, n, D, dtype=dtype), rand(g, 1, HKV, n, D, dtype=dtype))
+        for layer, n in enumerate(lengths)
+        if n
+    }
 
 
 # -- Batch == Decode == oracle ---------------------------------------------------------------
@@ -100,8 +103,9 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
         pre = prefills(g, lengths, dtype)
         added = batch.add(sid, prefill=pre, **policy)
         assert list(added.tokens_seen) == list(lengths)
-        decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, dtype=dtype, prefill=pre,
-                                                     **policy))
+        decode[sid] = Session(
+            channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, dtype=dtype, prefill=pre, **policy)
+        )
         for layer in range(LAYERS):
             k, v = pre.get(layer, (torch.empty(1, HKV, 0, D), torch.empty(1, HKV, 0, D)))
             history[sid, layer] = ([k[:, :, i] for i in range(k.shape[2])], [v[:, :, i] for i in range(v.shape[2])])
@@ -115,22 +119,27 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
         result = batch.step(layer, ids, q, k, v)
         assert not result.refusals
         for i, sid in enumerate(ids):
-            reply = decode[sid].step(layer, q[i:i + 1], k[i:i + 1], v[i:i + 1])
+            reply = decode[sid].step(layer, q[i : i + 1], k[i : i + 1], v[i : i + 1])
             expected = decode[sid].output(reply)
-            assert torch.equal(result.output[i:i + 1], expected), (step, sid)
+            assert torch.equal(result.output[i : i + 1], expected), (step, sid)
             r = reply.step
-            assert (result.tokens_seen[i], result.resident[i], result.first_position[i], result.last_position[i],
-                    result.evicted_tokens[i], result.rollback_reach[i]) == (
-                r.tokens_seen, r.resident, r.first_position, r.last_position, r.evicted_tokens, r.rollback_reach)
+            assert (
+                result.tokens_seen[i],
+                result.resident[i],
+                result.first_position[i],
+                result.last_position[i],
+                result.evicted_tokens[i],
+                result.rollback_reach[i],
+            ) == (r.tokens_seen, r.resident, r.first_position, r.last_position, r.evicted_tokens, r.rollback_reach)
             keys, values = history[sid, layer]
-            keys.append(k[i:i + 1])
-            values.append(v[i:i + 1])
+            keys.append(k[i : i + 1])
+            values.append(v[i : i + 1])
             policy = SEQUENCES[sid][0]
             positions = attended_positions(policy["policy"], len(keys), policy.get("window", 0), policy.get("sinks", 0))
             kk = torch.stack([keys[p] for p in positions], dim=2)
             vv = torch.stack([values[p] for p in positions], dim=2)
-            oracle = attention_ref(q[i:i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
-            assert_close_to_oracle(result.output[i:i + 1], oracle, dtype, f"step {step} sequence {sid}")
+            oracle = attention_ref(q[i : i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+            assert_close_to_oracle(result.output[i : i + 1], oracle, dtype, f"step {step} sequence {sid}")
     for stream in decode.values():
         stream.close()
     batch.close()
@@ -245,8 +254,7 @@ def test_add_refusals_are_in_band(channel):
 
 
 def test_budget_and_stream_limit_refuse_adds_in_band():
-    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_cache_bytes=3 * 4096 + 256,
-                          max_streams=4)
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_cache_bytes=3 * 4096 + 256, max_streams=4)
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
         g = torch.Generator().manual_seed(8)
         s = session(ch)
@@ -294,8 +302,12 @@ def test_rollback_remove_and_snapshot_refusals(channel):
 # -- snapshots both ways -----------------------------------------------------------------------
 @pytest.mark.parametrize("policy", ["strict", "greedy", "sink", "none"])
 def test_snapshot_from_decode_restores_into_batch_and_back(channel, policy):
-    cfg = {"strict": dict(policy="strict", window=5), "greedy": dict(policy="greedy", window=4, capacity=7),
-           "sink": dict(policy="sink", window=4, sinks=2), "none": dict(policy="none", capacity=30)}[policy]
+    cfg = {
+        "strict": dict(policy="strict", window=5),
+        "greedy": dict(policy="greedy", window=4, capacity=7),
+        "sink": dict(policy="sink", window=4, sinks=2),
+        "none": dict(policy="none", capacity=30),
+    }[policy]
     g = torch.Generator().manual_seed(10)
     dec = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, **cfg))
     for i in range(9):
@@ -361,14 +373,18 @@ def open_request(**kw):
     return gqa_pb2.BatchRequest(request_id=0, open=gqa_pb2.BatchOpen(**fields))
 
 
-@pytest.mark.parametrize("requests, code, words", [
-    ([gqa_pb2.BatchRequest(request_id=0, add=gqa_pb2.BatchAdd(id=1))], grpc.StatusCode.INVALID_ARGUMENT, "first"),
-    ([open_request(), open_request()], grpc.StatusCode.INVALID_ARGUMENT, "only begin"),
-    ([open_request(), gqa_pb2.BatchRequest(request_id=1)], grpc.StatusCode.INVALID_ARGUMENT, "must set"),
-    ([open_request(num_query_heads=3)], grpc.StatusCode.INVALID_ARGUMENT, "multiple"),
-    ([open_request(head_dim=0)], grpc.StatusCode.INVALID_ARGUMENT, "head_dim"),
-    ([open_request(backend="cuda")], grpc.StatusCode.FAILED_PRECONDITION, "cuda"),
-], ids=["no-open", "second-open", "empty", "heads", "head-dim", "backend"])
+@pytest.mark.parametrize(
+    "requests, code, words",
+    [
+        ([gqa_pb2.BatchRequest(request_id=0, add=gqa_pb2.BatchAdd(id=1))], grpc.StatusCode.INVALID_ARGUMENT, "first"),
+        ([open_request(), open_request()], grpc.StatusCode.INVALID_ARGUMENT, "only begin"),
+        ([open_request(), gqa_pb2.BatchRequest(request_id=1)], grpc.StatusCode.INVALID_ARGUMENT, "must set"),
+        ([open_request(num_query_heads=3)], grpc.StatusCode.INVALID_ARGUMENT, "multiple"),
+        ([open_request(head_dim=0)], grpc.StatusCode.INVALID_ARGUMENT, "head_dim"),
+        ([open_request(backend="cuda")], grpc.StatusCode.FAILED_PRECONDITION, "cuda"),
+    ],
+    ids=["no-open", "second-open", "empty", "heads", "head-dim", "backend"],
+)
 def test_protocol_errors_and_refused_opens_end_the_rpc(channel, server, requests, code, words):
     if words == "cuda" and torch.cuda.is_available():
         pytest.skip("a CUDA device is present")
@@ -433,8 +449,12 @@ def test_drain_ends_sessions_with_unavailable():
 
 # -- fuzz ---------------------------------------------------------------------------------------
 IDS = st.integers(0, 5)
-FUZZ_POLICIES = [dict(policy="none", capacity=6), dict(policy="strict", window=3),
-                 dict(policy="greedy", window=3, capacity=5), dict(policy="sink", window=3, sinks=1)]
+FUZZ_POLICIES = [
+    dict(policy="none", capacity=6),
+    dict(policy="strict", window=3),
+    dict(policy="greedy", window=3, capacity=5),
+    dict(policy="sink", window=3, sinks=1),
+]
 OPS = st.one_of(
     st.tuples(st.just("add"), IDS, st.integers(0, len(FUZZ_POLICIES) - 1), st.integers(0, 4)),
     st.tuples(st.just("step"), st.integers(0, LAYERS - 1), st.lists(IDS, max_size=5)),
@@ -446,8 +466,12 @@ OPS = st.one_of(
 
 
 def model_caches(policy: dict, lengths: int, g) -> tuple[list, dict]:
-    pol = EvictionPolicy.create(policy["policy"], window=policy.get("window", 0), capacity=policy.get("capacity", 0),
-                                sinks=policy.get("sinks", 0))
+    pol = EvictionPolicy.create(
+        policy["policy"],
+        window=policy.get("window", 0),
+        capacity=policy.get("capacity", 0),
+        sinks=policy.get("sinks", 0),
+    )
     caches = [CPUBackend().create_cache(CacheSpec(1, HQ, HKV, D, torch.float32, pol)) for _ in range(LAYERS)]
     pre = {}
     if lengths:
@@ -486,9 +510,9 @@ def test_fuzz_interleavings_never_lose_or_mix_sequences(channel, server, ops):
                     elif not model[sid][layer].policy.has_room(model[sid][layer].tokens_seen):
                         assert result.refusals[sid][0] == EXHAUSTED
                     else:
-                        expected = model[sid][layer].step(q[i:i + 1], k[i:i + 1], v[i:i + 1])
+                        expected = model[sid][layer].step(q[i : i + 1], k[i : i + 1], v[i : i + 1])
                         assert sid not in result.refusals
-                        assert torch.equal(result.output[i:i + 1], expected.output)
+                        assert torch.equal(result.output[i : i + 1], expected.output)
                         assert result.tokens_seen[i] == expected.tokens_seen
             elif op[0] == "remove":
                 refusals = s.remove(op[1])
@@ -535,12 +559,13 @@ def test_fuzz_interleavings_never_lose_or_mix_sequences(channel, server, ops):
             for i, sid in enumerate(ids):
                 cache = model[sid][layer]
                 if cache.policy.has_room(cache.tokens_seen):
-                    assert torch.equal(result.output[i:i + 1], cache.step(q[i:i + 1], k[i:i + 1], v[i:i + 1]).output)
+                    assert torch.equal(
+                        result.output[i : i + 1], cache.step(q[i : i + 1], k[i : i + 1], v[i : i + 1]).output
+                    )
         assert server.engine.batch_sequences_open == len(model)
     finally:
         s.close()
     assert wait_for(lambda: server.engine.batch_sequences_open == 0)
-
 
 
 # -- other backends --------------------------------------------------------------------------------
@@ -553,13 +578,15 @@ def test_int8_sequences_match_decode_streams_and_move_between_them(channel):
     for sid, cfg in ((1, dict(policy="strict", window=6)), (2, dict(policy="sink", window=5, sinks=2))):
         pre = {0: (rand(g, 1, HKV, 3, D), rand(g, 1, HKV, 3, D))}
         batch.add(sid, prefill=pre, **cfg)
-        decode[sid] = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, backend="int8", prefill=pre, **cfg))
+        decode[sid] = Session(
+            channel, open_message(hq=HQ, hkv=HKV, d=D, layers=LAYERS, backend="int8", prefill=pre, **cfg)
+        )
     for step in range(24):
         q, k, v = packed(g, 2)
         out = batch.step(step % LAYERS, [1, 2], q, k, v)
         for i, sid in enumerate((1, 2)):
-            expected = decode[sid].output(decode[sid].step(step % LAYERS, q[i:i + 1], k[i:i + 1], v[i:i + 1]))
-            assert torch.equal(out.output[i:i + 1], expected), (step, sid)
+            expected = decode[sid].output(decode[sid].step(step % LAYERS, q[i : i + 1], k[i : i + 1], v[i : i + 1]))
+            assert torch.equal(out.output[i : i + 1], expected), (step, sid)
     batch.restore(3, decode[1].snapshot())
     back = Session(channel, restore=batch.snapshot(2))
     q, k, v = packed(g, 2)

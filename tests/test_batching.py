@@ -15,8 +15,8 @@ import torch
 
 from backends import batch
 from backends.base import CacheSpec
-from backends.registry import get_backend
 from backends.policy import EvictionPolicy
+from backends.registry import get_backend
 from service.config import ServerConfig
 from service.engine import Engine, EngineObserver
 from service.errors import ServiceError
@@ -59,14 +59,30 @@ def _script(i: int):
     for layer in range(layers):
         n = rng.randint(0, 12)
         if n:
-            prefill[layer] = (torch.randn(batch_size, hkv, n, d, generator=g).to(dtype),
-                              torch.randn(batch_size, hkv, n, d, generator=g).to(dtype))
-    steps = [(s % layers, torch.randn(batch_size, hq, d, generator=g).to(dtype),
-              torch.randn(batch_size, hkv, d, generator=g).to(dtype),
-              torch.randn(batch_size, hkv, d, generator=g).to(dtype)) for s in range(STEPS)]
+            prefill[layer] = (
+                torch.randn(batch_size, hkv, n, d, generator=g).to(dtype),
+                torch.randn(batch_size, hkv, n, d, generator=g).to(dtype),
+            )
+    steps = [
+        (
+            s % layers,
+            torch.randn(batch_size, hq, d, generator=g).to(dtype),
+            torch.randn(batch_size, hkv, d, generator=g).to(dtype),
+            torch.randn(batch_size, hkv, d, generator=g).to(dtype),
+        )
+        for s in range(STEPS)
+    ]
     msg = open_message(batch=batch_size, hq=hq, hkv=hkv, d=d, layers=layers, dtype=dtype, prefill=prefill, **pol)
-    spec = CacheSpec(batch_size, hq, hkv, d, dtype, EvictionPolicy.create(
-        pol["policy"], window=pol.get("window", 0), capacity=pol.get("capacity", 0), sinks=pol.get("sinks", 0)))
+    spec = CacheSpec(
+        batch_size,
+        hq,
+        hkv,
+        d,
+        dtype,
+        EvictionPolicy.create(
+            pol["policy"], window=pol.get("window", 0), capacity=pol.get("capacity", 0), sinks=pol.get("sinks", 0)
+        ),
+    )
     return msg, spec, layers, prefill, steps
 
 
@@ -84,7 +100,10 @@ def test_64_streams_are_bit_identical_to_each_alone(delay_us):
     config = dataclasses.replace(BASE, batch_max_delay_us=delay_us)
     scripts = [_script(i) for i in range(STREAMS)]
     expected = [_alone(spec, layers, prefill, steps) for _, spec, layers, prefill, steps in scripts]
-    with ServerThread(config, observer=observer) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+    with (
+        ServerThread(config, observer=observer) as srv,
+        grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch,
+    ):
         sessions = [Session(ch, msg) for msg, *_ in scripts]
         # Every stream sends all its steps at once: the read-ahead queues them, the batcher
         # takes one per stream per batch.
@@ -127,15 +146,31 @@ def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):
     as one batch in which the middle one is refused (no room under policy none)."""
     engine = Engine(dataclasses.replace(BASE, workers=1))
     try:
+
         def config(**policy):
-            return engine.stream_config(backend="cpu", dtype="float32", batch_size=1, num_query_heads=4,
-                                        num_kv_heads=2, head_dim=8, num_layers=1, sink_tokens=0,
-                                        **{"policy": "strict", "window": 6, "capacity": 0, **policy})
+            return engine.stream_config(
+                backend="cpu",
+                dtype="float32",
+                batch_size=1,
+                num_query_heads=4,
+                num_kv_heads=2,
+                head_dim=8,
+                num_layers=1,
+                sink_tokens=0,
+                **{"policy": "strict", "window": 6, "capacity": 0, **policy},
+            )
+
         g = torch.Generator().manual_seed(3)
-        x = lambda: (torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g))
+        x = lambda: (
+            torch.randn(1, 4, 8, generator=g),
+            torch.randn(1, 2, 8, generator=g),
+            torch.randn(1, 2, 8, generator=g),
+        )
         blocker, a, c = (engine.open(config()) for _ in range(3))
-        full = engine.open(config(policy="none", capacity=2),
-                           prefill={0: (torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g))})
+        full = engine.open(
+            config(policy="none", capacity=2),
+            prefill={0: (torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g))},
+        )
         twins = [engine.open(config()) for _ in range(2)]
         before = full.caches[0].tokens_seen, *full.caches[0].export()
         gate = _Gate(monkeypatch)

@@ -43,14 +43,31 @@ def test_plots_from_the_records(tmp_path):
     cpu = []
     for dtype in ("float32", "bfloat16"):
         for s in (512, 2048, 8192):
-            record = {"kind": "step", "dtype": dtype, "S": s, "kv_bytes": s * 8192, "ours_s": s * 1e-8,
-                      "naive_s": s * 2e-7, "sdpa_s": s * 3e-8, "ort_s": None, "floor_s": s * 7e-9}
+            record = {
+                "kind": "step",
+                "dtype": dtype,
+                "S": s,
+                "kv_bytes": s * 8192,
+                "ours_s": s * 1e-8,
+                "naive_s": s * 2e-7,
+                "sdpa_s": s * 3e-8,
+                "ort_s": None,
+                "floor_s": s * 7e-9,
+            }
             record.update(ours_p10_s=s * 0.9e-8, ours_p90_s=s * 1.2e-8)
             cpu.append(record)
     cpu.append({"kind": "consecutive", "dtype": "float32", "steps": 64, "ours_s": 0.1, "naive_s": 1.0})
     write(tmp_path, "cpu", cpu)
-    write(tmp_path, "service", [{"server": kind, "S": 1024, "streams": c, "steps_per_s": 1000.0 * c ** 0.5}
-                                for kind in ("echo", "service") for c in (1, 4, 16)] + [{"S": 1024, "in_process_step_us_all_cores": 9.0}])
+    write(
+        tmp_path,
+        "service",
+        [
+            {"server": kind, "S": 1024, "streams": c, "steps_per_s": 1000.0 * c**0.5}
+            for kind in ("echo", "service")
+            for c in (1, 4, 16)
+        ]
+        + [{"S": 1024, "in_process_step_us_all_cores": 9.0}],
+    )
     done = bench("--plots-only", results=tmp_path)
     assert done.returncode == 0, done.stderr
     for name in ("cpu_latency.png", "service_throughput.png"):
@@ -65,5 +82,7 @@ def test_a_plot_without_its_fields_is_skipped_with_a_message(tmp_path):
     write(tmp_path, "cpu", [{"something": "else"}])
     done = bench("--plots-only", results=tmp_path)
     assert done.returncode == 0
-    assert "no latency plot" in done.stderr and "service.json is missing" in done.stderr.replace(str(tmp_path) + "/", "")
+    assert "no latency plot" in done.stderr and "service.json is missing" in done.stderr.replace(
+        str(tmp_path) + "/", ""
+    )
     assert not list(tmp_path.glob("*.png"))

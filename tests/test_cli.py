@@ -30,8 +30,9 @@ def test_step_seed_examples_from_stdin(seed_examples):
         result = json.loads(done.stdout)
         assert set(result) == {"output", "new_key_cache", "new_value_cache"}
         for key, expected in ex["output"].items():
-            torch.testing.assert_close(torch.tensor(result[key]), torch.tensor(expected, dtype=torch.float32),
-                                       atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(
+                torch.tensor(result[key]), torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=1e-6
+            )
 
 
 def test_step_json_flag_prints_short_floats(seed_examples):
@@ -40,17 +41,57 @@ def test_step_json_flag_prints_short_floats(seed_examples):
     assert json.loads(done.stdout)["output"] == [[[0.2, 0.4]]]
 
 
-@pytest.mark.parametrize("payload,word", [
-    ("{not json", "JSON"),
-    ("[1, 2]", "object"),
-    ('{"query": [[[1]]]}', "missing"),
-    (json.dumps({"query": [[[1.0]]], "new_key": [[[1.0]]], "new_value": [[[1.0]]], "key_cache": [[[[1.0]]]],
-                 "value_cache": [[[[1.0]]]], "num_query_heads": 3, "num_kv_heads": 2}), "multiple"),
-    (json.dumps({"query": [[[1.0]]], "new_key": [[[1.0, 2.0]]], "new_value": [[[1.0]]], "key_cache": [[[[1.0]]]],
-                 "value_cache": [[[[1.0]]]], "num_query_heads": 1, "num_kv_heads": 1}), "new_key"),
-    (json.dumps({"query": [[[1.0]]], "new_key": [[[1.0]]], "new_value": [[[1.0]]], "key_cache": [[[[1.0]]]],
-                 "value_cache": [[[[1.0]]]], "num_query_heads": 1, "num_kv_heads": 1, "extra": 1}), "unknown"),
-])
+@pytest.mark.parametrize(
+    "payload,word",
+    [
+        ("{not json", "JSON"),
+        ("[1, 2]", "object"),
+        ('{"query": [[[1]]]}', "missing"),
+        (
+            json.dumps(
+                {
+                    "query": [[[1.0]]],
+                    "new_key": [[[1.0]]],
+                    "new_value": [[[1.0]]],
+                    "key_cache": [[[[1.0]]]],
+                    "value_cache": [[[[1.0]]]],
+                    "num_query_heads": 3,
+                    "num_kv_heads": 2,
+                }
+            ),
+            "multiple",
+        ),
+        (
+            json.dumps(
+                {
+                    "query": [[[1.0]]],
+                    "new_key": [[[1.0, 2.0]]],
+                    "new_value": [[[1.0]]],
+                    "key_cache": [[[[1.0]]]],
+                    "value_cache": [[[[1.0]]]],
+                    "num_query_heads": 1,
+                    "num_kv_heads": 1,
+                }
+            ),
+            "new_key",
+        ),
+        (
+            json.dumps(
+                {
+                    "query": [[[1.0]]],
+                    "new_key": [[[1.0]]],
+                    "new_value": [[[1.0]]],
+                    "key_cache": [[[[1.0]]]],
+                    "value_cache": [[[[1.0]]]],
+                    "num_query_heads": 1,
+                    "num_kv_heads": 1,
+                    "extra": 1,
+                }
+            ),
+            "unknown",
+        ),
+    ],
+)
 def test_step_bad_input_exits_2_with_one_line(payload, word):
     done = gqa("step", stdin=payload)
     assert done.returncode == 2
@@ -131,9 +172,22 @@ def busy_port():
         yield s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["unknown-backend", "bad-size", "bad-int", "bad-choice", "no-subcommand",
-                                  "address-in-use", "metrics-port-in-use", "demo-no-server", "bench-no-server",
-                                  "demo-bad-heads", "bench-no-token-file"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "unknown-backend",
+        "bad-size",
+        "bad-int",
+        "bad-choice",
+        "no-subcommand",
+        "address-in-use",
+        "metrics-port-in-use",
+        "demo-no-server",
+        "bench-no-server",
+        "demo-bad-heads",
+        "bench-no-token-file",
+    ],
+)
 def test_expected_failures_are_one_line(case, busy_port, tmp_path):
     free = free_port()
     serve = ["serve", "--address", f"127.0.0.1:{free}"]
@@ -143,8 +197,11 @@ def test_expected_failures_are_one_line(case, busy_port, tmp_path):
         "bad-int": ([*serve, "--workers", "x"], 2, ["--workers", "--help"]),
         "bad-choice": (["demo", "--policy", "lru"], 2, ["--policy", "lru"]),
         "no-subcommand": ([], 2, ["required"]),
-        "address-in-use": (["serve", "--address", f"127.0.0.1:{busy_port}", "--metrics-port", "0"], 1,
-                           ["in use", "--address"]),
+        "address-in-use": (
+            ["serve", "--address", f"127.0.0.1:{busy_port}", "--metrics-port", "0"],
+            1,
+            ["in use", "--address"],
+        ),
         "metrics-port-in-use": ([*serve, "--metrics-port", str(busy_port)], 1, ["in use", "--metrics-port"]),
         "demo-no-server": (["demo", "--address", f"127.0.0.1:{free}"], 1, ["UNAVAILABLE", str(free)]),
         "bench-no-server": (["bench", "--address", f"127.0.0.1:{free}", "--duration", "1"], 1, ["UNAVAILABLE"]),
@@ -163,8 +220,9 @@ def test_sizes_take_units():
     from service.cli import build_parser
     from service.config import from_args
 
-    args = build_parser().parse_args(["serve", "--max-cache-bytes", "4Gi", "--max-message-bytes", "512Mi",
-                                      "--inline-step-bytes", "1M"])
+    args = build_parser().parse_args(
+        ["serve", "--max-cache-bytes", "4Gi", "--max-message-bytes", "512Mi", "--inline-step-bytes", "1M"]
+    )
     config = from_args(args, env={})
     assert (config.max_cache_bytes, config.max_message_bytes, config.inline_step_bytes) == (4 << 30, 512 << 20, 10**6)
     assert from_args(None, env={"GQA_MAX_CACHE_BYTES": "2Gi"}).max_cache_bytes == 2 << 30
@@ -173,8 +231,15 @@ def test_sizes_take_units():
 
 def test_step_with_explicit_shapes_sends_an_empty_cache():
     empty = {"shape": [1, 1, 0, 2], "values": []}
-    payload = {"query": [[[0, 1]]], "new_key": [[[1, 0]]], "new_value": [[[6, 0]]], "key_cache": empty,
-               "value_cache": empty, "num_query_heads": 1, "num_kv_heads": 1}
+    payload = {
+        "query": [[[0, 1]]],
+        "new_key": [[[1, 0]]],
+        "new_value": [[[6, 0]]],
+        "key_cache": empty,
+        "value_cache": empty,
+        "num_query_heads": 1,
+        "num_kv_heads": 1,
+    }
     done = gqa("step", "--json", json.dumps(payload))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -187,8 +252,23 @@ def test_step_with_explicit_shapes_sends_an_empty_cache():
 
 def test_demo_help_explains_every_flag():
     text = gqa("demo", "--help").stdout
-    for flag in ("--address", "--steps", "--layers", "--heads", "--kv-heads", "--head-dim", "--policy", "--window",
-                 "--capacity", "--sink-tokens", "--backend", "--dtype", "--seed", "--tls", "--token-file"):
+    for flag in (
+        "--address",
+        "--steps",
+        "--layers",
+        "--heads",
+        "--kv-heads",
+        "--head-dim",
+        "--policy",
+        "--window",
+        "--capacity",
+        "--sink-tokens",
+        "--backend",
+        "--dtype",
+        "--seed",
+        "--tls",
+        "--token-file",
+    ):
         assert flag in text
     assert "default 500" in text and "default 64" in text and "evict" in text
 
@@ -203,8 +283,21 @@ def server():
 
 
 def test_demo_evicts_and_shows_compute_beside_round_trip(server):
-    done = gqa("demo", "--address", server.address, "--steps", "40", "--window", "8", "--heads", "4",
-               "--kv-heads", "2", "--head-dim", "16")
+    done = gqa(
+        "demo",
+        "--address",
+        server.address,
+        "--steps",
+        "40",
+        "--window",
+        "8",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+    )
     assert done.returncode == 0, done.stderr
     assert "round trip per step" in done.stdout and "server compute per step" in done.stdout
     evicted = int(done.stdout.split(" steps evicted ")[1].split()[0])
@@ -216,8 +309,27 @@ def test_bench_writes_json_and_a_png_that_opens(server, tmp_path):
     from PIL import Image
 
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
-    done = gqa("bench", "--address", server.address, "--duration", "2", "--streams", "2", "--context", "64",
-               "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--json", str(out), "--plot", str(png))
+    done = gqa(
+        "bench",
+        "--address",
+        server.address,
+        "--duration",
+        "2",
+        "--streams",
+        "2",
+        "--context",
+        "64",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--json",
+        str(out),
+        "--plot",
+        str(png),
+    )
     assert done.returncode == 0, done.stderr
     assert "steps/s" in done.stdout and "server compute" in done.stdout
     summary = json.loads(out.read_text())
@@ -265,7 +377,19 @@ def test_demo_and_bench_send_the_token(tmp_path):
         assert denied.returncode == 1 and "UNAUTHENTICATED" in one_line(denied)
         done = gqa("demo", "--address", srv.address, "--steps", "4", "--token-file", str(tmp_path / "token"), *small)
         assert done.returncode == 0, done.stderr
-        done = gqa("bench", "--address", srv.address, "--steps", "20", "--streams", "2", "--context", "8",
-                   "--token-file", str(tmp_path / "token"), *small)
+        done = gqa(
+            "bench",
+            "--address",
+            srv.address,
+            "--steps",
+            "20",
+            "--streams",
+            "2",
+            "--context",
+            "8",
+            "--token-file",
+            str(tmp_path / "token"),
+            *small,
+        )
         assert done.returncode == 0, done.stderr
         assert "20 ok" in done.stdout

@@ -57,9 +57,14 @@ def test_server_info_health_and_decode_step(client, seed_examples):
     assert client.health("gqa.v1.AttentionService") == "SERVING"
     for ex in seed_examples:
         i = ex["input"]
-        result = client.decode_step(*(np.asarray(i[k], dtype=np.float32)
-                                      for k in ("query", "new_key", "new_value", "key_cache", "value_cache")),
-                                    num_query_heads=i["num_query_heads"], num_kv_heads=i["num_kv_heads"])
+        result = client.decode_step(
+            *(
+                np.asarray(i[k], dtype=np.float32)
+                for k in ("query", "new_key", "new_value", "key_cache", "value_cache")
+            ),
+            num_query_heads=i["num_query_heads"],
+            num_kv_heads=i["num_kv_heads"],
+        )
         assert isinstance(result.output, np.ndarray)  # a numpy query gets numpy back
         for key, expected in ex["output"].items():
             np.testing.assert_allclose(getattr(result, key), expected, atol=1e-6, rtol=1e-6)
@@ -80,8 +85,7 @@ def test_decode_step_infers_heads_and_sends_an_empty_cache(client):
 def test_stream_steps_match_the_oracle_with_torch_and_numpy(client):
     g = torch.Generator().manual_seed(2)
     keys, values = [], []
-    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="greedy", window=4,
-                     capacity=6) as stream:
+    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="greedy", window=4, capacity=6) as stream:
         assert stream.opened.capacity == 6 and stream.opened.window == 4
         for t in range(10):
             q, k, v = rnd(g, 1, HQ, D), rnd(g, 1, HKV, D), rnd(g, 1, HKV, D)
@@ -115,8 +119,9 @@ def test_refusals_are_typed_and_leave_the_stream_usable(client):
         assert stream.rollback(2, layer=0).tokens_seen == [0]
         again = stream.step(0, q, k, v)
         torch.testing.assert_close(again.output, first.output, rtol=0, atol=0)
-    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2, policy="strict",
-                     window=2) as stream:
+    with client.open(
+        num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2, policy="strict", window=2
+    ) as stream:
         for _ in range(3):
             stream.step(0, q, k, v)
         with pytest.raises(InexactRollback) as inexact:
@@ -139,8 +144,9 @@ def test_a_refused_open_and_no_server_raise_call_failed(client):
 
 def test_rollback_all_layers(client):
     g = torch.Generator().manual_seed(4)
-    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2, policy="greedy", window=2,
-                     capacity=4) as stream:
+    with client.open(
+        num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2, policy="greedy", window=2, capacity=4
+    ) as stream:
         for layer in (0, 1, 0, 1):
             stream.step(layer, rnd(g, 1, HQ, D), rnd(g, 1, HKV, D), rnd(g, 1, HKV, D))
         result = stream.rollback(1)
@@ -155,8 +161,9 @@ def test_snapshot_of_a_layer_over_4_mib_reaches_a_default_grpc_client(server, tm
     q, k, v = rnd(g, 1, hq, d), rnd(g, 1, hkv, d), rnd(g, 1, hkv, d)
     # gRPC's default receive limit (4 MiB), set through the client's options...
     with Client(server.address, options=[("grpc.max_receive_message_length", GRPC_DEFAULT_RECEIVE)]) as small:
-        with small.open(num_query_heads=hq, num_kv_heads=hkv, head_dim=d, policy="none", capacity=n + 8,
-                        prefill=prefill) as stream:
+        with small.open(
+            num_query_heads=hq, num_kv_heads=hkv, head_dim=d, policy="none", capacity=n + 8, prefill=prefill
+        ) as stream:
             snap = stream.snapshot()
             assert len(snap) > 2 and all(c.ByteSize() < GRPC_DEFAULT_RECEIVE for c in snap.chunks)
             expected = stream.step(0, q, k, v).output
@@ -178,8 +185,10 @@ def test_snapshot_of_a_layer_over_4_mib_reaches_a_default_grpc_client(server, tm
 
 
 def test_snapshot_bytes_round_trip_and_reject_garbage():
-    chunks = [gqa_pb2.SnapshotChunk(config=gqa_pb2.OpenStream(num_layers=1), tokens_seen=[300]),
-              gqa_pb2.SnapshotChunk(layer=0, offset=0, encoding="dense", last=True, checksum=7)]
+    chunks = [
+        gqa_pb2.SnapshotChunk(config=gqa_pb2.OpenStream(num_layers=1), tokens_seen=[300]),
+        gqa_pb2.SnapshotChunk(layer=0, offset=0, encoding="dense", last=True, checksum=7),
+    ]
     snap = Snapshot(chunks)
     back = Snapshot.from_bytes(snap.to_bytes())
     assert back.chunks == chunks and back.tokens_seen == [300]
@@ -201,7 +210,9 @@ def test_token_is_sent_on_every_call():
         with Client(srv.address, token="client-test-token-0123456789") as c:
             assert c.server_info().version
             with c.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="none", capacity=2) as stream:
-                assert stream.step(0, torch.ones(1, HQ, D), torch.ones(1, HKV, D), torch.ones(1, HKV, D)).tokens_seen == 1
+                assert (
+                    stream.step(0, torch.ones(1, HQ, D), torch.ones(1, HKV, D), torch.ones(1, HKV, D)).tokens_seen == 1
+                )
 
 
 def test_async_client_every_call(server):
@@ -230,8 +241,16 @@ def test_async_client_every_call(server):
 
 
 def test_open_message_helper_builds_prefill():
-    message = open_message(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="bfloat16", policy="sink",
-                           window=4, sink_tokens=2, prefill={1: (np.zeros((1, HKV, 3, D)), np.zeros((1, HKV, 3, D)))})
+    message = open_message(
+        num_query_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype="bfloat16",
+        policy="sink",
+        window=4,
+        sink_tokens=2,
+        prefill={1: (np.zeros((1, HKV, 3, D)), np.zeros((1, HKV, 3, D)))},
+    )
     assert message.dtype == gqa_pb2.DTYPE_BFLOAT16 and message.policy == gqa_pb2.EVICTION_POLICY_SINK
     assert message.prefill[0].layer == 1 and list(message.prefill[0].key.shape) == [1, HKV, 3, D]
     assert message.prefill[0].key.dtype == gqa_pb2.DTYPE_BFLOAT16
@@ -245,19 +264,38 @@ def test_mutual_tls_with_certificates_as_bytes_or_paths(tmp_path):
     server_key, server_cert = _leaf("localhost", ca_key, ca, server=True)
     client_key, client_cert = _leaf("gqa-client", ca_key, ca)
     paths = {}
-    for name, pem in (("ca", _pem(ca)), ("server_cert", _pem(server_cert)), ("server_key", _pem_key(server_key)),
-                      ("client_cert", _pem(client_cert)), ("client_key", _pem_key(client_key))):
+    for name, pem in (
+        ("ca", _pem(ca)),
+        ("server_cert", _pem(server_cert)),
+        ("server_key", _pem_key(server_key)),
+        ("client_cert", _pem(client_cert)),
+        ("client_key", _pem_key(client_key)),
+    ):
         paths[name] = tmp_path / f"{name}.pem"
         paths[name].write_bytes(pem)
-    config = dataclasses.replace(BASE, tls_cert_file=str(paths["server_cert"]), tls_key_file=str(paths["server_key"]),
-                                 tls_client_ca_file=str(paths["ca"]))
+    config = dataclasses.replace(
+        BASE,
+        tls_cert_file=str(paths["server_cert"]),
+        tls_key_file=str(paths["server_key"]),
+        tls_client_ca_file=str(paths["ca"]),
+    )
     with ServerThread(config) as srv:
-        with Client(srv.address, root_certificates=_pem(ca), certificate_chain=_pem(client_cert),
-                    private_key=_pem_key(client_key)) as c:
+        with Client(
+            srv.address,
+            root_certificates=_pem(ca),
+            certificate_chain=_pem(client_cert),
+            private_key=_pem_key(client_key),
+        ) as c:
             with c.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="none", capacity=2) as stream:
-                assert stream.step(0, torch.ones(1, HQ, D), torch.ones(1, HKV, D), torch.ones(1, HKV, D)).tokens_seen == 1
-        with Client(srv.address, root_certificates=paths["ca"], certificate_chain=paths["client_cert"],
-                    private_key=paths["client_key"]) as c:
+                assert (
+                    stream.step(0, torch.ones(1, HQ, D), torch.ones(1, HKV, D), torch.ones(1, HKV, D)).tokens_seen == 1
+                )
+        with Client(
+            srv.address,
+            root_certificates=paths["ca"],
+            certificate_chain=paths["client_cert"],
+            private_key=paths["client_key"],
+        ) as c:
             assert c.server_info().version
         with Client(srv.address, root_certificates=paths["ca"], timeout=10) as no_client_cert:
             with pytest.raises(CallFailed) as refused:

@@ -33,7 +33,9 @@ KERNELS = ["native-portable", "native-avx512", "torch"]
 def _kernel_param(kernel: str):
     ok, why = native.available()
     usable = not kernel.startswith("native-") or (ok and kernel.partition("-")[2] in native.load().isas(D))
-    return pytest.param(kernel, marks=pytest.mark.skipif(not usable, reason=f"{kernel} does not run here {why}".strip()))
+    return pytest.param(
+        kernel, marks=pytest.mark.skipif(not usable, reason=f"{kernel} does not run here {why}".strip())
+    )
 
 
 def make_cache(policy: EvictionPolicy, dtype=torch.float32, kernel="auto"):
@@ -111,7 +113,11 @@ def test_greedy_attends_like_strict():
     greedy = make_cache(EvictionPolicy.greedy(7, 12))
     g = torch.Generator().manual_seed(3)
     for _ in range(60):
-        q, k, v = torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g), torch.randn(B, HKV, D, generator=g)
+        q, k, v = (
+            torch.randn(B, HQ, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+        )
         a, b = strict.step(q, k, v), greedy.step(q, k, v)
         torch.testing.assert_close(a.output, b.output, atol=1e-6, rtol=1e-5)
         assert b.resident >= a.resident
@@ -140,10 +146,25 @@ def test_none_full_raises_typed_error_and_keeps_cache():
 BAD_STEPS = [
     ("query-heads", lambda: (torch.zeros(B, HQ + 1, D), torch.zeros(B, HKV, D), torch.zeros(B, HKV, D)), ValueError),
     ("batch", lambda: (torch.zeros(B + 1, HQ, D), torch.zeros(B + 1, HKV, D), torch.zeros(B + 1, HKV, D)), ValueError),
-    ("head-dim", lambda: (torch.zeros(B, HQ, D + 1), torch.zeros(B, HKV, D + 1), torch.zeros(B, HKV, D + 1)), ValueError),
-    ("dtype", lambda: (torch.zeros(B, HQ, D, dtype=torch.float16), torch.zeros(B, HKV, D, dtype=torch.float16),
-                       torch.zeros(B, HKV, D, dtype=torch.float16)), TypeError),
-    ("mixed", lambda: (torch.zeros(B, HQ, D), torch.zeros(B, HKV, D, dtype=torch.float64), torch.zeros(B, HKV, D)), TypeError),
+    (
+        "head-dim",
+        lambda: (torch.zeros(B, HQ, D + 1), torch.zeros(B, HKV, D + 1), torch.zeros(B, HKV, D + 1)),
+        ValueError,
+    ),
+    (
+        "dtype",
+        lambda: (
+            torch.zeros(B, HQ, D, dtype=torch.float16),
+            torch.zeros(B, HKV, D, dtype=torch.float16),
+            torch.zeros(B, HKV, D, dtype=torch.float16),
+        ),
+        TypeError,
+    ),
+    (
+        "mixed",
+        lambda: (torch.zeros(B, HQ, D), torch.zeros(B, HKV, D, dtype=torch.float64), torch.zeros(B, HKV, D)),
+        TypeError,
+    ),
     ("rank", lambda: (torch.zeros(B, HQ, D, 1), torch.zeros(B, HKV, D), torch.zeros(B, HKV, D)), ValueError),
 ]
 
@@ -162,8 +183,17 @@ def test_rejected_step_leaves_cache_unchanged(name, make, exc):
     assert cache.tokens_seen == 41
 
 
-@pytest.mark.parametrize("policy", [*POLICIES.values(), EvictionPolicy.strict(1), EvictionPolicy.greedy(1, 1),
-                                    EvictionPolicy.greedy(3, 3), EvictionPolicy.sink(1, 0)], ids=repr)
+@pytest.mark.parametrize(
+    "policy",
+    [
+        *POLICIES.values(),
+        EvictionPolicy.strict(1),
+        EvictionPolicy.greedy(1, 1),
+        EvictionPolicy.greedy(3, 3),
+        EvictionPolicy.sink(1, 0),
+    ],
+    ids=repr,
+)
 def test_step_plan_arithmetic_matches_the_policy_ranges(policy):
     """The per-step arithmetic's shortcuts (policies none and strict) agree with the ranges."""
     cache = make_cache(policy, kernel="torch")
@@ -172,7 +202,10 @@ def test_step_plan_arithmetic_matches_the_policy_ranges(policy):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("kernel", [pytest.param("native", marks=pytest.mark.skipif(not native.available()[0], reason="no native kernel")), "torch"])
+@pytest.mark.parametrize(
+    "kernel",
+    [pytest.param("native", marks=pytest.mark.skipif(not native.available()[0], reason="no native kernel")), "torch"],
+)
 def test_failure_after_the_write_restores_the_row(monkeypatch, kernel, dtype):
     cache = make_cache(POLICIES["strict"], dtype, kernel)
     for _ in range(30):  # wrapped: the next write overwrites a live row
@@ -184,6 +217,7 @@ def test_failure_after_the_write_restores_the_row(monkeypatch, kernel, dtype):
         monkeypatch.setattr(cache, "_fail_after_write", True)
         match = "native step failed"
     else:
+
         def boom(*a, **k):
             raise RuntimeError("injected")
 

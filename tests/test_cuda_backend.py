@@ -138,6 +138,7 @@ def test_cache_nbytes_is_dense_keys_plus_values():
 
 # -- running a cache step by step against the oracle ---------------------------------------
 
+
 def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
     """Drives ``cache`` through ``prefill`` + ``steps`` tokens; checks each output and the
     final export against the oracle. Returns the largest output error seen."""
@@ -149,7 +150,10 @@ def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
 
     hist_k, hist_v = [], []  # per position, (B, Hkv, D) in the cache dtype, on the CPU
     if prefill:
-        pk, pv = rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim), rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim)
+        pk, pv = (
+            rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim),
+            rand(s.batch_size, s.num_kv_heads, prefill, s.head_dim),
+        )
         cache.prefill(pk.to(s.device), pv.to(s.device))
         hist_k += list(pk.unbind(2))
         hist_v += list(pv.unbind(2))
@@ -172,8 +176,9 @@ def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
         got = out.output.cpu().double()
         assert out.output.dtype == s.dtype and out.bytes_moved == 0
         assert out.attended == len(pos)
-        torch.testing.assert_close(got, torch.from_numpy(ref), atol=atol, rtol=rtol,
-                                   msg=lambda m: f"{kind} step {i} (T={t}): {m}")
+        torch.testing.assert_close(
+            got, torch.from_numpy(ref), atol=atol, rtol=rtol, msg=lambda m: f"{kind} step {i} (T={t}): {m}"
+        )
         worst = max(worst, float(np.abs(got.numpy() - ref).max()))
     ek, ev = cache.export()
     resident = resident_positions(kind, len(hist_k), **kw)
@@ -279,13 +284,14 @@ def test_gpu_rejected_step_leaves_the_cache_unchanged():
         cache.step(*(torch.randn(*s, device="cuda", dtype=torch.float16) for s in ((1, 8, 64), (1, 2, 64), (1, 2, 64))))
     before = cache.export()
     with pytest.raises(ValueError):
-        cache.step(torch.randn(1, 8, 64, device="cuda", dtype=torch.float16),
-                   torch.randn(1, 3, 64, device="cuda", dtype=torch.float16),
-                   torch.randn(1, 3, 64, device="cuda", dtype=torch.float16))
+        cache.step(
+            torch.randn(1, 8, 64, device="cuda", dtype=torch.float16),
+            torch.randn(1, 3, 64, device="cuda", dtype=torch.float16),
+            torch.randn(1, 3, 64, device="cuda", dtype=torch.float16),
+        )
     after = cache.export()
     assert cache.tokens_seen == 7
     assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1])
-
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed (the 'triton' extra)")
@@ -293,8 +299,13 @@ def test_gpu_bench_script_runs_on_cpu_under_the_interpreter(tmp_path):
     """The GPU run is rare and short: its benchmark script must not fail on a typo. Tiny shapes on
     CPU tensors under TRITON_INTERPRET=1 go through every line of it (timings meaningless)."""
     env = dict(os.environ, TRITON_INTERPRET="1", GQA_BENCH_DIR=str(tmp_path))
-    proc = subprocess.run([sys.executable, "-m", "tests.bench.gpu_bench", "--cpu-smoke"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bench.gpu_bench", "--cpu-smoke"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode in (0, 1), proc.stdout + proc.stderr
     assert re.search(r"^targets: \d+ passed, \d+ failed$", proc.stdout, re.M), proc.stdout
     records = json.loads((tmp_path / "gpu.json").read_text())["records"]
@@ -346,7 +357,7 @@ def test_gpu_step_many_is_bit_identical_to_alone_and_matches_oracle(dtype):
     alone = [c for i, h in enumerate(shapes) for c in _gpu_caches(32, dtype, h, seed=i)]
     together = [c for i, h in enumerate(shapes) for c in _gpu_caches(32, dtype, h, seed=i)]
     expected = []
-    for cache, (kind, kw), step in alone:
+    for cache, _policy, step in alone:
         before_k, before_v = cache.export()
         expected.append((cache.step(*step).output, before_k, before_v))
     outcomes = step_many([BatchStep(c, *step) for c, _, step in together])
@@ -363,8 +374,13 @@ def test_gpu_step_many_is_bit_identical_to_alone_and_matches_oracle(dtype):
         kk = torch.stack([hist_k[p] for p in pos], 2).double().cpu().numpy()
         vv = torch.stack([hist_v[p] for p in pos], 2).double().cpu().numpy()
         ref = attention_ref(q.double().cpu().numpy(), kk, vv, q.shape[1], k.shape[1])
-        torch.testing.assert_close(outcome.output.double().cpu(), torch.from_numpy(ref), atol=atol, rtol=rtol,
-                                   msg=lambda m: f"cache {j} ({kind}, T={t}): {m}")
+        torch.testing.assert_close(
+            outcome.output.double().cpu(),
+            torch.from_numpy(ref),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m: f"cache {j} ({kind}, T={t}): {m}",
+        )
 
 
 @pytest.mark.gpu

@@ -66,9 +66,11 @@ def _typescript_source(dashboard: dict) -> str:
     )
     annotations = dashboard.get("annotations", {}).get("list", [])
     bare = {**dashboard, "annotations": {"list": []}}
-    lines = [PRELUDE.replace("{imports}", imports),
-             f"export const dashboard: Lit<Dashboard> = {json.dumps(bare, indent=1)};",
-             f"export const annotations: Lit<PromAnnotation>[] = {json.dumps(annotations, indent=1)};"]
+    lines = [
+        PRELUDE.replace("{imports}", imports),
+        f"export const dashboard: Lit<Dashboard> = {json.dumps(bare, indent=1)};",
+        f"export const annotations: Lit<PromAnnotation>[] = {json.dumps(annotations, indent=1)};",
+    ]
     for i, panel in enumerate(dashboard["panels"]):
         name, has_custom = PLUGINS[panel["type"]]
         lines.append(f"export const options{i}: Lit<{name}Options> = {json.dumps(panel.get('options', {}))};")
@@ -83,13 +85,30 @@ def _check(folder: pathlib.Path, dashboards: dict[str, dict]) -> dict[str, list[
     (folder / "node_modules").symlink_to(SCHEMA_MODULES, target_is_directory=True)
     for name, dashboard in dashboards.items():
         (folder / f"{name}.ts").write_text(_typescript_source(dashboard))
-    (folder / "tsconfig.json").write_text(json.dumps({
-        "compilerOptions": {"strict": True, "noEmit": True, "target": "es2022", "module": "esnext",
-                            "moduleResolution": "bundler", "skipLibCheck": True, "types": []},
-        "files": [f"{name}.ts" for name in dashboards],
-    }))
-    done = subprocess.run([_tsc(), "-p", str(folder / "tsconfig.json")], cwd=folder, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "NODE_OPTIONS": "--max-old-space-size=1024"})
+    (folder / "tsconfig.json").write_text(
+        json.dumps(
+            {
+                "compilerOptions": {
+                    "strict": True,
+                    "noEmit": True,
+                    "target": "es2022",
+                    "module": "esnext",
+                    "moduleResolution": "bundler",
+                    "skipLibCheck": True,
+                    "types": [],
+                },
+                "files": [f"{name}.ts" for name in dashboards],
+            }
+        )
+    )
+    done = subprocess.run(
+        [_tsc(), "-p", str(folder / "tsconfig.json")],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "NODE_OPTIONS": "--max-old-space-size=1024"},
+    )
     errors: dict[str, list[str]] = {name: [] for name in dashboards}
     for line in (done.stdout + done.stderr).splitlines():
         name = line.split(".ts(", 1)[0]
@@ -98,8 +117,9 @@ def _check(folder: pathlib.Path, dashboards: dict[str, dict]) -> dict[str, list[
     return errors
 
 
-needs_tsc = pytest.mark.skipif(_tsc() is None, reason="tsc and @grafana/schema not installed "
-                               "(tests/tools/install_grafana_schema.sh; `make tools`)")
+needs_tsc = pytest.mark.skipif(
+    _tsc() is None, reason="tsc and @grafana/schema not installed (tests/tools/install_grafana_schema.sh; `make tools`)"
+)
 
 
 def _load() -> dict:
@@ -112,12 +132,25 @@ def test_dashboard_panels_have_what_the_readme_promises():
     ids = [p["id"] for p in d["panels"]]
     assert len(ids) == len(set(ids))
     titles = {p["title"] for p in d["panels"]}
-    for title in ("Step latency percentiles by backend", "Throughput: steps per second by backend and outcome",
-                  "Active streams by backend and policy", "Cache use against budget", "Evictions by policy",
-                  "Cache bytes moved and written by policy", "Error ratio", "Step error ratio",
-                  "p99 queue wait by pod", "Worker utilisation by pod", "Steps waiting and in flight by pod",
-                  "Batch size", "CUDA memory by pod", "Process CPU by pod", "Process memory (RSS) by pod",
-                  "Steps per second by pod", "Pods up"):
+    for title in (
+        "Step latency percentiles by backend",
+        "Throughput: steps per second by backend and outcome",
+        "Active streams by backend and policy",
+        "Cache use against budget",
+        "Evictions by policy",
+        "Cache bytes moved and written by policy",
+        "Error ratio",
+        "Step error ratio",
+        "p99 queue wait by pod",
+        "Worker utilisation by pod",
+        "Steps waiting and in flight by pod",
+        "Batch size",
+        "CUDA memory by pod",
+        "Process CPU by pod",
+        "Process memory (RSS) by pod",
+        "Steps per second by pod",
+        "Pods up",
+    ):
         assert title in titles
     for panel in d["panels"]:
         assert panel["type"] in PLUGINS, panel["type"]
@@ -152,8 +185,13 @@ def test_dashboard_type_checks_against_grafana_schema(tsc_errors):
 @needs_tsc
 def test_the_type_check_rejects_a_wrong_dashboard(tsc_errors):
     out = "\n".join(tsc_errors["broken"])
-    for needle in ("Type '7'", "'\"lineWdith\"' does not exist", "Type '\"loud\"'",
-                   "Type 'string' is not assignable to type 'string[]'", "'\"titleFromat\"' does not exist"):
+    for needle in (
+        "Type '7'",
+        "'\"lineWdith\"' does not exist",
+        "Type '\"loud\"'",
+        "Type 'string' is not assignable to type 'string[]'",
+        "'\"titleFromat\"' does not exist",
+    ):
         assert needle in out, (needle, out)
 
 

@@ -98,8 +98,11 @@ def test_cpu_image_carries_the_prebuilt_int8_kernel():
 
 
 def test_dockerignore_keeps_the_context_small():
-    lines = [line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
-             if line.strip() and not line.startswith("#")]
+    lines = [
+        line.strip()
+        for line in (ROOT / ".dockerignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert lines[0] == "*"
     copied = set(re.findall(r"^COPY\s+(?!--from)(.+?)\s+\S+$", DOCKERFILE.read_text(), re.MULTILINE))
     for sources in copied:

@@ -55,8 +55,15 @@ def test_100_random_cancellations_free_every_byte():
         assert sum(faults.values()) == 100
         assert wait_until(lambda: _zero(srv), timeout=20), (srv.engine.active_streams, srv.engine.bytes_reserved)
         assert m.value("gqa_cache_reserved_bytes") == 0 and m.value("gqa_cache_in_use_bytes") == 0
-        assert sum(s.value for metric in m.registry.collect() if metric.name == "gqa_active_streams"
-                   for s in metric.samples) == 0
+        assert (
+            sum(
+                s.value
+                for metric in m.registry.collect()
+                if metric.name == "gqa_active_streams"
+                for s in metric.samples
+            )
+            == 0
+        )
         # Still serving.
         session = Session(ch, open_message())
         assert session.step(0, *_x(g)).step.status.code == 0
@@ -134,6 +141,7 @@ def test_backend_failure_mid_step_is_internal_and_changes_nothing(monkeypatch):
 
 def test_unknown_exceptions_become_a_fixed_internal_status(monkeypatch):
     with ServerThread(BASE) as srv, grpc.insecure_channel(srv.address) as ch:
+
         def boom():
             raise RuntimeError(f"{ROOT}/service/engine.py: secret state")
 
@@ -166,8 +174,9 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
 
     monkeypatch.setattr(batch, "step_many", slow_step)
     monkeypatch.setattr(Stream, "touch", counting_touch)
-    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_queued_steps=2,
-                          inline_step_bytes=0)  # steps on a worker, so the loop stays free to read
+    config = ServerConfig(
+        address="127.0.0.1:0", metrics_port=0, max_queued_steps=2, inline_step_bytes=0
+    )  # steps on a worker, so the loop stays free to read
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as channel:
         session = Session(channel, open_message())
         for rid in range(1, 11):

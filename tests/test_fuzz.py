@@ -26,17 +26,28 @@ from service.config import MiB, ServerConfig
 from service.server import ServerThread
 from tests.client import Session, open_message, step_request, wait_until
 
-CONFIG = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, max_capacity=4096,
-                      max_layers=8, max_heads=16, max_head_dim=64, max_batch_size=4, max_cache_bytes=64 * MiB,
-                      max_message_bytes=1 * MiB)
+CONFIG = ServerConfig(
+    address="127.0.0.1:0",
+    metrics_port=0,
+    idle_timeout_s=3600.0,
+    max_capacity=4096,
+    max_layers=8,
+    max_heads=16,
+    max_head_dim=64,
+    max_batch_size=4,
+    max_cache_bytes=64 * MiB,
+    max_message_bytes=1 * MiB,
+)
 B, HQ, HKV, D, LAYERS = 1, 4, 2, 8, 2
 SHAPES = {"query": [B, HQ, D], "new_key": [B, HKV, D], "new_value": [B, HKV, D]}
-SETTINGS = settings(max_examples=120, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=list(HealthCheck))
+SETTINGS = settings(
+    max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck)
+)
 UNSAFE = ("Traceback", "<class", ".py", "site-packages", "Error parsing", "Unexpected")
 INT64 = st.integers(-(1 << 63), (1 << 63) - 1)
-UINT32 = st.one_of(st.integers(0, 40), st.sampled_from([(1 << 31) - 1, 1 << 31, (1 << 32) - 1]),
-                   st.integers(0, (1 << 32) - 1))
+UINT32 = st.one_of(
+    st.integers(0, 40), st.sampled_from([(1 << 31) - 1, 1 << 31, (1 << 32) - 1]), st.integers(0, (1 << 32) - 1)
+)
 
 
 TRIED: dict[str, int] = {}
@@ -56,8 +67,9 @@ def _state(server, stream_id):
 
 
 def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2])
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        x[0] == y[0] and torch.equal(x[1], y[1]) and torch.equal(x[2], y[2]) for x, y in zip(a, b)
+    )
 
 
 def _good(g):
@@ -135,11 +147,13 @@ def bad_steps(draw):
     kind = draw(st.sampled_from(["dtype", "shape", "data", "missing", "layer", "half"]))
     name = draw(st.sampled_from(list(SHAPES)))
     if kind == "dtype":  # unknown enum values, UNSPECIFIED, INT8 (snapshots only)
-        fields[name].dtype = draw(st.integers(-(1 << 31), (1 << 31) - 1).filter(
-            lambda v: v not in (gqa_pb2.DTYPE_FLOAT32, gqa_pb2.DTYPE_FLOAT16, gqa_pb2.DTYPE_BFLOAT16)))
+        fields[name].dtype = draw(
+            st.integers(-(1 << 31), (1 << 31) - 1).filter(
+                lambda v: v not in (gqa_pb2.DTYPE_FLOAT32, gqa_pb2.DTYPE_FLOAT16, gqa_pb2.DTYPE_BFLOAT16)
+            )
+        )
     elif kind == "shape":  # wrong rank, negative, huge, zero or merely different dimensions
-        shape = draw(st.lists(st.one_of(INT64, st.integers(-2, 10)), max_size=6).filter(
-            lambda s: s != SHAPES[name]))
+        shape = draw(st.lists(st.one_of(INT64, st.integers(-2, 10)), max_size=6).filter(lambda s: s != SHAPES[name]))
         fits = len(shape) <= 4 and all(0 <= d <= 16 for d in shape) and eval("*".join(map(str, shape)) or "1") <= 1024
         data = None if fits else draw(st.binary(max_size=64))
         fields[name] = _tensor(shape=shape, data=data, name=name)
@@ -152,8 +166,11 @@ def bad_steps(draw):
         layer = draw(st.one_of(st.integers(LAYERS, 64), st.integers(LAYERS, (1 << 32) - 1)))
     else:  # a valid dtype, but not the stream's
         n = len(fields[name].data) // 4
-        fields[name] = gqa_pb2.Tensor(dtype=draw(st.sampled_from([gqa_pb2.DTYPE_FLOAT16, gqa_pb2.DTYPE_BFLOAT16])),
-                                      shape=SHAPES[name], data=b"\0" * (2 * n))
+        fields[name] = gqa_pb2.Tensor(
+            dtype=draw(st.sampled_from([gqa_pb2.DTYPE_FLOAT16, gqa_pb2.DTYPE_BFLOAT16])),
+            shape=SHAPES[name],
+            data=b"\0" * (2 * n),
+        )
     return kind, gqa_pb2.Step(layer=layer, **fields)
 
 
@@ -180,8 +197,11 @@ def bad_rollbacks(draw):
     """Rollbacks that cannot be exact, or name a layer that does not exist."""
     if draw(st.booleans()):
         return gqa_pb2.Rollback(count=draw(UINT32), layer=draw(st.integers(LAYERS, (1 << 32) - 1)))
-    return gqa_pb2.Rollback(count=draw(st.integers(3, (1 << 32) - 1)), layer=draw(st.integers(0, LAYERS - 1)),
-                            all_layers=draw(st.booleans()))
+    return gqa_pb2.Rollback(
+        count=draw(st.integers(3, (1 << 32) - 1)),
+        layer=draw(st.integers(0, LAYERS - 1)),
+        all_layers=draw(st.booleans()),
+    )
 
 
 def test_bad_rollbacks_are_refused_in_band_and_change_nothing(streams):
@@ -193,8 +213,10 @@ def test_bad_rollbacks_are_refused_in_band_and_change_nothing(streams):
         _count("rollback")
         streams.victim.send(gqa_pb2.DecodeRequest(request_id=8, rollback=rollback))
         reply = streams.victim.recv()
-        assert reply.rollback.status.code in (grpc.StatusCode.INVALID_ARGUMENT.value[0],
-                                              grpc.StatusCode.FAILED_PRECONDITION.value[0]), rollback
+        assert reply.rollback.status.code in (
+            grpc.StatusCode.INVALID_ARGUMENT.value[0],
+            grpc.StatusCode.FAILED_PRECONDITION.value[0],
+        ), rollback
         _assert_safe(reply.rollback.status.message)
         assert _same(streams.snapshot()[0], before[0]) and _same(streams.snapshot()[1], before[1])
 
@@ -237,12 +259,21 @@ def opens(draw):
     msg = gqa_pb2.OpenStream(
         backend=draw(st.sampled_from(["", "cpu", "int8", "cuda", "tpu", "../../etc/passwd", "\x00"])),
         dtype=draw(st.integers(-3, 10)),
-        batch_size=draw(UINT32), num_query_heads=draw(UINT32), num_kv_heads=draw(UINT32), head_dim=draw(UINT32),
-        num_layers=draw(UINT32), policy=draw(st.integers(-3, 10)), window=draw(UINT32), capacity=draw(UINT32),
-        sink_tokens=draw(UINT32))
+        batch_size=draw(UINT32),
+        num_query_heads=draw(UINT32),
+        num_kv_heads=draw(UINT32),
+        head_dim=draw(UINT32),
+        num_layers=draw(UINT32),
+        policy=draw(st.integers(-3, 10)),
+        window=draw(UINT32),
+        capacity=draw(UINT32),
+        sink_tokens=draw(UINT32),
+    )
     if draw(st.booleans()):
         entry = msg.prefill.add(layer=draw(UINT32))
-        entry.key.CopyFrom(_tensor(shape=draw(st.lists(st.integers(-1, 4), max_size=5)), data=draw(st.binary(max_size=64))))
+        entry.key.CopyFrom(
+            _tensor(shape=draw(st.lists(st.integers(-1, 4), max_size=5)), data=draw(st.binary(max_size=64)))
+        )
         entry.value.CopyFrom(entry.key)
     return msg
 
@@ -277,8 +308,14 @@ def test_protocol_sequences(server, channel, streams):
     step = step_request(1, 0, *(_good(torch.Generator().manual_seed(1))))
     opening = gqa_pb2.DecodeRequest(open=open_message(batch=B, hq=HQ, hkv=HKV, d=D))
     before = streams.snapshot()
-    for sequence in ([step], [step, opening], [gqa_pb2.DecodeRequest()], [opening, opening],
-                     [opening, gqa_pb2.DecodeRequest()], [opening, gqa_pb2.DecodeRequest(restore=gqa_pb2.SnapshotChunk())]):
+    for sequence in (
+        [step],
+        [step, opening],
+        [gqa_pb2.DecodeRequest()],
+        [opening, opening],
+        [opening, gqa_pb2.DecodeRequest()],
+        [opening, gqa_pb2.DecodeRequest(restore=gqa_pb2.SnapshotChunk())],
+    ):
         with pytest.raises(grpc.RpcError) as info:
             list(stub.Decode(iter(sequence), timeout=30))
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -300,8 +337,11 @@ def _truncations():
     return st.integers(1, len(valid) - 1).map(lambda n: valid[:n])
 
 
-GARBAGE = st.one_of(st.binary(min_size=1, max_size=200), _truncations(),
-                    st.binary(min_size=1, max_size=8).map(lambda b: b"\x1a" + struct.pack("<B", 0x7f) + b))
+GARBAGE = st.one_of(
+    st.binary(min_size=1, max_size=200),
+    _truncations(),
+    st.binary(min_size=1, max_size=8).map(lambda b: b"\x1a" + struct.pack("<B", 0x7F) + b),
+)
 
 
 def test_garbage_bytes_get_invalid_argument(server, channel, streams):
@@ -332,19 +372,31 @@ def test_garbage_bytes_get_invalid_argument(server, channel, streams):
 @st.composite
 def stateless(draw):
     def tensor(rank):
-        shape = draw(st.one_of(st.lists(st.integers(0, 5), min_size=rank, max_size=rank),
-                               st.lists(st.one_of(INT64, st.integers(-1, 5)), max_size=6)))
+        shape = draw(
+            st.one_of(
+                st.lists(st.integers(0, 5), min_size=rank, max_size=rank),
+                st.lists(st.one_of(INT64, st.integers(-1, 5)), max_size=6),
+            )
+        )
         data = draw(st.one_of(st.just(None), st.binary(max_size=256)))
         if data is None and all(0 <= d <= 5 for d in shape):
             n = 1
             for d in shape:
                 n *= d
-            return gqa_pb2.Tensor(dtype=draw(st.integers(-1, 6)), shape=shape,
-                                  data=draw(st.binary(min_size=4 * n, max_size=4 * n)))
+            return gqa_pb2.Tensor(
+                dtype=draw(st.integers(-1, 6)), shape=shape, data=draw(st.binary(min_size=4 * n, max_size=4 * n))
+            )
         return gqa_pb2.Tensor(dtype=draw(st.integers(-1, 6)), shape=shape, data=data or b"")
 
-    return gqa_pb2.DecodeStepRequest(query=tensor(3), new_key=tensor(3), new_value=tensor(3), key_cache=tensor(4),
-                                     value_cache=tensor(4), num_query_heads=draw(UINT32), num_kv_heads=draw(UINT32))
+    return gqa_pb2.DecodeStepRequest(
+        query=tensor(3),
+        new_key=tensor(3),
+        new_value=tensor(3),
+        key_cache=tensor(4),
+        value_cache=tensor(4),
+        num_query_heads=draw(UINT32),
+        num_kv_heads=draw(UINT32),
+    )
 
 
 def test_generated_stateless_requests(channel):

@@ -34,9 +34,11 @@ def _which(name: str) -> str | None:
 GRPCURL = _which("grpcurl")
 BUF = _which("buf")
 needs_grpcurl = pytest.mark.skipif(
-    GRPCURL is None, reason="grpcurl not found: run `bash tests/tools/install_client_tools.sh` (linux x86-64)")
+    GRPCURL is None, reason="grpcurl not found: run `bash tests/tools/install_client_tools.sh` (linux x86-64)"
+)
 needs_buf = pytest.mark.skipif(
-    BUF is None, reason="buf not found: run `bash tests/tools/install_client_tools.sh` (needs npm)")
+    BUF is None, reason="buf not found: run `bash tests/tools/install_client_tools.sh` (needs npm)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,15 +68,17 @@ def decode_f32(tensor: dict) -> np.ndarray:
 
 def request_json(example: dict) -> str:
     inp = example["input"]
-    return json.dumps({
-        "query": f32_tensor(inp["query"]),
-        "new_key": f32_tensor(inp["new_key"]),
-        "new_value": f32_tensor(inp["new_value"]),
-        "key_cache": f32_tensor(inp["key_cache"]),
-        "value_cache": f32_tensor(inp["value_cache"]),
-        "num_query_heads": inp["num_query_heads"],
-        "num_kv_heads": inp["num_kv_heads"],
-    })
+    return json.dumps(
+        {
+            "query": f32_tensor(inp["query"]),
+            "new_key": f32_tensor(inp["new_key"]),
+            "new_value": f32_tensor(inp["new_value"]),
+            "key_cache": f32_tensor(inp["key_cache"]),
+            "value_cache": f32_tensor(inp["value_cache"]),
+            "num_query_heads": inp["num_query_heads"],
+            "num_kv_heads": inp["num_kv_heads"],
+        }
+    )
 
 
 def bad_request_json(example: dict) -> str:
@@ -86,8 +90,9 @@ def bad_request_json(example: dict) -> str:
 def assert_reproduces(example: dict, response: dict) -> None:
     for name in ("output", "new_key_cache", "new_value_cache"):
         key = name if name in response else "".join(w.capitalize() if i else w for i, w in enumerate(name.split("_")))
-        np.testing.assert_allclose(decode_f32(response[key]), example["output"][name], atol=1e-5, rtol=1e-5,
-                                   err_msg=name)
+        np.testing.assert_allclose(
+            decode_f32(response[key]), example["output"][name], atol=1e-5, rtol=1e-5, err_msg=name
+        )
 
 
 # Generous: the server's first GetServerInfo loads every backend's libraries (seconds).
@@ -138,8 +143,7 @@ def test_grpcurl_decode_step_reproduces_a_seed_example(server, example):
 
 @needs_grpcurl
 def test_grpcurl_bad_request_gets_invalid_argument(server, example):
-    done = grpcurl(server, f"{SERVICE}/DecodeStep", flags=("-format-error", "-d", "@"),
-                   stdin=bad_request_json(example))
+    done = grpcurl(server, f"{SERVICE}/DecodeStep", flags=("-format-error", "-d", "@"), stdin=bad_request_json(example))
     assert done.returncode == 64 + 3, (done.returncode, done.stdout, done.stderr)  # grpcurl exits 64 + code
     error = json.loads(done.stderr)
     assert error["code"] == 3
@@ -162,8 +166,20 @@ def test_grpcurl_get_server_info(server):
 
 
 def buf_curl(server, *args: str, path: str = "", stdin: str | None = None) -> subprocess.CompletedProcess:
-    return run(BUF, "curl", "--protocol", "grpc", "--http2-prior-knowledge", "--connect-timeout", "10", "--timeout", f"{TIMEOUT_S}s",
-               *args, f"http://{server.address}{path}", stdin=stdin)
+    return run(
+        BUF,
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        "--connect-timeout",
+        "10",
+        "--timeout",
+        f"{TIMEOUT_S}s",
+        *args,
+        f"http://{server.address}{path}",
+        stdin=stdin,
+    )
 
 
 @needs_buf

@@ -31,15 +31,19 @@ MONITORING_API = "monitoring.coreos.com/v1"
 
 
 def _which(name: str) -> str | None:
-    return (shutil.which(name)
-            or shutil.which(name, path=str(ROOT / ".tools" / "bin"))
-            or shutil.which(name, path=str(pathlib.Path(sys.executable).parent)))
+    return (
+        shutil.which(name)
+        or shutil.which(name, path=str(ROOT / ".tools" / "bin"))
+        or shutil.which(name, path=str(pathlib.Path(sys.executable).parent))
+    )
 
 
 HELM = _which("helm")
 KUBE_VALIDATE = _which("kubernetes-validate")
 needs_helm = pytest.mark.skipif(HELM is None, reason="helm not installed (run `make tools`)")
-needs_validate = pytest.mark.skipif(KUBE_VALIDATE is None, reason="kubernetes-validate not installed (run `make tools`)")
+needs_validate = pytest.mark.skipif(
+    KUBE_VALIDATE is None, reason="kubernetes-validate not installed (run `make tools`)"
+)
 
 
 @pytest.fixture(scope="session")
@@ -59,8 +63,20 @@ def helm(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def template(env, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return helm(env, "template", "gqa", str(CHART), "--namespace", "ml", "--kube-version", KUBE_VERSION,
-                "--api-versions", MONITORING_API, *args, check=check)
+    return helm(
+        env,
+        "template",
+        "gqa",
+        str(CHART),
+        "--namespace",
+        "ml",
+        "--kube-version",
+        KUBE_VERSION,
+        "--api-versions",
+        MONITORING_API,
+        *args,
+        check=check,
+    )
 
 
 def docs(text: str) -> list[dict]:
@@ -99,8 +115,9 @@ def test_lint_strict(helm_env, values):
 def test_rendered_manifests_pass_kubernetes_schemas(rendered, tmp_path, name):
     path = tmp_path / f"{name}.yaml"
     path.write_text(rendered[name])
-    run = subprocess.run([KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "ERROR" not in run.stdout + run.stderr
 
@@ -109,10 +126,10 @@ def test_rendered_manifests_pass_kubernetes_schemas(rendered, tmp_path, name):
 def test_kubernetes_validate_rejects_unknown_fields(tmp_path):
     # The pass above means something only if the same check fails a typo'd manifest.
     bad = tmp_path / "bad.yaml"
-    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\n"
-                   "spec: {clusterIp: None, ports: [{port: 1}]}\n")
-    run = subprocess.run([KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(bad)],
-                         capture_output=True, text=True, timeout=120)
+    bad.write_text("apiVersion: v1\nkind: Service\nmetadata: {name: x}\nspec: {clusterIp: None, ports: [{port: 1}]}\n")
+    run = subprocess.run(
+        [KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode != 0
 
 
@@ -230,8 +247,17 @@ def test_gpu_variant_asks_for_gpus_and_gpu_nodes(rendered):
 
 @needs_helm
 def test_monitoring_absent_when_disabled(helm_env):
-    off = docs(template(helm_env, "--set", "serviceMonitor.enabled=false", "--set", "prometheusRule.enabled=false",
-                        "--set", "dashboard.enabled=false").stdout)
+    off = docs(
+        template(
+            helm_env,
+            "--set",
+            "serviceMonitor.enabled=false",
+            "--set",
+            "prometheusRule.enabled=false",
+            "--set",
+            "dashboard.enabled=false",
+        ).stdout
+    )
     kinds = {m["kind"] for m in off}
     assert not kinds & {"ServiceMonitor", "PrometheusRule", "ConfigMap"}
     # And each flag on its own.
@@ -245,8 +271,11 @@ def test_monitoring_absent_when_disabled(helm_env):
 def test_monitoring_objects_carry_the_chart_files(rendered):
     manifests = docs(rendered["cpu-values"])
     (monitor,) = by_kind(manifests, "ServiceMonitor")
-    scraped = [s for s in by_kind(manifests, "Service")
-               if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()]
+    scraped = [
+        s
+        for s in by_kind(manifests, "Service")
+        if monitor["spec"]["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
     assert len(scraped) == 1, "each pod must be scraped through exactly one Service"
     assert monitor["spec"]["endpoints"][0]["port"] in {p["name"] for p in scraped[0]["spec"]["ports"]}
     (rule,) = by_kind(manifests, "PrometheusRule")
@@ -254,12 +283,14 @@ def test_monitoring_objects_carry_the_chart_files(rendered):
     # The file is the defaults rendered in namespace "default"; this release lives in "ml".
     in_ml = json.dumps(rules_file["groups"]).replace('namespace=\\"default\\"', 'namespace=\\"ml\\"')
     in_ml = in_ml.replace('"namespace": "default"', '"namespace": "ml"').replace(
-        "in namespace default", "in namespace ml")
+        "in namespace default", "in namespace ml"
+    )
     assert rule["spec"]["groups"] == json.loads(in_ml)
     (dashboard,) = by_kind(manifests, "ConfigMap")
     assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(dashboard["data"]["gqa-serve.json"]) == json.loads(
-        (CHART / "dashboards" / "gqa-serve.json").read_text())
+        (CHART / "dashboards" / "gqa-serve.json").read_text()
+    )
 
 
 BAD_VALUES = {
@@ -298,8 +329,9 @@ def test_schema_rejects_bad_values(helm_env, case):
 
 @needs_helm
 def test_termination_grace_shorter_than_drain_is_refused(helm_env):
-    run = template(helm_env, "--set", "server.gracePeriodSeconds=30", "--set", "terminationGracePeriodSeconds=20",
-                   check=False)
+    run = template(
+        helm_env, "--set", "server.gracePeriodSeconds=30", "--set", "terminationGracePeriodSeconds=20", check=False
+    )
     assert run.returncode != 0
     assert "terminationGracePeriodSeconds" in run.stderr
 
@@ -313,8 +345,9 @@ def test_tls_variant_mounts_the_secret_and_probes_the_plaintext_health_port(helm
     text = template(helm_env, *TLS_SET).stdout
     path = tmp_path / "tls.yaml"
     path.write_text(text)
-    run = subprocess.run([KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)],
-                         capture_output=True, text=True, timeout=120)
+    run = subprocess.run(
+        [KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)], capture_output=True, text=True, timeout=120
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     pod = _deployment(text)["spec"]["template"]["spec"]
     container = pod["containers"][0]
@@ -345,8 +378,10 @@ def test_tls_without_a_secret_fails_at_install(helm_env):
 
 # -- byte sizes and the memory limit -------------------------------------------------------------
 @needs_helm
-@pytest.mark.parametrize("given, bytes_", [("3Gi", 3 << 30), ("1.5Gi", 3 << 29), ("2G", 2_000_000_000),
-                                           ("1536Mi", 1536 << 20), ("2147483648", 2 << 30)])
+@pytest.mark.parametrize(
+    "given, bytes_",
+    [("3Gi", 3 << 30), ("1.5Gi", 3 << 29), ("2G", 2_000_000_000), ("1536Mi", 1536 << 20), ("2147483648", 2 << 30)],
+)
 def test_cache_budget_takes_kubernetes_quantities_and_renders_bytes(helm_env, given, bytes_):
     env = _env(_container(template(helm_env, "--set-string", f"server.maxCacheBytes={given}").stdout))
     assert env["GQA_MAX_CACHE_BYTES"] == str(bytes_)
@@ -354,8 +389,11 @@ def test_cache_budget_takes_kubernetes_quantities_and_renders_bytes(helm_env, gi
 
 @needs_helm
 def test_other_sizes_take_quantities_too(helm_env):
-    env = _env(_container(template(helm_env, "--set", "server.maxMessageBytes=16Mi",
-                                   "--set", "server.inlineStepBytes=256Ki").stdout))
+    env = _env(
+        _container(
+            template(helm_env, "--set", "server.maxMessageBytes=16Mi", "--set", "server.inlineStepBytes=256Ki").stdout
+        )
+    )
     assert env["GQA_MAX_MESSAGE_BYTES"] == str(16 << 20) and env["GQA_INLINE_STEP_BYTES"] == str(256 << 10)
     run = template(helm_env, "--set", "server.maxMessageBytes=4Gi", check=False)
     assert run.returncode != 0 and "server.maxMessageBytes" in run.stderr
@@ -365,13 +403,18 @@ def test_other_sizes_take_quantities_too(helm_env):
 def test_a_cache_budget_over_the_memory_limit_fails_with_a_clear_message(helm_env):
     run = template(helm_env, "--set", "server.maxCacheBytes=8Gi", "--set", "resources.limits.memory=4Gi", check=False)
     assert run.returncode != 0
-    for words in ("server.maxCacheBytes (8Gi = 8589934592 bytes)", "memoryHeadroom (1Gi = 1073741824 bytes)",
-                  "resources.limits.memory (4Gi = 4294967296 bytes)", "Lower server.maxCacheBytes"):
+    for words in (
+        "server.maxCacheBytes (8Gi = 8589934592 bytes)",
+        "memoryHeadroom (1Gi = 1073741824 bytes)",
+        "resources.limits.memory (4Gi = 4294967296 bytes)",
+        "Lower server.maxCacheBytes",
+    ):
         assert words in run.stderr, run.stderr
     # Exactly at the limit renders; one byte more does not.
     template(helm_env, "--set", "server.maxCacheBytes=3Gi", "--set", "resources.limits.memory=4Gi")
-    run = template(helm_env, "--set", "server.maxCacheBytes=3221225473", "--set", "resources.limits.memory=4Gi",
-                   check=False)
+    run = template(
+        helm_env, "--set", "server.maxCacheBytes=3221225473", "--set", "resources.limits.memory=4Gi", check=False
+    )
     assert run.returncode != 0 and "does not fit" in run.stderr
     # The cuda backend's cache lives in device memory: no host-memory check.
     template(helm_env, "-f", str(CHART / "ci" / "gpu-values.yaml"), "--set", "server.maxCacheBytes=64Gi")
@@ -403,8 +446,11 @@ def test_extra_args_env_envfrom_and_volumes_reach_the_container(rendered):
 def test_zone_spread_and_extra_topology_constraints(rendered, helm_env):
     spread = _deployment(rendered["everything-values"])["spec"]["template"]["spec"]["topologySpreadConstraints"]
     keys = [(c["topologyKey"], c["whenUnsatisfiable"]) for c in spread]
-    assert keys == [("kubernetes.io/hostname", "ScheduleAnyway"), ("topology.kubernetes.io/zone", "DoNotSchedule"),
-                    ("kubernetes.io/hostname", "DoNotSchedule")]
+    assert keys == [
+        ("kubernetes.io/hostname", "ScheduleAnyway"),
+        ("topology.kubernetes.io/zone", "DoNotSchedule"),
+        ("kubernetes.io/hostname", "DoNotSchedule"),
+    ]
     assert spread[1]["labelSelector"]["matchLabels"]["app.kubernetes.io/instance"] == "gqa"
     none = template(helm_env, "--set", "spreadAcrossNodes=false").stdout
     assert "topologySpreadConstraints" not in _deployment(none)["spec"]["template"]["spec"]
@@ -423,8 +469,12 @@ def test_network_policy_opens_grpc_to_peers_and_metrics_to_monitoring_only(rende
     assert {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "llm-gateway"}}} in peers
     # The `helm test` pod is always let in.
     (test_pod,) = [m for m in _everything(rendered) if m["kind"] == "Pod"]
-    assert any(p.get("podSelector", {}).get("matchLabels", {}).items() <= test_pod["metadata"]["labels"].items()
-               and "podSelector" in p and "namespaceSelector" not in p for p in peers)
+    assert any(
+        p.get("podSelector", {}).get("matchLabels", {}).items() <= test_pod["metadata"]["labels"].items()
+        and "podSelector" in p
+        and "namespaceSelector" not in p
+        for p in peers
+    )
     assert [p["port"] for p in metrics_rule["ports"]] == ["metrics"]
     (peer,) = metrics_rule["from"]
     assert peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
@@ -473,8 +523,11 @@ def test_dashboard_thresholds_and_error_codes_follow_the_alert_values(rendered):
     (configmap,) = by_kind(_everything(rendered), "ConfigMap")
     dashboard = json.loads(configmap["data"]["gqa-serve.json"])
     panels = {p["title"]: p for p in dashboard["panels"]}
-    lines = {title: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
-             for title, p in panels.items() if len(p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])) > 1}
+    lines = {
+        title: p["fieldConfig"]["defaults"]["thresholds"]["steps"][1]["value"]
+        for title, p in panels.items()
+        if len(p["fieldConfig"]["defaults"].get("thresholds", {}).get("steps", [])) > 1
+    }
     assert lines["p99 queue wait by pod"] == 0.5
     assert lines["Error ratio"] == 0.02
     assert lines["Step error ratio"] == 0.01  # not overridden: the default
@@ -515,14 +568,14 @@ def test_helm_test_script_passes_against_a_serving_server_and_fails_without_one(
     script = container["args"][0]
     assert container["command"][-1] == "-c"
     with ServerThread(ServerConfig(address="127.0.0.1:0", metrics_port=0)) as server:
-        run = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True,
-                             timeout=60)
+        run = subprocess.run([sys.executable, "-c", script, server.address], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "gqa.v1.AttentionService SERVING" in run.stdout
     from tests.metrics_load import free_port
 
-    run = subprocess.run([sys.executable, "-c", script, f"127.0.0.1:{free_port()}"], capture_output=True, text=True,
-                         timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-c", script, f"127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode != 0
 
 
@@ -534,9 +587,13 @@ def test_tests_can_be_turned_off(helm_env):
 # -- generated files -----------------------------------------------------------------------------
 @needs_helm
 def test_chart_readme_dashboard_and_rules_are_current():
-    run = subprocess.run([sys.executable, str(ROOT / "helm" / "tools" / "generate.py"), "--check"],
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PATH=f"{pathlib.Path(HELM).parent}{os.pathsep}{os.environ['PATH']}"))
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "helm" / "tools" / "generate.py"), "--check"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PATH=f"{pathlib.Path(HELM).parent}{os.pathsep}{os.environ['PATH']}"),
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+from backends import native
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import CacheFullError
-from backends import native
 from backends.int8 import CALIBRATION_TOKENS, KERNELS, Int8Backend, Int8Cache, Int8Rows, key_outlier_count
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -111,7 +111,9 @@ def _dequantized(cache: Int8Cache):
     channels, then the float16 outlier channels, put back by ``key_channels``), values rotated
     back."""
     rows = cache.export_quantized()
-    ordered = torch.cat([dequantize_int8(rows.key_codes, rows.key_scales, torch.float64), rows.key_outliers.double()], dim=3)
+    ordered = torch.cat(
+        [dequantize_int8(rows.key_codes, rows.key_scales, torch.float64), rows.key_outliers.double()], dim=3
+    )
     index = cache.key_channels.unsqueeze(2).expand_as(ordered)
     k = torch.empty_like(ordered).scatter_(3, index, ordered)
     v = dequantize_int8(rows.value_codes, rows.value_scales, torch.float64)
@@ -139,9 +141,13 @@ def test_kernel_matches_oracle_on_dequantized_cache(length, dtype, kernel):
     hq, hkv, d = 32, 8, 128
     gen = torch.Generator().manual_seed(length)
     cache = Int8Backend(kernel=kernel).create_cache(_spec(hq, hkv, d, dtype, b=2))
-    cache.prefill(torch.randn(2, hkv, length, d, generator=gen).to(dtype), torch.randn(2, hkv, length, d, generator=gen).to(dtype))
+    cache.prefill(
+        torch.randn(2, hkv, length, d, generator=gen).to(dtype), torch.randn(2, hkv, length, d, generator=gen).to(dtype)
+    )
     q = torch.randn(2, hq, d, generator=gen).to(dtype)
-    out = cache.step(q, torch.randn(2, hkv, d, generator=gen).to(dtype), torch.randn(2, hkv, d, generator=gen).to(dtype)).output
+    out = cache.step(
+        q, torch.randn(2, hkv, d, generator=gen).to(dtype), torch.randn(2, hkv, d, generator=gen).to(dtype)
+    ).output
     assert out.dtype == dtype and out.shape == (2, hq, d)
     k, v = _dequantized(cache)
     assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[dtype]
@@ -180,7 +186,11 @@ def test_kernels_agree():
     hq, hkv, d = 32, 8, 128
     gen = torch.Generator().manual_seed(3)
     keys, values = torch.randn(1, hkv, 500, d, generator=gen), torch.randn(1, hkv, 500, d, generator=gen)
-    q, k, v = torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
+    q, k, v = (
+        torch.randn(1, hq, d, generator=gen),
+        torch.randn(1, hkv, d, generator=gen),
+        torch.randn(1, hkv, d, generator=gen),
+    )
     outs = {}
     usable = native.load().isas(d)
     for kernel in KERNELS:
@@ -269,7 +279,11 @@ def test_reserved_bytes_are_codes_outliers_scales_and_calibration(policy_name, s
     float16_row = 2 * b * hkv * d * 2
     # the default (float16 scales) meets the target: 264 / 512 = 0.516; float32 scales: 0.523
     assert cache.row_bytes / float16_row <= (BYTES_RATIO_TARGET if scale_dtype == torch.float16 else 0.524)
-    out = cache.step(torch.randn(b, hq, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16), torch.randn(b, hkv, d, dtype=torch.bfloat16))
+    out = cache.step(
+        torch.randn(b, hq, d, dtype=torch.bfloat16),
+        torch.randn(b, hkv, d, dtype=torch.bfloat16),
+        torch.randn(b, hkv, d, dtype=torch.bfloat16),
+    )
     assert out.bytes_written == cache.row_bytes
 
 
@@ -315,10 +329,19 @@ def test_bookkeeping_and_outputs_follow_the_cpu_backend(policy_name):
     gen = torch.Generator().manual_seed(9)
     outs, dense_outs = [], []
     for _ in range(KERNEL_STEPS):
-        args = (torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen))
+        args = (
+            torch.randn(1, hq, d, generator=gen),
+            torch.randn(1, hkv, d, generator=gen),
+            torch.randn(1, hkv, d, generator=gen),
+        )
         a, b = int8.step(*args), dense.step(*args)
         assert (a.tokens_seen, a.resident, a.first_position, a.last_position, a.evicted_tokens, a.attended) == (
-            b.tokens_seen, b.resident, b.first_position, b.last_position, b.evicted_tokens, b.attended
+            b.tokens_seen,
+            b.resident,
+            b.first_position,
+            b.last_position,
+            b.evicted_tokens,
+            b.attended,
         )
         outs.append(a.output)
         dense_outs.append(b.output)
@@ -335,7 +358,10 @@ def test_prefill_quantizes_on_arrival_and_export_is_in_position_order(policy_nam
     hkv, d, n = 2, 16, 150
     policy = POLICIES[policy_name]
     gen = torch.Generator().manual_seed(13)
-    keys, values = torch.randn(1, hkv, n, d, generator=gen).to(dtype), torch.randn(1, hkv, n, d, generator=gen).to(dtype)
+    keys, values = (
+        torch.randn(1, hkv, n, d, generator=gen).to(dtype),
+        torch.randn(1, hkv, n, d, generator=gen).to(dtype),
+    )
     kept = [p for r in policy.resident(n) for p in r]
     # without outlier channels or rotation the stored codes are exactly quant's codes
     plain = Int8Backend(rotate=False, key_outliers=0).create_cache(_spec(4, hkv, d, dtype, policy))
@@ -445,7 +471,11 @@ def test_failed_step_while_choosing_outlier_channels_restores_everything(monkeyp
     gen = torch.Generator().manual_seed(8)
     cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(6)))
     for _ in range(7):
-        cache.step(torch.randn(1, hq, d, generator=gen), torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen))
+        cache.step(
+            torch.randn(1, hq, d, generator=gen),
+            torch.randn(1, hkv, d, generator=gen),
+            torch.randn(1, hkv, d, generator=gen),
+        )
     raw_before = [t.clone() for t in _raw(cache)]
     order, calibration = cache.key_channels, cache._calibration.clone()
     monkeypatch.setattr(cache, "_attend", lambda *_: (_ for _ in ()).throw(RuntimeError("attention failed")))
@@ -522,7 +552,9 @@ def test_export_load_quantized_round_trip_is_bit_exact(policy_name, scale_dtype,
     gen = torch.Generator().manual_seed(21)
 
     def args():
-        return tuple(torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d)))
+        return tuple(
+            torch.randn(shape, generator=gen).to(torch.bfloat16) for shape in ((1, hq, d), (1, hkv, d), (1, hkv, d))
+        )
 
     source = backend.create_cache(spec)
     for _ in range(steps):
@@ -679,8 +711,13 @@ def test_opening_int8_caches_grows_rss_by_their_reservation(capacity, layers):
     """#17 item 10: the Hadamard matrix is shared per D and nothing per layer lies outside the
     reservation. Bound: RSS growth <= reserved bytes + 8 MiB (one shared D=1024 matrix, 4 MiB,
     and allocator slack); before, each layer added a 4 MiB matrix and float64 temporaries."""
-    done = subprocess.run([sys.executable, "-c", RSS_SCRIPT, str(capacity), str(layers)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    done = subprocess.run(
+        [sys.executable, "-c", RSS_SCRIPT, str(capacity), str(layers)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
     assert done.returncode == 0, done.stderr
     grown, held, reserved = map(int, done.stdout.split()[-3:])
     assert held == reserved

@@ -41,16 +41,20 @@ def test_int8_stream_over_the_wire(channel, policy):
     pk, pv = torch.randn(B, HKV, 5, D, generator=g), torch.randn(B, HKV, 5, D, generator=g)
     session = Session(channel, open_message(batch=B, hq=HQ, hkv=HKV, d=D, backend="int8", prefill={0: (pk, pv)}, **cfg))
     assert session.opened.backend == "int8"
-    pol = EvictionPolicy.create(cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0),
-                                sinks=cfg.get("sinks", 0))
+    pol = EvictionPolicy.create(
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+    )
     local = Int8Backend().create_cache(CacheSpec(B, HQ, HKV, D, torch.float32, pol))
     assert session.opened.bytes_reserved == local.nbytes
     local.prefill(pk, pv)
     keys, values = list(pk.unbind(2)), list(pv.unbind(2))
     outs, refs = [], []
     for _ in range(40):
-        q, k, v = (torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                   torch.randn(B, HKV, D, generator=g))
+        q, k, v = (
+            torch.randn(B, HQ, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+        )
         keys.append(k)
         values.append(v)
         resp = session.step(0, q, k, v)
@@ -58,8 +62,17 @@ def test_int8_stream_over_the_wire(channel, policy):
         # Exactly what the backend computes in process, and within budget of float64.
         assert torch.equal(out, local.step(q, k, v).output)
         pos = attended_positions(policy, len(keys), cfg.get("window", 0), cfg.get("sinks", 0))
-        refs.append(torch.as_tensor(attention_ref(q.double(), torch.stack([keys[p] for p in pos], 2).double(),
-                                                  torch.stack([values[p] for p in pos], 2).double(), HQ, HKV)))
+        refs.append(
+            torch.as_tensor(
+                attention_ref(
+                    q.double(),
+                    torch.stack([keys[p] for p in pos], 2).double(),
+                    torch.stack([values[p] for p in pos], 2).double(),
+                    HQ,
+                    HKV,
+                )
+            )
+        )
         outs.append(out.double())
         assert resp.step.tokens_seen == len(keys)
     err = (torch.stack(outs) - torch.stack(refs)).norm() / torch.stack(refs).norm()
@@ -73,8 +86,11 @@ def test_int8_stream_over_the_wire(channel, policy):
     assert any(c.key.dtype == gqa_pb2.DTYPE_INT8 for c in chunks[1:])
     restored = Session(channel, restore=chunks)
     for _ in range(5):
-        q, k, v = (torch.randn(B, HQ, D, generator=g), torch.randn(B, HKV, D, generator=g),
-                   torch.randn(B, HKV, D, generator=g))
+        q, k, v = (
+            torch.randn(B, HQ, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+            torch.randn(B, HKV, D, generator=g),
+        )
         assert torch.equal(session.output(session.step(0, q, k, v)), restored.output(restored.step(0, q, k, v)))
     restored.close()
     session.close()
@@ -96,7 +112,9 @@ def test_snapshot_while_outlier_channels_are_being_chosen(channel):
     chunks = session.snapshot()
     layer_chunks = [c for c in chunks[1:] if c.layer == 0]
     assert layer_chunks[0].HasField("key_calibration") and layer_chunks[0].key_calibration.shape == [B, HKV, 5, D]
-    assert len(layer_chunks[0].key_channels) == B * HKV * D and layer_chunks[0].key_outliers.dtype == gqa_pb2.DTYPE_FLOAT16
+    assert (
+        len(layer_chunks[0].key_channels) == B * HKV * D and layer_chunks[0].key_outliers.dtype == gqa_pb2.DTYPE_FLOAT16
+    )
     restored = Session(channel, restore=chunks)
     for _ in range(20):  # through the choices at 8 and 16 keys
         args = step_args()

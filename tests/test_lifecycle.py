@@ -35,13 +35,16 @@ POLICIES = {
 
 
 def make_policy(cfg) -> EvictionPolicy:
-    return EvictionPolicy.create(cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0),
-                                 sinks=cfg.get("sinks", 0))
+    return EvictionPolicy.create(
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+    )
 
 
 def tokens(g, n=1):
-    return [(torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g),
-             torch.randn(1, HKV, D, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g))
+        for _ in range(n)
+    ]
 
 
 # -- rollback, on the cache ------------------------------------------------------------------
@@ -70,13 +73,18 @@ def test_random_rollbacks_match_the_oracle(policy_name):
                 assert before[0] == after[0] and torch.equal(before[1][0], after[1][0])
                 refused += 1
             continue
-        (q, k_, v), = tokens(g)
+        ((q, k_, v),) = tokens(g)
         keys.append(k_)
         values.append(v)
         out = cache.step(q, k_, v).output
         pos = attended_positions(policy_name, len(keys), cfg.get("window", 0), cfg.get("sinks", 0))
-        ref = attention_ref(q.double(), torch.stack([keys[p] for p in pos], 2).double(),
-                            torch.stack([values[p] for p in pos], 2).double(), HQ, HKV)
+        ref = attention_ref(
+            q.double(),
+            torch.stack([keys[p] for p in pos], 2).double(),
+            torch.stack([values[p] for p in pos], 2).double(),
+            HQ,
+            HKV,
+        )
         assert_close_to_oracle(out, ref, torch.float32)
     # strict can only roll back before its window fills; the others keep some reach.
     assert exact >= (1 if policy_name == "strict" else 5)
@@ -106,8 +114,11 @@ def channel(server):
 
 
 def rollback(session, rid, count, layer=0, all_layers=False):
-    session.send(gqa_pb2.DecodeRequest(request_id=rid, rollback=gqa_pb2.Rollback(count=count, layer=layer,
-                                                                                 all_layers=all_layers)))
+    session.send(
+        gqa_pb2.DecodeRequest(
+            request_id=rid, rollback=gqa_pb2.Rollback(count=count, layer=layer, all_layers=all_layers)
+        )
+    )
     resp = session.recv()
     assert resp.request_id == rid
     return resp.rollback
@@ -135,7 +146,7 @@ def test_rollback_over_the_wire(channel):
     fresh = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, layers=1, **POLICIES["greedy"]))
     for x in steps[:12]:
         fresh.step(0, *x)
-    (q, k, v), = tokens(g)
+    ((q, k, v),) = tokens(g)
     a = session.output(session.step(0, q, k, v))
     b = fresh.output(fresh.step(0, q, k, v))
     assert torch.equal(a, b)
@@ -154,8 +165,9 @@ def free_port() -> int:
 def start_server_process(**env_overrides):
     port = free_port()
     env = dict(os.environ, GQA_ADDRESS=f"127.0.0.1:{port}", GQA_METRICS_PORT="0", **env_overrides)
-    proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=CHANNEL_OPTIONS)
     grpc.channel_ready_future(channel).result(timeout=60)
     return proc, channel
@@ -205,7 +217,7 @@ def test_large_snapshot_is_chunked_under_the_message_limit(channel):
     assert len(chunks) >= 5
     assert all(c.ByteSize() < 64 << 10 for c in chunks)
     restored = Session(channel, restore=chunks)
-    (q, k, v), = tokens(g)
+    ((q, k, v),) = tokens(g)
     assert torch.equal(session.output(session.step(0, q, k, v)), restored.output(restored.step(0, q, k, v)))
     session.close()
     restored.close()
@@ -235,9 +247,11 @@ def _truncated(chunks):
     return chunks[:-1]
 
 
-@pytest.mark.parametrize("mangle,word", [(_tampered, "checksum"), (_inconsistent, "layer 0"),
-                                         (_wrong_layers, "layers"), (_truncated, "last")],
-                         ids=["tampered", "inconsistent", "wrong-layers", "truncated"])
+@pytest.mark.parametrize(
+    "mangle,word",
+    [(_tampered, "checksum"), (_inconsistent, "layer 0"), (_wrong_layers, "layers"), (_truncated, "last")],
+    ids=["tampered", "inconsistent", "wrong-layers", "truncated"],
+)
 def test_bad_snapshot_is_refused(channel, server, mangle, word):
     g = torch.Generator().manual_seed(6)
     session = Session(channel, open_message(hq=HQ, hkv=HKV, d=D, **POLICIES["strict"]))
@@ -252,8 +266,9 @@ def test_bad_snapshot_is_refused(channel, server, mangle, word):
         else:  # the client closes before the last chunk
             from service.api import gqa_pb2_grpc
 
-            list(gqa_pb2_grpc.AttentionServiceStub(channel).Decode(
-                iter([gqa_pb2.DecodeRequest(restore=c) for c in bad])))
+            list(
+                gqa_pb2_grpc.AttentionServiceStub(channel).Decode(iter([gqa_pb2.DecodeRequest(restore=c) for c in bad]))
+            )
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert word in info.value.details()
     assert server.engine.bytes_reserved == reserved

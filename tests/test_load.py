@@ -43,8 +43,15 @@ def _rss() -> int:
 
 
 def _local_cache():
-    spec = CacheSpec(batch_size=1, num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=torch.float32,
-                     policy=EvictionPolicy.create("strict", window=WINDOW, capacity=0, sinks=0), device="cpu")
+    spec = CacheSpec(
+        batch_size=1,
+        num_query_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        dtype=torch.float32,
+        policy=EvictionPolicy.create("strict", window=WINDOW, capacity=0, sinks=0),
+        device="cpu",
+    )
     return registry.get_backend("cpu").create_cache(spec)
 
 
@@ -56,13 +63,23 @@ async def _stream(stub, index: int, steps: int, failures: list) -> int:
     assert (await call.read()).WhichOneof("kind") == "opened"
     exact = 0
     for i in range(steps):
-        q, k, v = torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
-        await call.write(gqa_pb2.DecodeRequest(request_id=i, step=gqa_pb2.Step(
-            layer=0, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v))))
+        q, k, v = (
+            torch.randn(1, HQ, D, generator=g),
+            torch.randn(1, HKV, D, generator=g),
+            torch.randn(1, HKV, D, generator=g),
+        )
+        await call.write(
+            gqa_pb2.DecodeRequest(
+                request_id=i, step=gqa_pb2.Step(layer=0, query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v))
+            )
+        )
         reply = await call.read()
         expected = local.step(q, k, v).output
-        if reply.request_id != i or reply.step.status.code != 0 or not torch.equal(
-                from_proto(reply.step.output, "output"), expected):
+        if (
+            reply.request_id != i
+            or reply.step.status.code != 0
+            or not torch.equal(from_proto(reply.step.output, "output"), expected)
+        ):
             failures.append((index, i, reply.step.status.message))
             break
         exact += 1
@@ -93,8 +110,10 @@ def test_concurrent_streams_exact_and_memory_back():
         assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0, timeout=30)
         gc.collect()
         end = _rss()
-        print(f"\nload: {STREAMS} streams x {STEPS} steps exact in {elapsed:.1f} s "
-              f"({exact / elapsed:.0f} steps/s); RSS {start / 2**20:.1f} -> {end / 2**20:.1f} MiB")
+        print(
+            f"\nload: {STREAMS} streams x {STEPS} steps exact in {elapsed:.1f} s "
+            f"({exact / elapsed:.0f} steps/s); RSS {start / 2**20:.1f} -> {end / 2**20:.1f} MiB"
+        )
         assert end <= start * 1.05, (start, end)
 
 
@@ -111,12 +130,17 @@ async def _adversary(stub, index: int) -> str:
     try:
         if kind == 0:  # prefilled open, cancelled at once
             keys = torch.randn(1, HKV, 64, D, generator=g)
-            await call.write(gqa_pb2.DecodeRequest(open=open_message(
-                hq=HQ, hkv=HKV, d=D, policy="none", capacity=256, prefill={0: (keys, keys)})))
+            await call.write(
+                gqa_pb2.DecodeRequest(
+                    open=open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=256, prefill={0: (keys, keys)})
+                )
+            )
             await asyncio.sleep(0.001 * (index % 7))
             call.cancel()
         elif kind == 1:  # open over the budget
-            await call.write(gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=1 << 20)))
+            await call.write(
+                gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=1 << 20))
+            )
             await call.read()
         elif kind == 2:  # restore over the budget, then chunks it should never wait for
             big = open_message(hq=HQ, hkv=HKV, d=D, policy="none", capacity=1 << 20)
@@ -128,13 +152,22 @@ async def _adversary(stub, index: int) -> str:
             await asyncio.sleep(0.01)
             call.cancel()
         else:  # a stream with steps queued, dropped without reading the replies
-            await call.write(gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="strict", window=WINDOW)))
+            await call.write(
+                gqa_pb2.DecodeRequest(open=open_message(hq=HQ, hkv=HKV, d=D, policy="strict", window=WINDOW))
+            )
             await call.read()
             for i in range(8):
-                await call.write(gqa_pb2.DecodeRequest(request_id=i, step=gqa_pb2.Step(
-                    layer=0, query=to_proto(torch.randn(1, HQ, D, generator=g)),
-                    new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
-                    new_value=to_proto(torch.randn(1, HKV, D, generator=g)))))
+                await call.write(
+                    gqa_pb2.DecodeRequest(
+                        request_id=i,
+                        step=gqa_pb2.Step(
+                            layer=0,
+                            query=to_proto(torch.randn(1, HQ, D, generator=g)),
+                            new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
+                            new_value=to_proto(torch.randn(1, HKV, D, generator=g)),
+                        ),
+                    )
+                )
             call.cancel()
         return str(await call.code())
     except (grpc.aio.AioRpcError, asyncio.CancelledError):
@@ -144,8 +177,9 @@ async def _adversary(stub, index: int) -> str:
 def test_adversaries_hold_nothing_and_never_exceed_the_limits():
     """Bounds: --max-streams 8 and the 1 MiB budget are never exceeded (sampled through the
     run); afterwards 0 streams, 0 bytes reserved, 0 bytes read ahead, 0 Decode RPCs running."""
-    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, max_streams=8,
-                          max_cache_bytes=1 << 20)
+    config = ServerConfig(
+        address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0, max_streams=8, max_cache_bytes=1 << 20
+    )
     with ServerThread(config) as srv:
         peak = [0, 0]
         stop = False
@@ -170,6 +204,20 @@ def test_adversaries_hold_nothing_and_never_exceed_the_limits():
             stop = True
             sampler.join()
         assert peak[0] <= config.max_streams and peak[1] <= config.max_cache_bytes, peak
-        assert wait_until(lambda: (srv.engine.active_streams, srv.engine.bytes_reserved, srv.engine.read_ahead_bytes,
-                                   srv.server.servicer.sessions) == (0, 0, 0, 0), timeout=30), (
-            srv.engine.active_streams, srv.engine.bytes_reserved, srv.engine.read_ahead_bytes, srv.server.servicer.sessions)
+        assert wait_until(
+            lambda: (
+                (
+                    srv.engine.active_streams,
+                    srv.engine.bytes_reserved,
+                    srv.engine.read_ahead_bytes,
+                    srv.server.servicer.sessions,
+                )
+                == (0, 0, 0, 0)
+            ),
+            timeout=30,
+        ), (
+            srv.engine.active_streams,
+            srv.engine.bytes_reserved,
+            srv.engine.read_ahead_bytes,
+            srv.server.servicer.sessions,
+        )

@@ -61,8 +61,9 @@ def _bad_layer_step(shape: Shape, request_id: int) -> gqa_pb2.DecodeRequest:
 def test_counters_match_the_traffic_exactly(server, policy):
     steps = step_requests(SHAPE, STEPS)
     steps.insert(10, _bad_layer_step(SHAPE, 1000))
-    seen = run_stream(server.address, open_request(policy, WINDOW, SHAPE, capacity=WINDOW + 3 if policy == "greedy" else 0),
-                      steps)
+    seen = run_stream(
+        server.address, open_request(policy, WINDOW, SHAPE, capacity=WINDOW + 3 if policy == "greedy" else 0), steps
+    )
     assert seen.code == grpc.StatusCode.OK
     assert seen.ok_steps == STEPS and seen.refused == {"INVALID_ARGUMENT": 1}
     assert seen.evicted_tokens > 0
@@ -95,9 +96,20 @@ def test_active_streams_and_cache_bytes_go_up_and_back_to_zero(server):
     stream = {"backend": "cpu", "dtype": "float32", "policy": "strict"}
     hold, opened = threading.Event(), [threading.Event() for _ in range(3)]
     results = []
-    threads = [threading.Thread(target=lambda i=i: results.append(run_stream(
-        server.address, open_request("strict", WINDOW, SHAPE), step_requests(SHAPE, 3), hold=hold,
-        opened=opened[i]))) for i in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(
+                run_stream(
+                    server.address,
+                    open_request("strict", WINDOW, SHAPE),
+                    step_requests(SHAPE, 3),
+                    hold=hold,
+                    opened=opened[i],
+                )
+            )
+        )
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     try:
@@ -126,7 +138,9 @@ def test_refused_open_counts_by_reason_and_grpc_code():
         assert m.value("gqa_stream_open_refusals_total", {"reason": "budget"}) == 1
         assert m.value("gqa_stream_open_refusals_total", {"reason": "streams"}) == 0
         decode = _rpc("Decode", "bidi_stream")
-        assert _wait_for(lambda: m.value("grpc_server_handled_total", {**decode, "grpc_code": "ResourceExhausted"}) == 1)
+        assert _wait_for(
+            lambda: m.value("grpc_server_handled_total", {**decode, "grpc_code": "ResourceExhausted"}) == 1
+        )
         assert m.value("grpc_server_msg_sent_total", decode) == 0
         assert m.value("grpc_server_msg_received_total", decode) == 1
         # An open the servicer refuses before the engine (a window of 0) counts as invalid.
@@ -158,8 +172,12 @@ def test_unary_rpcs_count_messages_and_codes(server):
     assert m.value("grpc_server_msg_sent_total", step_rpc) == 0
     # Every method and code exists from the start (go-grpc-prometheus's InitializeMetrics).
     for code in GRPC_CODE_NAMES.values():
-        assert m.registry.get_sample_value("grpc_server_handled_total", {**_rpc("Decode", "bidi_stream"),
-                                                                          "grpc_code": code}) is not None
+        assert (
+            m.registry.get_sample_value(
+                "grpc_server_handled_total", {**_rpc("Decode", "bidi_stream"), "grpc_code": code}
+            )
+            is not None
+        )
 
 
 def test_health_checks_are_counted_under_their_own_service(server):
@@ -200,11 +218,20 @@ def test_exposition_has_units_buckets_and_no_stream_ids(server):
     text = _scrape(server).decode()
     families = {f.name: f for f in text_string_to_metric_families(text)}
     for family in ("gqa_step_duration_seconds", "gqa_step_queue_seconds", "gqa_step_compute_seconds"):
-        les = [x.labels["le"] for x in families[family].samples
-               if x.name.endswith("_bucket") and x.labels["policy"] == "sink"]
+        les = [
+            x.labels["le"]
+            for x in families[family].samples
+            if x.name.endswith("_bucket") and x.labels["policy"] == "sink"
+        ]
         assert [float(x) for x in les[:-1]] == list(LATENCY_BUCKETS) and les[-1] == "+Inf"
-    for name in ("process_cpu_seconds_total", "python_info", "grpc_server_started_total",
-                 "gqa_cache_budget_bytes", "gqa_active_streams", "gqa_cache_moved_bytes_total"):
+    for name in (
+        "process_cpu_seconds_total",
+        "python_info",
+        "grpc_server_started_total",
+        "gqa_cache_budget_bytes",
+        "gqa_active_streams",
+        "gqa_cache_moved_bytes_total",
+    ):
         assert re.search(rf"^{name}[ {{]", text, re.M), name
     stream_ids = {s.id for s in server.engine.streams()} | {"s1", "s2"}
     for value in re.findall(r'="([^"]*)"', text):
@@ -212,8 +239,9 @@ def test_exposition_has_units_buckets_and_no_stream_ids(server):
     assert "_created" not in text
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None,
-                    reason="promtool not installed (tests/tools/install_prometheus.sh; `make tools`)")
+@pytest.mark.skipif(
+    shutil.which("promtool") is None, reason="promtool not installed (tests/tools/install_prometheus.sh; `make tools`)"
+)
 def test_live_exposition_passes_promtool_check_metrics(server):
     run_stream(server.address, open_request("greedy", WINDOW, SHAPE, capacity=WINDOW + 2), step_requests(SHAPE, 9))
     body = _scrape(server)
@@ -239,8 +267,13 @@ def test_saturation_gauges_read_the_engine_views_at_scrape_time(server, monkeypa
     fams = _families(server)
     assert _sample(fams, "gqa_steps_waiting") == server.engine.steps_waiting
     assert _sample(fams, "gqa_compute_workers") == server.engine.compute_workers >= 1
-    views = {"steps_waiting": 7, "steps_in_flight": 3, "compute_busy_seconds": 12.5, "compute_workers": 4,
-             "batch_sequences_open": 9}
+    views = {
+        "steps_waiting": 7,
+        "steps_in_flight": 3,
+        "compute_busy_seconds": 12.5,
+        "compute_workers": 4,
+        "batch_sequences_open": 9,
+    }
     for name, value in views.items():
         monkeypatch.setattr(Engine, name, property(lambda self, v=value: v))
     fams = _families(server)

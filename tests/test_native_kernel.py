@@ -34,7 +34,9 @@ RTOL = 1e-5
 
 def _isa_param(isa: str, d: int = 128):
     usable = isa in KERNEL.isas(d)
-    return pytest.param(isa, marks=pytest.mark.skipif(not usable, reason=f"this CPU cannot run the {isa} path at D={d}"))
+    return pytest.param(
+        isa, marks=pytest.mark.skipif(not usable, reason=f"this CPU cannot run the {isa} path at D={d}")
+    )
 
 
 def _problem(n, g, d, capacity, gen):
@@ -263,13 +265,23 @@ def _spec():
 
 def test_prebuild_command(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    done = subprocess.run([sys.executable, "-m", "backends.native", "build", str(tmp_path)],
-                          capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "backends.native", "build", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     built = [p for p in tmp_path.iterdir() if p.suffix == ".so"]
     assert len(built) == 1 and str(built[0]) in done.stdout and "portable" in done.stdout
     bad = subprocess.run([sys.executable, "-m", "backends.native"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
-    no_cc = subprocess.run([sys.executable, "-m", "backends.native", "build", str(tmp_path / "other")],
-                           capture_output=True, text=True, env={**env, "CC": str(tmp_path / "no-cc")}, timeout=60)
+    no_cc = subprocess.run(
+        [sys.executable, "-m", "backends.native", "build", str(tmp_path / "other")],
+        capture_output=True,
+        text=True,
+        env={**env, "CC": str(tmp_path / "no-cc")},
+        timeout=60,
+    )
     assert no_cc.returncode == 1 and "cannot run the C compiler" in no_cc.stderr and "Traceback" not in no_cc.stderr

@@ -33,16 +33,38 @@ def server():
 
 def resident_rows(policy: dict, t: int) -> int:
     """L(T) of a sequence the client printed (``capacity`` absent: the window)."""
-    return resident_length(POLICY[policy["policy"]], t, policy.get("window", 0), policy.get("capacity", 0),
-                           policy.get("sink_tokens", 0))
+    return resident_length(
+        POLICY[policy["policy"]], t, policy.get("window", 0), policy.get("capacity", 0), policy.get("sink_tokens", 0)
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_batch_session_of_mixed_sequences_matches_the_oracle(server, dtype):
     layers = 2
-    lines = run_client("--address", server.address, "--mode", "batch", "--sequences", "6", "--steps", "30",
-                       "--layers", str(layers), "--window", "5", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                       "--dtype", dtype, "--seed", "5")
+    lines = run_client(
+        "--address",
+        server.address,
+        "--mode",
+        "batch",
+        "--sequences",
+        "6",
+        "--steps",
+        "30",
+        "--layers",
+        str(layers),
+        "--window",
+        "5",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--dtype",
+        dtype,
+        "--seed",
+        "5",
+    )
     assert lines[0]["kind"] == "batch_opened" and lines[0]["opened"]["dtype"] == f"DTYPE_{dtype.upper()}"
     policies, keys, values = {}, {}, {}
     for added in (line for line in lines if line["kind"] == "added"):
@@ -66,25 +88,34 @@ def test_batch_session_of_mixed_sequences_matches_the_oracle(server, dtype):
         query, new_key, new_value, output = (array(s[name]) for name in ("query", "new_key", "new_value", "output"))
         assert output.shape == query.shape == (len(s["ids"]), 4, 8)
         for i, sid in enumerate(s["ids"]):
-            keys[sid, layer].append(new_key[i:i + 1])
-            values[sid, layer].append(new_value[i:i + 1])
+            keys[sid, layer].append(new_key[i : i + 1])
+            values[sid, layer].append(new_value[i : i + 1])
             t = len(keys[sid, layer])
             policy = policies[sid]
             resident = resident_rows(policy, t)
             assert (s["tokens_seen"][i], s["resident"][i], s["last_position"][i]) == (t, resident, t - 1)
-            positions = attended_positions(POLICY[policy["policy"]], t, policy.get("window", 0),
-                                           policy.get("sink_tokens", 0))
+            positions = attended_positions(
+                POLICY[policy["policy"]], t, policy.get("window", 0), policy.get("sink_tokens", 0)
+            )
             kk = np.stack([keys[sid, layer][p] for p in positions], axis=2)
             vv = np.stack([values[sid, layer][p] for p in positions], axis=2)
-            np.testing.assert_allclose(output[i:i + 1], attention_ref(query[i:i + 1], kk, vv, 4, 2), atol=atol,
-                                       rtol=rtol, err_msg=f"step {s['step']} sequence {sid}")
+            np.testing.assert_allclose(
+                output[i : i + 1],
+                attention_ref(query[i : i + 1], kk, vv, 4, 2),
+                atol=atol,
+                rtol=rtol,
+                err_msg=f"step {s['step']} sequence {sid}",
+            )
 
     (restored,) = [line for line in lines if line["kind"] == "batch_restored"]
     assert restored["tokens_seen"] == [len(keys[100, layer]) for layer in range(layers)]
     assert [line["same"] for line in lines if line["kind"] == "batch_restore_check"] == [True]
     (probe,) = [line for line in lines if line["kind"] == "batch_probe"]
     assert [(r["index"], r["code_name"]) for r in probe["refusals"]] == [
-        (1, "NOT_FOUND"), (2, "INVALID_ARGUMENT"), (3, "INVALID_ARGUMENT")]
+        (1, "NOT_FOUND"),
+        (2, "INVALID_ARGUMENT"),
+        (3, "INVALID_ARGUMENT"),
+    ]
     assert probe["tokens_seen"][0] == len(keys[101, 1]) + 1 and probe["tokens_seen"][1:] == [0, 0, 0]
     (removed,) = [line for line in lines if line["kind"] == "batch_removed"]
     assert removed["ids"] == [999] and removed["refusals"] == [{"id": 4242, "code": 5}]

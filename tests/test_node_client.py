@@ -42,8 +42,15 @@ def test_seed_examples_through_decode_step(server):
     assert [r["index"] for r in results] == list(range(len(examples)))
     for example, result in zip(examples, results):
         inp, expected = example["input"], example["output"]
-        oracle = decode_step_ref(inp["query"], inp["new_key"], inp["new_value"], inp["key_cache"],
-                                 inp["value_cache"], inp["num_query_heads"], inp["num_kv_heads"])
+        oracle = decode_step_ref(
+            inp["query"],
+            inp["new_key"],
+            inp["new_value"],
+            inp["key_cache"],
+            inp["value_cache"],
+            inp["num_query_heads"],
+            inp["num_kv_heads"],
+        )
         for name in ("output", "new_key_cache", "new_value_cache"):
             got = array(result[name])
             assert result[name]["dtype"] == "DTYPE_FLOAT32"
@@ -91,8 +98,9 @@ def check_stream(lines: list[dict], *, steps: int, window: int, capacity: int, l
         hq, hkv = query.shape[1], keys.shape[1]
         expected = attention_ref(query, keys, vals, hq, hkv)
         assert s["output"]["dtype"] == s["query"]["dtype"]
-        np.testing.assert_allclose(array(s["output"]), expected, atol=atol, rtol=rtol,
-                                   err_msg=f"step {s['step']} (layer {layer}, T={t})")
+        np.testing.assert_allclose(
+            array(s["output"]), expected, atol=atol, rtol=rtol, err_msg=f"step {s['step']} (layer {layer}, T={t})"
+        )
         if "restored_output" in s:  # the same step sent to a stream restored from a snapshot
             assert s["restored_output"] == s["output"], f"step {s['step']}: the restored stream differs"
         else:
@@ -104,10 +112,36 @@ def test_stream_of_100_greedy_steps_matches_the_oracle(server):
     """Prefill, 100 steps over two layers, a snapshot restored as a second stream, an in-band
     refusal, and a protocol error that ends the RPC."""
     window, capacity, layers = 8, 12, 2
-    lines = run_client("--address", server.address, "--mode", "stream", "--steps", "100", "--policy", "greedy",
-                       "--window", str(window), "--capacity", str(capacity), "--layers", str(layers),
-                       "--prefill", "5", "--batch", "2", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                       "--seed", "7", "--restore-check", "--probe-errors")
+    lines = run_client(
+        "--address",
+        server.address,
+        "--mode",
+        "stream",
+        "--steps",
+        "100",
+        "--policy",
+        "greedy",
+        "--window",
+        str(window),
+        "--capacity",
+        str(capacity),
+        "--layers",
+        str(layers),
+        "--prefill",
+        "5",
+        "--batch",
+        "2",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "8",
+        "--seed",
+        "7",
+        "--restore-check",
+        "--probe-errors",
+    )
     # 100 timed steps, then 4 more sent both to the stream and to a copy restored from its snapshot.
     evictions = check_stream(lines, steps=104, window=window, capacity=capacity, layers=layers, dtype="float32")
     assert evictions > 5  # the window filled and greedy evicted in blocks, on both layers
@@ -134,29 +168,68 @@ def test_stream_of_100_greedy_steps_matches_the_oracle(server):
 def test_half_precision_stream_encodes_raw_16_bit_words(server, dtype):
     # The client rounds its inputs to the half type itself; the printed inputs are what it sent.
     window, capacity = 4, 6
-    lines = run_client("--address", server.address, "--mode", "stream", "--dtype", dtype, "--steps", "12",
-                       "--window", str(window), "--capacity", str(capacity), "--layers", "1", "--prefill", "3",
-                       "--seed", "3")
+    lines = run_client(
+        "--address",
+        server.address,
+        "--mode",
+        "stream",
+        "--dtype",
+        dtype,
+        "--steps",
+        "12",
+        "--window",
+        str(window),
+        "--capacity",
+        str(capacity),
+        "--layers",
+        "1",
+        "--prefill",
+        "3",
+        "--seed",
+        "3",
+    )
     check_stream(lines, steps=12, window=window, capacity=capacity, layers=1, dtype=dtype)
     assert lines[0]["opened"]["dtype"] == f"DTYPE_{dtype.upper()}"
 
 
 def test_open_refusal_ends_the_rpc_with_its_status(server):
     # Hq not a multiple of Hkv: the open is refused and the RPC ends with INVALID_ARGUMENT.
-    lines = run_client("--address", server.address, "--mode", "stream", "--heads", "3", "--kv-heads", "2",
-                       "--steps", "1")
+    lines = run_client(
+        "--address", server.address, "--mode", "stream", "--heads", "3", "--kv-heads", "2", "--steps", "1"
+    )
     assert lines[0]["kind"] == "status" and lines[0]["call"] == "Decode/open"
     assert (lines[0]["code"], lines[0]["code_name"]) == (3, "INVALID_ARGUMENT")
 
 
 def test_half_codecs_round_to_nearest_even_like_numpy_and_torch():
     torch = pytest.importorskip("torch")
-    specials = [0.0, -0.0, 1.0, -2.5, 65504.0, 65520.0, 1e6, -1e6, 6.1e-5, 5.96e-8, 2.98e-8, 1e-9,
-                1.00048828125, 1.00146484375, 3.14159265, float("inf"), -float("inf")]
+    specials = [
+        0.0,
+        -0.0,
+        1.0,
+        -2.5,
+        65504.0,
+        65520.0,
+        1e6,
+        -1e6,
+        6.1e-5,
+        5.96e-8,
+        2.98e-8,
+        1e-9,
+        1.00048828125,
+        1.00146484375,
+        3.14159265,
+        float("inf"),
+        -float("inf"),
+    ]
     rng = np.random.default_rng(0)
-    values = np.concatenate([np.asarray(specials, np.float32),
-                             rng.standard_normal(500).astype(np.float32) * np.float32(100),
-                             rng.standard_normal(200).astype(np.float32) * np.float32(1e-5)])
+    values = np.concatenate(
+        [
+            np.asarray(specials, np.float32),
+            rng.standard_normal(500).astype(np.float32) * np.float32(100),
+            rng.standard_normal(200).astype(np.float32) * np.float32(1e-5),
+        ]
+    )
     # Sent as float32 bit patterns, so infinities and exact values survive JSON.
     script = (
         "const c = require(process.argv[1]);"
@@ -166,8 +239,9 @@ def test_half_codecs_round_to_nearest_even_like_numpy_and_torch():
         " back16: Array.from(new Uint32Array(f.map((x) => c.fromFloat16Bits(c.toFloat16Bits(x))).buffer))}));"
     )
     payload = json.dumps(values.view(np.uint32).tolist())
-    proc = subprocess.run([NODE, "-e", script, str(CLIENT / "client.js")], input=payload,
-                          capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [NODE, "-e", script, str(CLIENT / "client.js")], input=payload, capture_output=True, text=True, timeout=30
+    )
     assert proc.returncode == 0, proc.stderr
     got = json.loads(proc.stdout)
     with np.errstate(over="ignore"):  # values past 65504 are meant to become infinities
@@ -191,7 +265,8 @@ def test_the_documented_node_snippet_runs(server, tmp_path):
     text = (ROOT / "docs" / "clients.md").read_text()
     snippet = text.split("```js\n", 1)[1].split("```", 1)[0]
     snippet = snippet.replace("'127.0.0.1:50051'", repr(server.address)).replace(
-        "require('./clients/node/client')", f"require({json.dumps(str(CLIENT / 'client.js'))})")
+        "require('./clients/node/client')", f"require({json.dumps(str(CLIENT / 'client.js'))})"
+    )
     script = tmp_path / "snippet.js"
     script.write_text(snippet)
     proc = subprocess.run([NODE, str(script)], capture_output=True, text=True, timeout=60)

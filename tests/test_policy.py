@@ -16,7 +16,7 @@ def simulate_greedy(t_max: int, window: int, capacity: int) -> list[list[int]]:
     history = [[]]
     for p in range(t_max):
         if len(resident) == capacity:
-            resident = resident[len(resident) - (window - 1):] if window > 1 else []
+            resident = resident[len(resident) - (window - 1) :] if window > 1 else []
         resident.append(p)
         history.append(list(resident))
     return history
@@ -48,8 +48,7 @@ GRID_W = [1, 2, 3, 4, 7]
 GRID_SLACK = [0, 1, 2, 5]
 
 
-@pytest.mark.parametrize("window,slack", list(itertools.product(GRID_W, GRID_SLACK)),
-                         ids=lambda v: str(v))
+@pytest.mark.parametrize("window,slack", list(itertools.product(GRID_W, GRID_SLACK)), ids=lambda v: str(v))
 def test_greedy_formula_matches_block_eviction(window, slack):
     capacity = window + slack
     pol = EvictionPolicy.greedy(window, capacity)
@@ -100,15 +99,18 @@ def test_none_keeps_everything_until_full():
         pol.resident_length(6)
 
 
-@pytest.mark.parametrize("kind,kwargs,t,reach", [
-    ("none", dict(capacity=10), 7, 7),
-    ("strict", dict(window=4), 3, 3),
-    ("strict", dict(window=4), 9, 0),
-    ("greedy", dict(window=4, capacity=6), 9, 2),   # resident 3..8: back to T=7 keeps 3..6
-    ("greedy", dict(window=4, capacity=6), 7, 0),
-    ("sink", dict(window=3, sinks=2), 4, 4),
-    ("sink", dict(window=3, sinks=2), 9, 0),
-])
+@pytest.mark.parametrize(
+    "kind,kwargs,t,reach",
+    [
+        ("none", dict(capacity=10), 7, 7),
+        ("strict", dict(window=4), 3, 3),
+        ("strict", dict(window=4), 9, 0),
+        ("greedy", dict(window=4, capacity=6), 9, 2),  # resident 3..8: back to T=7 keeps 3..6
+        ("greedy", dict(window=4, capacity=6), 7, 0),
+        ("sink", dict(window=3, sinks=2), 4, 4),
+        ("sink", dict(window=3, sinks=2), 9, 0),
+    ],
+)
 def test_rollback_reach(kind, kwargs, t, reach):
     pol = EvictionPolicy.create(kind, **kwargs)
     assert pol.rollback_reach(t) == reach
@@ -146,7 +148,11 @@ def test_rollback_reach_is_arithmetic_not_a_walk(monkeypatch):
             expected = _reach_by_definition(pol, t)
         calls = []
         original = EvictionPolicy.resident_length
-        monkeypatch.setattr(EvictionPolicy, "resident_length", lambda self, t, calls=calls, original=original: calls.append(t) or original(self, t))
+        monkeypatch.setattr(
+            EvictionPolicy,
+            "resident_length",
+            lambda self, t, calls=calls, original=original: calls.append(t) or original(self, t),
+        )
         assert pol.rollback_reach(t) == expected
         monkeypatch.undo()
         assert len(calls) <= 2, f"{pol.kind.value}: L(T) evaluated {len(calls)} times"
@@ -157,13 +163,16 @@ def test_evicted_by_step():
     assert [pol.evicted_by_step(t) for t in range(5, 10)] == [0, 3, 0, 0, 3]
 
 
-@pytest.mark.parametrize("kind,kwargs", [
-    ("strict", dict(window=0)),
-    ("greedy", dict(window=5, capacity=3)),
-    ("none", dict(capacity=0)),
-    ("sink", dict(window=2, sinks=-1)),
-    ("bogus", dict(window=2)),
-])
+@pytest.mark.parametrize(
+    "kind,kwargs",
+    [
+        ("strict", dict(window=0)),
+        ("greedy", dict(window=5, capacity=3)),
+        ("none", dict(capacity=0)),
+        ("sink", dict(window=2, sinks=-1)),
+        ("bogus", dict(window=2)),
+    ],
+)
 def test_bad_configurations(kind, kwargs):
     with pytest.raises(PolicyError):
         EvictionPolicy.create(kind, **kwargs)

@@ -24,8 +24,10 @@ from tests.metrics_load import Shape, free_port, open_request, run_stream, step_
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(shutil.which("prometheus") is None,
-                       reason="prometheus not installed (tests/tools/install_prometheus.sh; `make tools`)"),
+    pytest.mark.skipif(
+        shutil.which("prometheus") is None,
+        reason="prometheus not installed (tests/tools/install_prometheus.sh; `make tools`)",
+    ),
 ]
 
 SHAPE = Shape(heads=4, kv_heads=2, head_dim=16, layers=1)
@@ -34,9 +36,15 @@ WINDOW = 4
 MAX_STEPS = 150  # per stream; paced, so the load spans several scrapes
 PACE_S = 0.1
 POLL_S = 20.0
-SATURATION_FAMILIES = ("gqa_steps_waiting", "gqa_steps_in_flight", "gqa_compute_busy_seconds_total",
-                       "gqa_compute_workers", "gqa_batch_sequences_open", "gqa_batch_size_count",
-                       "gqa_batch_message_sequences_count")
+SATURATION_FAMILIES = (
+    "gqa_steps_waiting",
+    "gqa_steps_in_flight",
+    "gqa_compute_busy_seconds_total",
+    "gqa_compute_workers",
+    "gqa_batch_sequences_open",
+    "gqa_batch_size_count",
+    "gqa_batch_message_sequences_count",
+)
 
 
 @pytest.fixture
@@ -49,16 +57,32 @@ def service():
 def prometheus(service, tmp_path):
     port = free_port()
     config = tmp_path / "prometheus.yml"
-    config.write_text(json.dumps({
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-        "scrape_configs": [{"job_name": "gqa", "scrape_interval": "1s", "scrape_timeout": "900ms",
-                            "static_configs": [{"targets": [service.server.metrics_address]}]}],
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                "scrape_configs": [
+                    {
+                        "job_name": "gqa",
+                        "scrape_interval": "1s",
+                        "scrape_timeout": "900ms",
+                        "static_configs": [{"targets": [service.server.metrics_address]}],
+                    }
+                ],
+            }
+        )
+    )
     log = (tmp_path / "prometheus.log").open("w")
     proc = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", f"--web.listen-address=127.0.0.1:{port}",
-         f"--storage.tsdb.path={tmp_path / 'data'}", "--log.level=warn"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            "prometheus",
+            f"--config.file={config}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            f"--storage.tsdb.path={tmp_path / 'data'}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     api = f"http://127.0.0.1:{port}"
     try:
@@ -117,9 +141,15 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
     results: list = [None] * STREAMS
 
     def client(i: int) -> None:
-        results[i] = run_stream(service.address, open_request("strict", WINDOW, SHAPE),
-                                step_requests(SHAPE, MAX_STEPS, seed=i), pace_s=PACE_S, hold=hold,
-                                hold_timeout_s=POLL_S, opened=opened[i])
+        results[i] = run_stream(
+            service.address,
+            open_request("strict", WINDOW, SHAPE),
+            step_requests(SHAPE, MAX_STEPS, seed=i),
+            pace_s=PACE_S,
+            hold=hold,
+            hold_timeout_s=POLL_S,
+            opened=opened[i],
+        )
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(STREAMS)]
     for t in threads:
@@ -129,9 +159,11 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
         # Active streams go up, seen by Prometheus...
         assert poll(api, 'sum(gqa_active_streams{job="gqa"})', lambda v: v == STREAMS) == STREAMS
         # ...and the paced steps make step latency's rate, hence its quantile, defined.
-        p99 = poll(api, 'histogram_quantile(0.99, sum by (backend, le) '
-                        '(rate(gqa_step_duration_seconds_bucket{job="gqa"}[5s])))',
-                   lambda v: not math.isnan(v))
+        p99 = poll(
+            api,
+            'histogram_quantile(0.99, sum by (backend, le) (rate(gqa_step_duration_seconds_bucket{job="gqa"}[5s])))',
+            lambda v: not math.isnan(v),
+        )
         assert p99 is not None and 0 < p99 <= 10, p99
         # The saturation and batch families (Contract 3) are scraped under load: every one
         # present, the worker count the engine's, utilisation a fraction (the dashboard's query).
@@ -139,8 +171,11 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
             assert poll(api, f'count({family}{{job="gqa"}})', lambda v: v >= 1) is not None, family
         workers = service.engine.compute_workers
         assert poll(api, 'sum(gqa_compute_workers{job="gqa"})', lambda v: v == workers) == workers
-        utilisation = poll(api, 'sum(rate(gqa_compute_busy_seconds_total{job="gqa"}[5s])) '
-                                '/ sum(gqa_compute_workers{job="gqa"})', lambda v: not math.isnan(v))
+        utilisation = poll(
+            api,
+            'sum(rate(gqa_compute_busy_seconds_total{job="gqa"}[5s])) / sum(gqa_compute_workers{job="gqa"})',
+            lambda v: not math.isnan(v),
+        )
         assert utilisation is not None and 0 <= utilisation <= 1, utilisation
         for gauge in ("gqa_steps_waiting", "gqa_steps_in_flight", "gqa_batch_sequences_open"):
             assert scalar(api, f'sum({gauge}{{job="gqa"}})') >= 0, gauge
@@ -159,17 +194,22 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
     events = sum(r.eviction_events for r in results)
     assert evicted > 0
     labels = 'job="gqa",backend="cpu",policy="strict"'
-    assert poll(api, f"sum(gqa_steps_total{{{labels},outcome=\"ok\"}})", lambda v: v == steps) == steps
+    assert poll(api, f'sum(gqa_steps_total{{{labels},outcome="ok"}})', lambda v: v == steps) == steps
     assert scalar(api, f"sum(gqa_evicted_tokens_total{{{labels}}})") == evicted
     assert scalar(api, f"sum(gqa_eviction_events_total{{{labels}}})") == events
     assert scalar(api, f"sum(gqa_step_duration_seconds_count{{{labels}}})") == steps
-    assert poll(api, 'sum(grpc_server_handled_total{job="gqa",grpc_method="Decode",grpc_code="OK"})',
-                lambda v: v == STREAMS) == STREAMS
+    assert (
+        poll(
+            api, 'sum(grpc_server_handled_total{job="gqa",grpc_method="Decode",grpc_code="OK"})', lambda v: v == STREAMS
+        )
+        == STREAMS
+    )
     assert scalar(api, 'sum(gqa_cache_reserved_bytes{job="gqa"})') == 0
 
     # The exact p99 per backend, labelled: the dashboard's query shape.
-    series = query(api, 'histogram_quantile(0.99, sum by (backend, le) '
-                        '(rate(gqa_step_duration_seconds_bucket{job="gqa"}[30s])))')
+    series = query(
+        api, 'histogram_quantile(0.99, sum by (backend, le) (rate(gqa_step_duration_seconds_bucket{job="gqa"}[30s])))'
+    )
     assert [s["metric"] for s in series] == [{"backend": "cpu"}]
 
 
@@ -200,6 +240,12 @@ def test_every_dashboard_query_runs_against_a_live_scrape(service, prometheus):
     answered = {}
     for title, expr in _dashboard_queries():
         answered.setdefault(title, []).append(query(api, expr))
-    for title in ("Worker utilisation by pod", "Steps waiting and in flight by pod", "Process CPU by pod",
-                  "Process memory (RSS) by pod", "Pods up", "Cache and streams used of limit by pod"):
+    for title in (
+        "Worker utilisation by pod",
+        "Steps waiting and in flight by pod",
+        "Process CPU by pod",
+        "Process memory (RSS) by pod",
+        "Pods up",
+        "Cache and streams used of limit by pod",
+    ):
         assert all(answered[title]), f"{title}: no data"

@@ -23,8 +23,7 @@ def test_seed_examples(seed_examples):
         result = gqa_decode_step(**ex["input"])
         for key, expected in ex["output"].items():
             # The examples are printed to about 6 significant digits.
-            torch.testing.assert_close(result[key], torch.tensor(expected, dtype=torch.float32),
-                                       atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(result[key], torch.tensor(expected, dtype=torch.float32), atol=1e-6, rtol=1e-6)
 
 
 def _inputs(b, hq, hkv, d, s, dtype, seed=0):

@@ -103,7 +103,9 @@ def test_2_a_large_open_never_holds_the_event_loop(monkeypatch):
         other = Session(ch, open_message())
         held = HeldBuild(monkeypatch)
         opened: list = []
-        opener = threading.Thread(target=lambda: opened.append(Session(ch, open_message(policy="none", capacity=1 << 16))))
+        opener = threading.Thread(
+            target=lambda: opened.append(Session(ch, open_message(policy="none", capacity=1 << 16)))
+        )
         opener.start()
         assert held.entered.acquire(timeout=10)
         reply = other.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
@@ -146,8 +148,11 @@ def test_3_a_restore_buffers_no_more_than_its_stream_can_hold():
     chunk) is refused before reading on; its reservation is released."""
     with ServerThread(BASE) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
         msg = open_message(policy="strict", window=8)  # 2 * 1 * 2 * 8 * 8 * 4 = 1 KiB reserved
-        junk = gqa_pb2.DecodeRequest(restore=gqa_pb2.SnapshotChunk(
-            layer=0, key=to_proto(torch.zeros(1, 2, 8192, 8)), value=to_proto(torch.zeros(1, 2, 8192, 8))))
+        junk = gqa_pb2.DecodeRequest(
+            restore=gqa_pb2.SnapshotChunk(
+                layer=0, key=to_proto(torch.zeros(1, 2, 8192, 8)), value=to_proto(torch.zeros(1, 2, 8192, 8))
+            )
+        )
         sent = []
         rpc = RawCall(ch, [_restore_head(msg)])
         for _ in range(64):  # 64 x 1 MiB offered; the bound is ~1 MiB
@@ -161,16 +166,25 @@ def test_3_a_restore_buffers_no_more_than_its_stream_can_hold():
 
 
 # -- item 4 ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,shape", [("query", (0, 4, 8)), ("query", (1, 4, 0)), ("new_key", (1, 2, 0))],
-                         ids=["B=0", "D=0", "new_key D=0"])
+@pytest.mark.parametrize(
+    "field,shape",
+    [("query", (0, 4, 8)), ("query", (1, 4, 0)), ("new_key", (1, 2, 0))],
+    ids=["B=0", "D=0", "new_key D=0"],
+)
 def test_4_zero_sized_tensors_are_invalid_argument(field, shape):
     """Before: INTERNAL "internal error" and a logged traceback (ZeroDivisionError)."""
-    tensors = {"query": torch.zeros(1, 4, 8), "new_key": torch.zeros(1, 2, 8), "new_value": torch.zeros(1, 2, 8),
-               "key_cache": torch.zeros(1, 2, 3, 8), "value_cache": torch.zeros(1, 2, 3, 8)}
+    tensors = {
+        "query": torch.zeros(1, 4, 8),
+        "new_key": torch.zeros(1, 2, 8),
+        "new_value": torch.zeros(1, 2, 8),
+        "key_cache": torch.zeros(1, 2, 3, 8),
+        "value_cache": torch.zeros(1, 2, 3, 8),
+    }
     tensors[field] = torch.zeros(shape)
     with ServerThread(BASE) as srv, grpc.insecure_channel(srv.address) as ch:
-        request = gqa_pb2.DecodeStepRequest(num_query_heads=4, num_kv_heads=2,
-                                            **{k: to_proto(v) for k, v in tensors.items()})
+        request = gqa_pb2.DecodeStepRequest(
+            num_query_heads=4, num_kv_heads=2, **{k: to_proto(v) for k, v in tensors.items()}
+        )
         with pytest.raises(grpc.RpcError) as info:
             gqa_pb2_grpc.AttentionServiceStub(ch).DecodeStep(request, timeout=10)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -198,9 +212,14 @@ def test_4_a_value_error_inside_a_backend_is_internal(monkeypatch):
         session.close()
         monkeypatch.setattr(servicer_module, "gqa_decode_step", broken)
         request = gqa_pb2.DecodeStepRequest(
-            num_query_heads=4, num_kv_heads=2, query=to_proto(torch.zeros(1, 4, 8)),
-            new_key=to_proto(torch.zeros(1, 2, 8)), new_value=to_proto(torch.zeros(1, 2, 8)),
-            key_cache=to_proto(torch.zeros(1, 2, 3, 8)), value_cache=to_proto(torch.zeros(1, 2, 3, 8)))
+            num_query_heads=4,
+            num_kv_heads=2,
+            query=to_proto(torch.zeros(1, 4, 8)),
+            new_key=to_proto(torch.zeros(1, 2, 8)),
+            new_value=to_proto(torch.zeros(1, 2, 8)),
+            key_cache=to_proto(torch.zeros(1, 2, 3, 8)),
+            value_cache=to_proto(torch.zeros(1, 2, 3, 8)),
+        )
         with pytest.raises(grpc.RpcError) as info:
             gqa_pb2_grpc.AttentionServiceStub(ch).DecodeStep(request, timeout=10)
         assert info.value.code() == grpc.StatusCode.INTERNAL and "shape bug" not in info.value.details()
@@ -268,7 +287,9 @@ def test_7_max_streams_holds_against_concurrent_opens(monkeypatch):
 
         def open_one():
             try:
-                outcomes.append(Session(ch, open_message(prefill={0: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))})))
+                outcomes.append(
+                    Session(ch, open_message(prefill={0: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))}))
+                )
             except grpc.RpcError as exc:
                 outcomes.append(exc.code())
 

@@ -67,9 +67,24 @@ class Replica:
         script = pathlib.Path(sys.executable).parent / "gqa-serve"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
         self.proc = subprocess.Popen(
-            [*command, "serve", "--address", "127.0.0.1:0", "--metrics-port", str(self.metrics_port),
-             "--grace-period-s", str(GRACE_S), "--workers", "1", "--log-level", "INFO"],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log,
+            [
+                *command,
+                "serve",
+                "--address",
+                "127.0.0.1:0",
+                "--metrics-port",
+                str(self.metrics_port),
+                "--grace-period-s",
+                str(GRACE_S),
+                "--workers",
+                "1",
+                "--log-level",
+                "INFO",
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
         )
         self.port: int | None = None
 
@@ -132,9 +147,22 @@ class Stream:
         self.stream_id = ""
 
     async def open(self) -> None:
-        await self.call.write(gqa_pb2.DecodeRequest(request_id=0, open=gqa_pb2.OpenStream(
-            backend="cpu", dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=HQ, num_kv_heads=HKV,
-            head_dim=D, num_layers=1, policy=gqa_pb2.EVICTION_POLICY_NONE, capacity=CAPACITY)))
+        await self.call.write(
+            gqa_pb2.DecodeRequest(
+                request_id=0,
+                open=gqa_pb2.OpenStream(
+                    backend="cpu",
+                    dtype=gqa_pb2.DTYPE_FLOAT32,
+                    batch_size=1,
+                    num_query_heads=HQ,
+                    num_kv_heads=HKV,
+                    head_dim=D,
+                    num_layers=1,
+                    policy=gqa_pb2.EVICTION_POLICY_NONE,
+                    capacity=CAPACITY,
+                ),
+            )
+        )
         response = await self.call.read()
         assert response is not grpc.aio.EOF, f"stream {self.number}: ended at open ({await self.call.code()})"
         self.stream_id = response.opened.stream_id
@@ -146,8 +174,12 @@ class Stream:
         v = self.rng.standard_normal((1, HKV, D)).astype(np.float32)
         self.request_id += 1
         try:
-            await self.call.write(gqa_pb2.DecodeRequest(request_id=self.request_id, step=gqa_pb2.Step(
-                layer=0, query=tensor(q), new_key=tensor(k), new_value=tensor(v))))
+            await self.call.write(
+                gqa_pb2.DecodeRequest(
+                    request_id=self.request_id,
+                    step=gqa_pb2.Step(layer=0, query=tensor(q), new_key=tensor(k), new_value=tensor(v)),
+                )
+            )
             response = await self.call.read()
         except asyncio.InvalidStateError:  # writing to a call the server has already ended
             response = grpc.aio.EOF
@@ -160,16 +192,22 @@ class Stream:
         self.values.append(v)
         out = np.frombuffer(result.output.data, dtype="<f4").reshape(tuple(result.output.shape))
         expected = attention_ref(q, np.stack(self.keys, axis=2), np.stack(self.values, axis=2), HQ, HKV)
-        np.testing.assert_allclose(out, expected, atol=ATOL, rtol=RTOL,
-                                   err_msg=f"stream {self.number} step {self.request_id}")
+        np.testing.assert_allclose(
+            out, expected, atol=ATOL, rtol=RTOL, err_msg=f"stream {self.number} step {self.request_id}"
+        )
         assert result.tokens_seen == len(self.keys)
 
 
 def _scrape_active(port: int) -> int:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
         text = response.read().decode()
-    return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(("gqa_active_streams{", "gqa_active_streams "))))
+    return int(
+        sum(
+            float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines()
+            if line.startswith(("gqa_active_streams{", "gqa_active_streams "))
+        )
+    )
 
 
 async def active_streams(ports: list[int]) -> list[int]:
@@ -292,6 +330,8 @@ def test_round_robin_spreads_streams_and_survives_a_replica_stop(replicas):
     assert all(lo <= n <= hi for n in result["per_replica"]), result
     assert sum(result["per_replica"]) == STREAMS
     assert result["victims_ended"] == result["per_replica"][result["victim"]]
-    print(f"\nscale-out: streams per replica {result['per_replica']}; replica {result['victim']} stopped, "
-          f"{result['victims_ended']} streams ended UNAVAILABLE {result['drain_messages']}; survivors stepped "
-          f"{result['survivor_steps']} times exactly; {time.monotonic() - started:.1f} s")
+    print(
+        f"\nscale-out: streams per replica {result['per_replica']}; replica {result['victim']} stopped, "
+        f"{result['victims_ended']} streams ended UNAVAILABLE {result['drain_messages']}; survivors stepped "
+        f"{result['survivor_steps']} times exactly; {time.monotonic() - started:.1f} s"
+    )

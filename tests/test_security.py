@@ -44,31 +44,43 @@ class Pki:
 
 
 def _pem_key(key) -> bytes:
-    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                             serialization.NoEncryption())
+    return key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
 
 
 def _cert(subject: str, key, issuer_name, issuer_key, *, ca=False, server=False):
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
-               .public_key(key.public_key())
-               .serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(hours=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
-            decipher_only=False), critical=True)
+        builder = builder.add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
     elif server:
-        builder = (builder
-                   .add_extension(x509.SubjectAlternativeName([x509.DNSName("localhost"),
-                                                               x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-                                  critical=False)
-                   .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False))
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            critical=False,
+        ).add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
     else:
         builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     return builder.sign(issuer_key or key, hashes.SHA256())
@@ -95,8 +107,15 @@ def pki() -> Pki:
     client_key, client = _leaf("gqa-client", ca_key, ca)
     rogue_ca_key, rogue_ca = _ca("rogue-ca")
     rogue_key, rogue = _leaf("gqa-client", rogue_ca_key, rogue_ca)
-    return Pki(_pem(ca), _pem(server), _pem_key(server_key), _pem(client), _pem_key(client_key),
-               _pem(rogue), _pem_key(rogue_key))
+    return Pki(
+        _pem(ca),
+        _pem(server),
+        _pem_key(server_key),
+        _pem(client),
+        _pem_key(client_key),
+        _pem(rogue),
+        _pem_key(rogue_key),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +134,8 @@ def files(pki, tmp_path_factory):
 
 def _info(channel, metadata=None):
     return gqa_pb2_grpc.AttentionServiceStub(channel).GetServerInfo(
-        gqa_pb2.GetServerInfoRequest(), metadata=metadata, timeout=10)
+        gqa_pb2.GetServerInfoRequest(), metadata=metadata, timeout=10
+    )
 
 
 def _health(channel):
@@ -132,7 +152,8 @@ def _secure(address, pki: Pki, *, ca=True, client=None):
     creds = grpc.ssl_channel_credentials(
         root_certificates=pki.ca if ca else None,
         private_key=client[1] if client else None,
-        certificate_chain=client[0] if client else None)
+        certificate_chain=client[0] if client else None,
+    )
     return grpc.secure_channel(address, creds, options=HOST_OVERRIDE)
 
 
@@ -143,7 +164,9 @@ def test_tls_serves_clients_that_trust_the_ca_and_no_one_else(pki, files):
         with _secure(srv.address, pki) as ch:
             assert _info(ch).version
             session = Session(ch, open_message())
-            assert session.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
+            assert (
+                session.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
+            )
             session.close()
         with _secure(srv.address, pki, ca=False) as ch:  # system roots: does not know our CA
             assert _refused(lambda: _info(ch)).code() == grpc.StatusCode.UNAVAILABLE
@@ -152,8 +175,9 @@ def test_tls_serves_clients_that_trust_the_ca_and_no_one_else(pki, files):
 
 
 def test_mutual_tls_needs_a_client_certificate_from_the_ca(pki, files):
-    config = dataclasses.replace(BASE, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"],
-                                 tls_client_ca_file=files["ca"])
+    config = dataclasses.replace(
+        BASE, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"], tls_client_ca_file=files["ca"]
+    )
     with ServerThread(config) as srv:
         with _secure(srv.address, pki, client=(pki.client_cert, pki.client_key)) as ch:
             assert _info(ch).version
@@ -171,8 +195,13 @@ def test_plaintext_health_port_for_probes_beside_mutual_tls(pki, files):
     plaintext, and follows the drain; the attention service is not reachable there."""
     from tests.test_cli import free_port
 
-    config = dataclasses.replace(BASE, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"],
-                                 tls_client_ca_file=files["ca"], health_port=free_port())
+    config = dataclasses.replace(
+        BASE,
+        tls_cert_file=files["server_cert"],
+        tls_key_file=files["server_key"],
+        tls_client_ca_file=files["ca"],
+        health_port=free_port(),
+    )
     with ServerThread(config) as srv:
         with grpc.insecure_channel(f"127.0.0.1:{srv.server.health_port}") as ch:
             assert _health(ch) == health_pb2.HealthCheckResponse.SERVING
@@ -189,16 +218,20 @@ def token_server(files):
         yield srv
 
 
-@pytest.mark.parametrize("metadata", [
-    None,
-    (("authorization", "Bearer wrong-token"),),
-    (("authorization", "Bearer " + TOKEN[:-1]),),
-    (("authorization", "Bearer " + TOKEN + "x"),),
-    (("authorization", "Basic " + TOKEN),),
-    (("authorization", TOKEN),),
-    (("authorization", "Bearer " + TOKEN), ("authorization", "Bearer " + TOKEN)),
-    (("x-api-key", TOKEN),),
-], ids=["none", "wrong", "prefix", "longer", "basic", "no-scheme", "twice", "other-header"])
+@pytest.mark.parametrize(
+    "metadata",
+    [
+        None,
+        (("authorization", "Bearer wrong-token"),),
+        (("authorization", "Bearer " + TOKEN[:-1]),),
+        (("authorization", "Bearer " + TOKEN + "x"),),
+        (("authorization", "Basic " + TOKEN),),
+        (("authorization", TOKEN),),
+        (("authorization", "Bearer " + TOKEN), ("authorization", "Bearer " + TOKEN)),
+        (("x-api-key", TOKEN),),
+    ],
+    ids=["none", "wrong", "prefix", "longer", "basic", "no-scheme", "twice", "other-header"],
+)
 def test_missing_or_wrong_token_is_unauthenticated(token_server, metadata, caplog):
     caplog.set_level(logging.DEBUG)
     with grpc.insecure_channel(token_server.address) as ch:
@@ -234,15 +267,20 @@ def test_reflection_needs_the_token(token_server):
         stub = reflection_pb2_grpc.ServerReflectionStub(ch)
         error = _refused(lambda: list(stub.ServerReflectionInfo(iter([request]), timeout=10)))
         assert error.code() == grpc.StatusCode.UNAUTHENTICATED
-        replies = list(stub.ServerReflectionInfo(iter([request]), timeout=10,
-                                                 metadata=(("authorization", "Bearer " + TOKEN),)))
+        replies = list(
+            stub.ServerReflectionInfo(iter([request]), timeout=10, metadata=(("authorization", "Bearer " + TOKEN),))
+        )
         assert "gqa.v1.AttentionService" in {s.name for s in replies[0].list_services_response.service}
 
 
 def test_refusals_are_counted_with_their_code(token_server):
     m = token_server.server.metrics
-    labels = {"grpc_type": "unary", "grpc_service": "gqa.v1.AttentionService", "grpc_method": "GetServerInfo",
-              "grpc_code": "Unauthenticated"}
+    labels = {
+        "grpc_type": "unary",
+        "grpc_service": "gqa.v1.AttentionService",
+        "grpc_method": "GetServerInfo",
+        "grpc_code": "Unauthenticated",
+    }
     before = m.value("grpc_server_handled_total", labels)
     with grpc.insecure_channel(token_server.address) as ch:
         _refused(lambda: _info(ch))
@@ -252,8 +290,16 @@ def test_refusals_are_counted_with_their_code(token_server):
 
 
 def test_token_from_the_environment_and_tls_together(pki, files):
-    config = from_args(None, {"GQA_ADDRESS": "127.0.0.1:0", "GQA_METRICS_PORT": "0", "GQA_AUTH_TOKEN": TOKEN,
-                              "GQA_TLS_CERT_FILE": files["server_cert"], "GQA_TLS_KEY_FILE": files["server_key"]})
+    config = from_args(
+        None,
+        {
+            "GQA_ADDRESS": "127.0.0.1:0",
+            "GQA_METRICS_PORT": "0",
+            "GQA_AUTH_TOKEN": TOKEN,
+            "GQA_TLS_CERT_FILE": files["server_cert"],
+            "GQA_TLS_KEY_FILE": files["server_key"],
+        },
+    )
     assert TOKEN not in repr(config)
     with ServerThread(config) as srv, _secure(srv.address, pki) as ch:
         assert _refused(lambda: _info(ch)).code() == grpc.StatusCode.UNAUTHENTICATED
@@ -344,8 +390,9 @@ def test_serve_with_an_empty_token_exits_2_with_one_line(tmp_path, source):
         path.write_text(" \n")
         env["GQA_AUTH_TOKEN_FILE"] = str(path)
         where = "--auth-token-file"
-    run = subprocess.run([sys.executable, "-m", "service.cli", "serve"], env=env, capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(
+        [sys.executable, "-m", "service.cli", "serve"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 2, run.stdout + run.stderr
     lines = run.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("gqa-serve: error: ") and where in lines[0], run.stderr

@@ -54,10 +54,17 @@ def rnd(g, *shape, dtype=torch.float32):
 def test_decode_step_seed_examples(stub, seed_examples):
     for ex in seed_examples:
         i = ex["input"]
-        t = {k: torch.tensor(i[k], dtype=torch.float32) for k in ("query", "new_key", "new_value", "key_cache", "value_cache")}
-        resp = stub.DecodeStep(gqa_pb2.DecodeStepRequest(
-            **{k: to_proto(v) for k, v in t.items()},
-            num_query_heads=i["num_query_heads"], num_kv_heads=i["num_kv_heads"]))
+        t = {
+            k: torch.tensor(i[k], dtype=torch.float32)
+            for k in ("query", "new_key", "new_value", "key_cache", "value_cache")
+        }
+        resp = stub.DecodeStep(
+            gqa_pb2.DecodeStepRequest(
+                **{k: to_proto(v) for k, v in t.items()},
+                num_query_heads=i["num_query_heads"],
+                num_kv_heads=i["num_kv_heads"],
+            )
+        )
         for key in ("output", "new_key_cache", "new_value_cache"):
             got = from_proto(getattr(resp, key), key)
             torch.testing.assert_close(got, torch.tensor(ex["output"][key], dtype=torch.float32), atol=1e-6, rtol=1e-6)
@@ -72,9 +79,17 @@ def test_decode_step_grid(stub, b, hq, hkv, d, s, dtype):
     g = torch.Generator().manual_seed(s + d)
     q, k, v = rnd(g, b, hq, d, dtype=dtype), rnd(g, b, hkv, d, dtype=dtype), rnd(g, b, hkv, d, dtype=dtype)
     kc, vc = rnd(g, b, hkv, s, d, dtype=dtype), rnd(g, b, hkv, s, d, dtype=dtype)
-    resp = stub.DecodeStep(gqa_pb2.DecodeStepRequest(
-        query=to_proto(q), new_key=to_proto(k), new_value=to_proto(v), key_cache=to_proto(kc),
-        value_cache=to_proto(vc), num_query_heads=hq, num_kv_heads=hkv))
+    resp = stub.DecodeStep(
+        gqa_pb2.DecodeStepRequest(
+            query=to_proto(q),
+            new_key=to_proto(k),
+            new_value=to_proto(v),
+            key_cache=to_proto(kc),
+            value_cache=to_proto(vc),
+            num_query_heads=hq,
+            num_kv_heads=hkv,
+        )
+    )
     out = from_proto(resp.output, "output")
     assert out.dtype == dtype
     ref = decode_step_ref(q.double(), k.double(), v.double(), kc.double(), vc.double(), hq, hkv)
@@ -83,9 +98,15 @@ def test_decode_step_grid(stub, b, hq, hkv, d, s, dtype):
 
 
 def _bad_stateless():
-    ok = dict(query=to_proto(torch.zeros(1, 4, 8)), new_key=to_proto(torch.zeros(1, 2, 8)),
-              new_value=to_proto(torch.zeros(1, 2, 8)), key_cache=to_proto(torch.zeros(1, 2, 3, 8)),
-              value_cache=to_proto(torch.zeros(1, 2, 3, 8)), num_query_heads=4, num_kv_heads=2)
+    ok = dict(
+        query=to_proto(torch.zeros(1, 4, 8)),
+        new_key=to_proto(torch.zeros(1, 2, 8)),
+        new_value=to_proto(torch.zeros(1, 2, 8)),
+        key_cache=to_proto(torch.zeros(1, 2, 3, 8)),
+        value_cache=to_proto(torch.zeros(1, 2, 3, 8)),
+        num_query_heads=4,
+        num_kv_heads=2,
+    )
     bad_len = to_proto(torch.zeros(1, 4, 8))
     bad_len.data = bad_len.data[:-1]
     bad_dtype = to_proto(torch.zeros(1, 4, 8))
@@ -159,8 +180,9 @@ def test_stream_matches_oracle(channel, policy):
 def _policy(cfg):
     from backends.policy import EvictionPolicy
 
-    return EvictionPolicy.create(cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0),
-                                 sinks=cfg.get("sinks", 0))
+    return EvictionPolicy.create(
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+    )
 
 
 def test_opened_reply_reports_the_grant(channel):
@@ -184,12 +206,28 @@ def _bad_steps():
         ("query-heads", lambda s: step_request(99, 0, rnd(g, 1, 6, 8), k, v), "INVALID_ARGUMENT", "query"),
         ("key-shape", lambda s: step_request(99, 0, q, rnd(g, 1, 2, 9), v), "INVALID_ARGUMENT", "new_key"),
         ("dtype", lambda s: step_request(99, 0, q.half(), k.half(), v.half()), "INVALID_ARGUMENT", "dtype"),
-        ("byte-length", lambda s: gqa_pb2.DecodeRequest(request_id=99, step=gqa_pb2.Step(
-            query=short, new_key=to_proto(k), new_value=to_proto(v))), "INVALID_ARGUMENT", "step.query.data"),
-        ("unknown-dtype", lambda s: gqa_pb2.DecodeRequest(request_id=99, step=gqa_pb2.Step(
-            query=unknown, new_key=to_proto(k), new_value=to_proto(v))), "INVALID_ARGUMENT", "step.query.dtype"),
-        ("missing-tensor", lambda s: gqa_pb2.DecodeRequest(request_id=99, step=gqa_pb2.Step(
-            query=to_proto(q), new_value=to_proto(v))), "INVALID_ARGUMENT", "step.new_key"),
+        (
+            "byte-length",
+            lambda s: gqa_pb2.DecodeRequest(
+                request_id=99, step=gqa_pb2.Step(query=short, new_key=to_proto(k), new_value=to_proto(v))
+            ),
+            "INVALID_ARGUMENT",
+            "step.query.data",
+        ),
+        (
+            "unknown-dtype",
+            lambda s: gqa_pb2.DecodeRequest(
+                request_id=99, step=gqa_pb2.Step(query=unknown, new_key=to_proto(k), new_value=to_proto(v))
+            ),
+            "INVALID_ARGUMENT",
+            "step.query.dtype",
+        ),
+        (
+            "missing-tensor",
+            lambda s: gqa_pb2.DecodeRequest(request_id=99, step=gqa_pb2.Step(query=to_proto(q), new_value=to_proto(v))),
+            "INVALID_ARGUMENT",
+            "step.new_key",
+        ),
     ]
 
 
@@ -200,7 +238,8 @@ def test_refused_step_is_in_band_and_stream_goes_on(channel, server, name, make,
     ks, vs = [], []
     for _ in range(6):
         q, k, v = rnd(g, 1, 4, 8), rnd(g, 1, 2, 8), rnd(g, 1, 2, 8)
-        ks.append(k); vs.append(v)  # noqa: E702
+        ks.append(k)
+        vs.append(v)  # noqa: E702
         session.step(0, q, k, v)
     stream = next(s for s in server.engine.streams() if s.id == session.opened.stream_id)
     before = stream.caches[0].export(), stream.caches[0].tokens_seen
@@ -213,7 +252,8 @@ def test_refused_step_is_in_band_and_stream_goes_on(channel, server, name, make,
     assert torch.equal(before[0][0], after[0][0]) and torch.equal(before[0][1], after[0][1]) and before[1] == after[1]
     # The next step is exact.
     q, k, v = rnd(g, 1, 4, 8), rnd(g, 1, 2, 8), rnd(g, 1, 2, 8)
-    ks.append(k); vs.append(v)  # noqa: E702
+    ks.append(k)
+    vs.append(v)  # noqa: E702
     out = session.output(session.step(0, q, k, v))
     ref = attention_ref(q.double(), torch.stack(ks[-4:], 2).double(), torch.stack(vs[-4:], 2).double(), 4, 2)
     assert_close_to_oracle(out, ref, torch.float32)
@@ -235,26 +275,64 @@ def _fatal_opens():
     return [
         ("zero-heads", open_message(hq=0), grpc.StatusCode.INVALID_ARGUMENT, "num_query_heads"),
         ("heads-not-multiple", open_message(hq=5, hkv=2), grpc.StatusCode.INVALID_ARGUMENT, "multiple"),
-        ("unknown-policy", gqa_pb2.OpenStream(batch_size=1, num_query_heads=1, num_kv_heads=1, head_dim=4,
-                                              num_layers=1, policy=42, window=3), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
-        ("unspecified-policy", gqa_pb2.OpenStream(batch_size=1, num_query_heads=1, num_kv_heads=1, head_dim=4,
-                                                  num_layers=1, window=3), grpc.StatusCode.INVALID_ARGUMENT, "policy"),
-        ("unknown-dtype", gqa_pb2.OpenStream(batch_size=1, num_query_heads=1, num_kv_heads=1, head_dim=4, num_layers=1,
-                                             dtype=17, policy=gqa_pb2.EVICTION_POLICY_STRICT, window=3),
-         grpc.StatusCode.INVALID_ARGUMENT, "dtype"),
+        (
+            "unknown-policy",
+            gqa_pb2.OpenStream(
+                batch_size=1, num_query_heads=1, num_kv_heads=1, head_dim=4, num_layers=1, policy=42, window=3
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "policy",
+        ),
+        (
+            "unspecified-policy",
+            gqa_pb2.OpenStream(batch_size=1, num_query_heads=1, num_kv_heads=1, head_dim=4, num_layers=1, window=3),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "policy",
+        ),
+        (
+            "unknown-dtype",
+            gqa_pb2.OpenStream(
+                batch_size=1,
+                num_query_heads=1,
+                num_kv_heads=1,
+                head_dim=4,
+                num_layers=1,
+                dtype=17,
+                policy=gqa_pb2.EVICTION_POLICY_STRICT,
+                window=3,
+            ),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "dtype",
+        ),
         ("window-zero", open_message(policy="strict", window=0), grpc.StatusCode.INVALID_ARGUMENT, "window"),
-        ("greedy-capacity", open_message(policy="greedy", window=8, capacity=4), grpc.StatusCode.INVALID_ARGUMENT, "capacity"),
+        (
+            "greedy-capacity",
+            open_message(policy="greedy", window=8, capacity=4),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "capacity",
+        ),
         ("too-many-layers", open_message(layers=100000), grpc.StatusCode.INVALID_ARGUMENT, "num_layers"),
         ("capacity-limit", open_message(policy="none", capacity=1 << 30), grpc.StatusCode.INVALID_ARGUMENT, "capacity"),
         ("unknown-backend", open_message(backend="tpu"), grpc.StatusCode.FAILED_PRECONDITION, "tpu"),
         ("cuda-here", open_message(backend="cuda", dtype=torch.float16), grpc.StatusCode.FAILED_PRECONDITION, "cuda"),
-        ("prefill-shape", open_message(prefill={0: (torch.zeros(1, 2, 3, 9), torch.zeros(1, 2, 3, 9))}),
-         grpc.StatusCode.INVALID_ARGUMENT, "prefill"),
-        ("prefill-layer", open_message(prefill={4: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))}),
-         grpc.StatusCode.INVALID_ARGUMENT, "prefill.layer"),
-        ("prefill-too-long", open_message(policy="none", capacity=2,
-                                          prefill={0: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))}),
-         grpc.StatusCode.INVALID_ARGUMENT, "capacity"),
+        (
+            "prefill-shape",
+            open_message(prefill={0: (torch.zeros(1, 2, 3, 9), torch.zeros(1, 2, 3, 9))}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill",
+        ),
+        (
+            "prefill-layer",
+            open_message(prefill={4: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "prefill.layer",
+        ),
+        (
+            "prefill-too-long",
+            open_message(policy="none", capacity=2, prefill={0: (torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))}),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "capacity",
+        ),
     ]
 
 
@@ -378,7 +456,10 @@ def test_server_info(stub):
 def test_health_and_reflection(channel):
     health = health_pb2_grpc.HealthStub(channel)
     for service in ("", "gqa.v1.AttentionService"):
-        assert health.Check(health_pb2.HealthCheckRequest(service=service)).status == health_pb2.HealthCheckResponse.SERVING
+        assert (
+            health.Check(health_pb2.HealthCheckRequest(service=service)).status
+            == health_pb2.HealthCheckResponse.SERVING
+        )
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     refl = reflection_pb2_grpc.ServerReflectionStub(channel)
@@ -403,6 +484,8 @@ def test_connection_age_never_cuts_an_open_stream():
             time.sleep(0.05)
         new = Session(ch, open_message())
         assert new.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.status.code == 0
-        assert old.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.tokens_seen == steps + 1
+        assert (
+            old.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8)).step.tokens_seen == steps + 1
+        )
         old.close()
         new.close()

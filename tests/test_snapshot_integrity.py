@@ -22,8 +22,10 @@ def _server(**kwargs) -> ServerThread:
 
 
 def _steps(g, n):
-    return [(torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g),
-             torch.randn(1, HKV, D, generator=g)) for _ in range(n)]
+    return [
+        (torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g))
+        for _ in range(n)
+    ]
 
 
 def _copy(chunks):
@@ -102,11 +104,15 @@ def test_signed_snapshot_restores_bit_identically(signing):
     session.close()
 
 
-@pytest.mark.parametrize("alter,word", [
-    (lambda c: _with_tokens(c, 7), "signature does not match"),
-    (lambda c: [*_copy(c)[:-1], _unsigned(c[-1])], "carries no signature"),
-    (lambda c: _resigned(c, b"another key, 24 bytes.."), "signature does not match"),
-], ids=["token-count", "signature-removed", "other-key"])
+@pytest.mark.parametrize(
+    "alter,word",
+    [
+        (lambda c: _with_tokens(c, 7), "signature does not match"),
+        (lambda c: [*_copy(c)[:-1], _unsigned(c[-1])], "carries no signature"),
+        (lambda c: _resigned(c, b"another key, 24 bytes.."), "signature does not match"),
+    ],
+    ids=["token-count", "signature-removed", "other-key"],
+)
 def test_a_signing_server_refuses_altered_snapshots(signing, alter, word):
     server, channel = signing
     session = _six_token_stream(channel)
@@ -138,10 +144,14 @@ def _resigned(chunks, key: bytes):
     return out
 
 
-@pytest.mark.parametrize("kwargs,word", [
-    (dict(snapshot_key="   "), "GQA_SNAPSHOT_KEY"),
-    (dict(snapshot_key="short"), "at least 16 bytes"),
-], ids=["blank", "short"])
+@pytest.mark.parametrize(
+    "kwargs,word",
+    [
+        (dict(snapshot_key="   "), "GQA_SNAPSHOT_KEY"),
+        (dict(snapshot_key="short"), "at least 16 bytes"),
+    ],
+    ids=["blank", "short"],
+)
 def test_a_key_source_that_is_set_but_unusable_refuses_to_start(kwargs, word):
     with pytest.raises(ConfigError, match=word):
         load_snapshot_key(ServerConfig(**kwargs))

@@ -174,10 +174,12 @@ def _kernel_inputs(case: KernelCase) -> dict:
 
 # -- the worker (runs under the interpreter) --------------------------------------------------
 
+
 def _worker(path: str) -> None:
     assert os.environ.get("TRITON_INTERPRET") == "1"
-    import triton
     from dataclasses import replace
+
+    import triton
 
     from backends import triton_decode as td
     from backends.base import CacheSpec
@@ -196,15 +198,17 @@ def _worker(path: str) -> None:
             out = td.decode_attention(inp["q"], inp["k"], inp["v"], case.runs, **kw)
         total = sum(b - a for a, b in case.runs)
         results["kernels"][case.id] = dict(
-            inputs=inp, output=out,
+            inputs=inp,
+            output=out,
             splits=case.splits or td.plan_splits(total, case.batch * case.heads[1], td._CPU_SMS, config)[0],
         )
 
     for case in CACHE_CASES:
         hq, hkv = case.heads
         dtype = DTYPES[case.dtype]
-        spec = CacheSpec(case.batch, hq, hkv, case.head_dim, dtype,
-                         EvictionPolicy.create(case.policy, **case.kw), device="cpu")
+        spec = CacheSpec(
+            case.batch, hq, hkv, case.head_dim, dtype, EvictionPolicy.create(case.policy, **case.kw), device="cpu"
+        )
         cache = CUDACache(spec, attention="triton", kernel_config=config)
         gen = torch.Generator().manual_seed(7)
         kv_shape = (case.batch, hkv, case.head_dim)
@@ -222,8 +226,9 @@ def _worker(path: str) -> None:
             k = torch.randn(*kv_shape, generator=gen).to(dtype)
             v = torch.randn(*kv_shape, generator=gen).to(dtype)
             outcome = cache.step(q, k, v)
-            record["steps"].append(dict(q=q, k=k, v=v, rolled=rolled, out=outcome.output,
-                                        bytes_moved=outcome.bytes_moved))
+            record["steps"].append(
+                dict(q=q, k=k, v=v, rolled=rolled, out=outcome.output, bytes_moved=outcome.bytes_moved)
+            )
         record["export"] = cache.export()
         results["caches"][case.id] = record
 
@@ -234,7 +239,9 @@ def _worker(path: str) -> None:
         "empty-runs": lambda: td.decode_attention(q, kv, kv, [(3, 3)], num_kv_heads=2),
         "run-outside": lambda: td.decode_attention(q, kv, kv, [(4, 9)], num_kv_heads=2),
         "dtype-mismatch": lambda: td.decode_attention(q, kv.float(), kv.float(), [(0, 8)], num_kv_heads=2),
-        "int8-codes-not-int8": lambda: td.decode_attention_int8(q, kv, kv[..., 0].float(), kv, kv[..., 0].float(), [(0, 8)], num_kv_heads=2),
+        "int8-codes-not-int8": lambda: td.decode_attention_int8(
+            q, kv, kv[..., 0].float(), kv, kv[..., 0].float(), [(0, 8)], num_kv_heads=2
+        ),
     }
     for name, call in bad.items():
         try:
@@ -255,8 +262,9 @@ def _batched_worker(config) -> dict:
 
     def build(stream: Stream, dtype: str, heads, seed: int):
         hq, hkv, d = heads
-        spec = CacheSpec(stream.batch, hq, hkv, d, DTYPES[dtype],
-                         EvictionPolicy.create(stream.policy, **stream.kw), device="cpu")
+        spec = CacheSpec(
+            stream.batch, hq, hkv, d, DTYPES[dtype], EvictionPolicy.create(stream.policy, **stream.kw), device="cpu"
+        )
         cache = CUDACache(spec, attention="triton", kernel_config=config)
         prefill, steps = _stream_inputs(stream, dtype, heads, seed)
         if stream.prefill:
@@ -289,8 +297,10 @@ def _batched_worker(config) -> dict:
 
     # Alone vs batches of 1, 7 and IDENTITY_CACHES.
     streams = [(STREAMS[j % len(STREAMS)], 100 + j) for j in range(IDENTITY_CACHES)]
-    copies = {name: [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in streams[:size]]
-              for name, size in (("alone", IDENTITY_CACHES), ("one", len(STREAMS)), ("seven", 7), ("large", IDENTITY_CACHES))}
+    copies = {
+        name: [build(st, "float16", IDENTITY_HEADS, seed) for st, seed in streams[:size]]
+        for name, size in (("alone", IDENTITY_CACHES), ("one", len(STREAMS)), ("seven", 7), ("large", IDENTITY_CACHES))
+    }
     ident = dict(alone=[c.step(*st[0]).output for c, st in copies["alone"]])
     ident["one"] = [batched([c], [st], 0)[0] for c, st in copies["one"]]
     for name in ("seven", "large"):
@@ -371,8 +381,19 @@ def _aot_worker(path: str) -> None:
     report = {}
     for dtype, quant in AOT_VARIANTS:
         ptr = "*" + dtype
-        sig, const = {}, dict(G=4, D=128, G_PAD=16, D_PAD=128, BLOCK_N=td.DEFAULT_CONFIG.block_n,
-                              QUANT=quant, DIRECT=False, UPCAST=False)
+        sig, const = (
+            {},
+            dict(
+                G=4,
+                D=128,
+                G_PAD=16,
+                D_PAD=128,
+                BLOCK_N=td.DEFAULT_CONFIG.block_n,
+                QUANT=quant,
+                DIRECT=False,
+                UPCAST=False,
+            ),
+        )
         for n in names:
             if n in const:
                 sig[n] = "constexpr"
@@ -386,11 +407,17 @@ def _aot_worker(path: str) -> None:
                 sig[n] = "*fp32"
             else:
                 sig[n] = "fp32" if n == "qk_scale" else "i32"
-        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
-                 if sig[n].startswith("*") or n.startswith("stride") or n == "chunk"}
+        attrs = {
+            (names.index(n),): [["tt.divisibility", 16]]
+            for n in names
+            if sig[n].startswith("*") or n.startswith("stride") or n == "chunk"
+        }
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages))
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
+        )
         ptx = kernel.asm["ptx"]
         report[f"{dtype}-{'int8' if quant else 'dense'}"] = dict(
             vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
@@ -402,14 +429,28 @@ def _aot_worker(path: str) -> None:
     fn = td._batched_kernel
     names = fn.arg_names
     for dtype in ("fp16", "bf16"):
-        const = dict(G=4, D=128, G_PAD=16, D_PAD=128, BLOCK_N=td.DEFAULT_CONFIG.block_n, UPCAST=False,
-                     DESC_W=td._DESC_W)
-        sig = {n: "constexpr" if n in const else "*i64" if n in ("DESC", "WORK", "COUNT")
-               else "*fp32" if n in ("PART", "LSE") else "*" + dtype if n == "OUT" else "fp32" for n in names}
+        const = dict(
+            G=4, D=128, G_PAD=16, D_PAD=128, BLOCK_N=td.DEFAULT_CONFIG.block_n, UPCAST=False, DESC_W=td._DESC_W
+        )
+        sig = {
+            n: "constexpr"
+            if n in const
+            else "*i64"
+            if n in ("DESC", "WORK", "COUNT")
+            else "*fp32"
+            if n in ("PART", "LSE")
+            else "*" + dtype
+            if n == "OUT"
+            else "fp32"
+            for n in names
+        }
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
         src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                                options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages))
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
+        )
         ptx = kernel.asm["ptx"]
         report[f"{dtype}-batched"] = dict(
             vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
@@ -434,8 +475,9 @@ if __name__ == "__main__":
 
 # -- the tests (in the pytest process) --------------------------------------------------------
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="triton not installed (the 'triton' extra)")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None, reason="triton not installed (the 'triton' extra)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -443,16 +485,21 @@ def interpreted(tmp_path_factory):
     path = tmp_path_factory.mktemp("triton-interpret") / "results.pt"
     env = dict(os.environ, TRITON_INTERPRET="1")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_kernel", str(path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_triton_kernel", str(path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
     return torch.load(path, weights_only=False)
 
 
 def _assert_close(got: torch.Tensor, ref: np.ndarray, tol: tuple[float, float], what: str) -> None:
     atol, rtol = tol
-    torch.testing.assert_close(got.double(), torch.from_numpy(ref), atol=atol, rtol=rtol,
-                               msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(got.double(), torch.from_numpy(ref), atol=atol, rtol=rtol, msg=lambda m: f"{what}: {m}")
 
 
 def _gather(rows_tensor: torch.Tensor, runs, batch: int, hkv: int) -> np.ndarray:
@@ -473,8 +520,13 @@ def test_kernel_matches_oracle(interpreted, case):
         k, v = kc.double() * ks.double()[..., None], vc.double() * vs.double()[..., None]
     else:
         k, v = inp["k"], inp["v"]
-    ref = attention_ref(inp["q"].double().numpy(), _gather(k, case.runs, case.batch, hkv),
-                        _gather(v, case.runs, case.batch, hkv), hq, hkv)
+    ref = attention_ref(
+        inp["q"].double().numpy(),
+        _gather(k, case.runs, case.batch, hkv),
+        _gather(v, case.runs, case.batch, hkv),
+        hq,
+        hkv,
+    )
     _assert_close(out, ref, TOLERANCES[case.dtype], case.id)
 
 
@@ -483,8 +535,13 @@ def test_int8_kernel_within_budget_of_full_precision(interpreted, case):
     res = interpreted["kernels"][case.id]
     inp = res["inputs"]
     hq, hkv = case.heads
-    ref = attention_ref(inp["q"].double().numpy(), _gather(inp["k_orig"], case.runs, case.batch, hkv),
-                        _gather(inp["v_orig"], case.runs, case.batch, hkv), hq, hkv)
+    ref = attention_ref(
+        inp["q"].double().numpy(),
+        _gather(inp["k_orig"], case.runs, case.batch, hkv),
+        _gather(inp["v_orig"], case.runs, case.batch, hkv),
+        hq,
+        hkv,
+    )
     _assert_close(res["output"], ref, INT8_BUDGET, case.id)
 
 
@@ -586,8 +643,11 @@ def test_batched_steps_match_oracle_and_equal_alone(interpreted, grid_id):
 
 
 def test_the_batched_grid_exercises_one_and_several_splits():
-    attended = {(s.policy, r): len(attended_positions(s.policy, s.prefill + r + 1, s.kw.get("window", 0), s.kw.get("sinks", 0)))
-                for s in STREAMS for r in range(ROUNDS)}
+    attended = {
+        (s.policy, r): len(attended_positions(s.policy, s.prefill + r + 1, s.kw.get("window", 0), s.kw.get("sinks", 0)))
+        for s in STREAMS
+        for r in range(ROUNDS)
+    }
     splits = {-(-n // SPLIT_TOKENS) for n in attended.values()}
     assert 1 in splits and max(splits) >= 3, attended
 
@@ -629,8 +689,14 @@ def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
     path = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-m", "tests.test_triton_kernel", "--aot", str(path)],
-                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.test_triton_kernel", "--aot", str(path)],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, f"ahead-of-time compile failed:\n{proc.stdout}\n{proc.stderr}"
     report = json.loads(path.read_text())
     assert len(report) == len(AOT_VARIANTS) + 2

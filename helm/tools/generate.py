@@ -62,12 +62,33 @@ _RulesDumper.add_representer(str, _str)
 
 def render_rules() -> str:
     with tempfile.TemporaryDirectory() as home:
-        env = dict(os.environ, KUBECONFIG=os.devnull, HELM_CACHE_HOME=f"{home}/c", HELM_CONFIG_HOME=f"{home}/f",
-                   HELM_DATA_HOME=f"{home}/d")
-        run = subprocess.run([helm_binary(), "template", "gqa", str(CHART), "--namespace", "default",
-                              "--api-versions", "monitoring.coreos.com/v1", "--set", "prometheusRule.enabled=true",
-                              "--show-only", "templates/prometheusrule.yaml"],
-                             capture_output=True, text=True, env=env, timeout=60)
+        env = dict(
+            os.environ,
+            KUBECONFIG=os.devnull,
+            HELM_CACHE_HOME=f"{home}/c",
+            HELM_CONFIG_HOME=f"{home}/f",
+            HELM_DATA_HOME=f"{home}/d",
+        )
+        run = subprocess.run(
+            [
+                helm_binary(),
+                "template",
+                "gqa",
+                str(CHART),
+                "--namespace",
+                "default",
+                "--api-versions",
+                "monitoring.coreos.com/v1",
+                "--set",
+                "prometheusRule.enabled=true",
+                "--show-only",
+                "templates/prometheusrule.yaml",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
     if run.returncode:
         raise SystemExit(f"helm template failed:\n{run.stderr}")
     spec = yaml.safe_load(run.stdout)["spec"]
@@ -172,8 +193,9 @@ def values_table(values_text: str, schema: dict) -> str:
         parts = path.split(".")
         # A key's own (or its group's) comment, else its nearest ancestor's: a section's
         # comment describes keys like alerts.queueWait.for.
-        desc = next((comments[".".join(parts[:i])] for i in range(len(parts), 0, -1)
-                     if ".".join(parts[:i]) in comments), "")
+        desc = next(
+            (comments[".".join(parts[:i])] for i in range(len(parts), 0, -1) if ".".join(parts[:i]) in comments), ""
+        )
         desc = desc or node.get("description", "")
         shown = json.dumps(default, separators=(", ", ": "))
         rows.append(f"| `{path}` | {_cell(_type(node, schema))} | `{_cell(shown)}` | {_cell(desc)} |")

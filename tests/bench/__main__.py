@@ -35,16 +35,21 @@ def available() -> dict[str, str]:
 def build_parser(names: dict[str, str]) -> argparse.ArgumentParser:
     listing = "\n".join(f"  {name:<10} {line}" for name, line in names.items())
     parser = argparse.ArgumentParser(
-        prog="python -m tests.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog="python -m tests.bench",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         description=__doc__.split("\n\n")[1].replace("``", ""),
         epilog=f"benchmarks (default: all, in this order):\n{listing}\n\n"
-               "`make bench` installs the bench extras (ONNX Runtime for the cpu comparison; rich for "
-               "the progress display, matplotlib for the plots) and runs them all.")
+        "`make bench` installs the bench extras (ONNX Runtime for the cpu comparison; rich for "
+        "the progress display, matplotlib for the plots) and runs them all.",
+    )
     parser.add_argument("names", nargs="*", metavar="name", help="benchmarks to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
-    parser.add_argument("--plots-only", action="store_true",
-                        help="draw the plots from the JSON already in the results folder; run nothing")
+    parser.add_argument(
+        "--plots-only",
+        action="store_true",
+        help="draw the plots from the JSON already in the results folder; run nothing",
+    )
     return parser
 
 
@@ -94,8 +99,10 @@ def main(argv: list[str]) -> int:
         return 0
     unknown = [n for n in args.names if n not in names]
     if unknown:
-        print(f"python -m tests.bench: error: unknown benchmark {', '.join(unknown)} (known: {', '.join(names)})",
-              file=sys.stderr)
+        print(
+            f"python -m tests.bench: error: unknown benchmark {', '.join(unknown)} (known: {', '.join(names)})",
+            file=sys.stderr,
+        )
         return 2
     selected = args.names or list(names)
     if not args.plots_only:
@@ -128,7 +135,11 @@ def _records(path: pathlib.Path) -> list[dict] | None:
 
 
 def _number(value) -> float | None:
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) else None
+    return (
+        float(value)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        else None
+    )
 
 
 def _spread_keys(key: str) -> tuple[str, str]:
@@ -149,7 +160,8 @@ def latency_series(records: list[dict]) -> dict[str, dict[str, list[tuple[float,
             lo, hi = (_number(record.get(k)) for k in _spread_keys(key))
             impl = key[: -len("_s")]
             series.setdefault(str(record.get("dtype", "")), {}).setdefault(impl, []).append(
-                (record["S"], value, lo, hi))
+                (record["S"], value, lo, hi)
+            )
     return series
 
 
@@ -179,8 +191,11 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
     cpu = _records(folder / "cpu.json")
     series = latency_series(cpu) if cpu is not None else {}
     if not series:
-        print(f"plots: {folder / 'cpu.json'} {'is missing' if cpu is None else 'has no S and *_s step records'}; "
-              "no latency plot", file=sys.stderr)
+        print(
+            f"plots: {folder / 'cpu.json'} {'is missing' if cpu is None else 'has no S and *_s step records'}; "
+            "no latency plot",
+            file=sys.stderr,
+        )
     else:
         fig, axes = plt.subplots(1, len(series), figsize=(5.5 * len(series), 4.2), squeeze=False)
         every = sorted({impl for impls in series.values() for impl in impls})
@@ -189,10 +204,15 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
             for impl, points in sorted(impls.items()):
                 points.sort()
                 xs, ys = [p[0] for p in points], [p[1] * 1e3 for p in points]
-                line, = ax.plot(xs, ys, marker="o", label=impl, color=colors[impl])
+                (line,) = ax.plot(xs, ys, marker="o", label=impl, color=colors[impl])
                 if all(p[2] is not None and p[3] is not None for p in points):
-                    ax.fill_between(xs, [p[2] * 1e3 for p in points], [p[3] * 1e3 for p in points],
-                                    color=line.get_color(), alpha=0.2)
+                    ax.fill_between(
+                        xs,
+                        [p[2] * 1e3 for p in points],
+                        [p[3] * 1e3 for p in points],
+                        color=line.get_color(),
+                        alpha=0.2,
+                    )
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
             ax.set_xlabel("S (cached positions)")
@@ -209,9 +229,11 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
     service = _records(folder / "service.json")
     rates = throughput_series(service) if service is not None else {}
     if not rates:
-        print(f"plots: {folder / 'service.json'} "
-              f"{'is missing' if service is None else 'has no streams and steps_per_s records'}; no throughput plot",
-              file=sys.stderr)
+        print(
+            f"plots: {folder / 'service.json'} "
+            f"{'is missing' if service is None else 'has no streams and steps_per_s records'}; no throughput plot",
+            file=sys.stderr,
+        )
     else:
         fig, ax = plt.subplots(figsize=(7, 4.2))
         for label, points in sorted(rates.items()):

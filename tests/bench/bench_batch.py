@@ -66,13 +66,24 @@ def free_port() -> int:
 def step_reply(dtype: torch.dtype) -> bytes:
     """A real-sized answer to a 64-sequence step message (every per-sequence field filled)."""
     big = [2049] * N
-    return gqa_pb2.BatchResponse(request_id=1, step=gqa_pb2.BatchStepResult(
-        status=gqa_pb2.Status(), layer=0, output=to_proto(torch.zeros(N, HQ, D, dtype=dtype)), tokens_seen=big,
-        resident=big, first_position=[1] * N, last_position=big, evicted_tokens=[1] * N, rollback_reach=[0] * N,
-        compute_ns=123456789)).SerializeToString()
+    return gqa_pb2.BatchResponse(
+        request_id=1,
+        step=gqa_pb2.BatchStepResult(
+            status=gqa_pb2.Status(),
+            layer=0,
+            output=to_proto(torch.zeros(N, HQ, D, dtype=dtype)),
+            tokens_seen=big,
+            resident=big,
+            first_position=[1] * N,
+            last_position=big,
+            evicted_tokens=[1] * N,
+            rollback_reach=[0] * N,
+            compute_ns=123456789,
+        ),
+    ).SerializeToString()
 
 
-ECHO_SERVER = r'''
+ECHO_SERVER = r"""
 import asyncio, sys, grpc
 from service.api import gqa_pb2
 REPLIES = {int(k): open(p, "rb").read() for k, p in zip(sys.argv[2::2], sys.argv[3::2])}
@@ -94,7 +105,7 @@ async def main():
     await server.start()
     await server.wait_for_termination()
 asyncio.run(main())
-'''
+"""
 
 
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
@@ -118,8 +129,12 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
 
 # -- messages ------------------------------------------------------------------------------------
 def open_bytes(dtype: str) -> bytes:
-    return gqa_pb2.BatchRequest(request_id=0, open=gqa_pb2.BatchOpen(
-        dtype=NAME_TO_DTYPE[dtype], num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1)).SerializeToString()
+    return gqa_pb2.BatchRequest(
+        request_id=0,
+        open=gqa_pb2.BatchOpen(
+            dtype=NAME_TO_DTYPE[dtype], num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+        ),
+    ).SerializeToString()
 
 
 def add_messages(s: int, dtype: torch.dtype):
@@ -127,8 +142,11 @@ def add_messages(s: int, dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     add = gqa_pb2.BatchAdd(policy=gqa_pb2.EVICTION_POLICY_STRICT, window=s + 1)
     if s > 1:  # one prefill for all: the bytes read are what matter here, not their values
-        add.prefill.add(layer=0, key=to_proto(torch.randn(1, HKV, s, D, generator=g).to(dtype)),
-                        value=to_proto(torch.randn(1, HKV, s, D, generator=g).to(dtype)))
+        add.prefill.add(
+            layer=0,
+            key=to_proto(torch.randn(1, HKV, s, D, generator=g).to(dtype)),
+            value=to_proto(torch.randn(1, HKV, s, D, generator=g).to(dtype)),
+        )
     for sid in range(N):
         add.id = sid
         yield gqa_pb2.BatchRequest(request_id=1 + sid, add=add).SerializeToString()
@@ -138,10 +156,18 @@ def step_messages(dtype: torch.dtype) -> list[bytes]:
     out = []
     for seed in range(4):
         g = torch.Generator().manual_seed(100 + seed)
-        out.append(gqa_pb2.BatchRequest(request_id=1000 + seed, step=gqa_pb2.BatchStep(
-            layer=0, ids=list(range(N)), query=to_proto(torch.randn(N, HQ, D, generator=g).to(dtype)),
-            new_key=to_proto(torch.randn(N, HKV, D, generator=g).to(dtype)),
-            new_value=to_proto(torch.randn(N, HKV, D, generator=g).to(dtype)))).SerializeToString())
+        out.append(
+            gqa_pb2.BatchRequest(
+                request_id=1000 + seed,
+                step=gqa_pb2.BatchStep(
+                    layer=0,
+                    ids=list(range(N)),
+                    query=to_proto(torch.randn(N, HQ, D, generator=g).to(dtype)),
+                    new_key=to_proto(torch.randn(N, HKV, D, generator=g).to(dtype)),
+                    new_value=to_proto(torch.randn(N, HKV, D, generator=g).to(dtype)),
+                ),
+            ).SerializeToString()
+        )
     return out
 
 
@@ -195,7 +221,9 @@ def in_process_step_many_seconds(dtype: torch.dtype, threads: int) -> float:
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        caches = [CPUBackend().create_cache(CacheSpec(1, HQ, HKV, D, dtype, EvictionPolicy.strict(2))) for _ in range(N)]
+        caches = [
+            CPUBackend().create_cache(CacheSpec(1, HQ, HKV, D, dtype, EvictionPolicy.strict(2))) for _ in range(N)
+        ]
         g = torch.Generator().manual_seed(1)
         q = torch.randn(N, HQ, D, generator=g).to(dtype).split(1)
         k = torch.randn(N, HKV, D, generator=g).to(dtype).split(1)
@@ -227,11 +255,14 @@ async def measure_s1(addresses: dict[str, str], dtype: str) -> dict:
     steps = step_messages(DTYPES[dtype])
     rtt = {"echo": [], "service": []}
     rate = {"echo": [], "service": []}
-    async with grpc.aio.insecure_channel(addresses["echo"], options=OPTIONS) as echo_ch, \
-            grpc.aio.insecure_channel(addresses["service"], options=OPTIONS) as svc_ch:
+    async with (
+        grpc.aio.insecure_channel(addresses["echo"], options=OPTIONS) as echo_ch,
+        grpc.aio.insecure_channel(addresses["service"], options=OPTIONS) as svc_ch,
+    ):
         channels = {"echo": echo_ch, "service": svc_ch}
-        sessions = {kind: [await open_session(ch, dtype, 1, kind) for _ in range(SESSIONS)]
-                    for kind, ch in channels.items()}
+        sessions = {
+            kind: [await open_session(ch, dtype, 1, kind) for _ in range(SESSIONS)] for kind, ch in channels.items()
+        }
         for kind in channels:  # warm up
             await round_trips(sessions[kind][0], steps, 5)
         compute = []
@@ -284,15 +315,41 @@ def run(report) -> None:
                 ratio_rtt = [s / (e + local) for s, e in zip(r["rtt"]["service"], r["rtt"]["echo"])]
                 ratio_rate = [s / e for s, e in zip(r["rate"]["service"], r["rate"]["echo"])]
                 m, lo, hi = spread(ratio_rtt)
-                rows.append([dtype, 1, echo_rtt * 1e6, svc_rtt * 1e6,
-                             f"{local * 1e6:.0f} | {statistics.median(r['compute']) * 1e6:.0f}", f"{m:.2f} ({lo:.2f}-{hi:.2f})",
-                             echo_rate, svc_rate, f"{statistics.median(ratio_rate):.2f}", "-"])
+                rows.append(
+                    [
+                        dtype,
+                        1,
+                        echo_rtt * 1e6,
+                        svc_rtt * 1e6,
+                        f"{local * 1e6:.0f} | {statistics.median(r['compute']) * 1e6:.0f}",
+                        f"{m:.2f} ({lo:.2f}-{hi:.2f})",
+                        echo_rate,
+                        svc_rate,
+                        f"{statistics.median(ratio_rate):.2f}",
+                        "-",
+                    ]
+                )
                 lines.append(verdict(f"{dtype} S=1 Batch round trip / (echo + step_many)", m, 1.25))
-                lines.append(verdict(f"{dtype} S=1 sequence-steps/s / echo's ({SESSIONS} sessions)",
-                                     statistics.median(ratio_rate), 0.8, at_most=False))
-                report.add(dtype=dtype, S=1, sequences=N, sessions=SESSIONS, echo_rtt_s=r["rtt"]["echo"],
-                           service_rtt_s=r["rtt"]["service"], step_many_s=local, echo_seq_steps_per_s=r["rate"]["echo"],
-                           service_seq_steps_per_s=r["rate"]["service"], server_compute_s=r["compute"])
+                lines.append(
+                    verdict(
+                        f"{dtype} S=1 sequence-steps/s / echo's ({SESSIONS} sessions)",
+                        statistics.median(ratio_rate),
+                        0.8,
+                        at_most=False,
+                    )
+                )
+                report.add(
+                    dtype=dtype,
+                    S=1,
+                    sequences=N,
+                    sessions=SESSIONS,
+                    echo_rtt_s=r["rtt"]["echo"],
+                    service_rtt_s=r["rtt"]["service"],
+                    step_many_s=local,
+                    echo_seq_steps_per_s=r["rate"]["echo"],
+                    service_seq_steps_per_s=r["rate"]["service"],
+                    server_compute_s=r["compute"],
+                )
 
                 r = loop.run_until_complete(measure_s2048(addresses, dtype, threads))
                 ratios = [(r["bytes"] / t) / (r["bytes"] / f) for t, f in zip(r["rtt"], r["floor"])]
@@ -300,20 +357,57 @@ def run(report) -> None:
                 gbs = r["bytes"] / statistics.median(r["rtt"]) / 1e9
                 floor_gbs = r["bytes"] / statistics.median(r["floor"]) / 1e9
                 compute_gbs = r["bytes"] / statistics.median(r["compute"]) / 1e9
-                rows.append([dtype, 2048, "-", statistics.median(r["rtt"]) * 1e6, f"- | {statistics.median(r['compute']) * 1e6:.0f}",
-                             "-", "-", N / statistics.median(r["rtt"]), "-",
-                             f"{gbs:.2f} / {compute_gbs:.2f} / {floor_gbs:.2f}"])
-                lines.append(verdict(f"{dtype} S=2048 cache read (round trip) / read floor ({threads} thread)", m, 0.7,
-                                     at_most=False))
-                report.add(dtype=dtype, S=2048, sequences=N, bytes_per_message=r["bytes"], service_rtt_s=r["rtt"],
-                           server_compute_s=r["compute"], floor_s=r["floor"], floor_threads=threads)
+                rows.append(
+                    [
+                        dtype,
+                        2048,
+                        "-",
+                        statistics.median(r["rtt"]) * 1e6,
+                        f"- | {statistics.median(r['compute']) * 1e6:.0f}",
+                        "-",
+                        "-",
+                        N / statistics.median(r["rtt"]),
+                        "-",
+                        f"{gbs:.2f} / {compute_gbs:.2f} / {floor_gbs:.2f}",
+                    ]
+                )
+                lines.append(
+                    verdict(
+                        f"{dtype} S=2048 cache read (round trip) / read floor ({threads} thread)", m, 0.7, at_most=False
+                    )
+                )
+                report.add(
+                    dtype=dtype,
+                    S=2048,
+                    sequences=N,
+                    bytes_per_message=r["bytes"],
+                    service_rtt_s=r["rtt"],
+                    server_compute_s=r["compute"],
+                    floor_s=r["floor"],
+                    floor_threads=threads,
+                )
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
                 proc.wait(20)
             loop.close()
-    print(table(["dtype", "S", "echo rtt us", "batch rtt us", "step_many | compute us", "batch/(echo+step)",
-                 "echo seq-steps/s", "batch seq-steps/s", "batch/echo", "GB/s rtt / compute / floor"], rows))
+    print(
+        table(
+            [
+                "dtype",
+                "S",
+                "echo rtt us",
+                "batch rtt us",
+                "step_many | compute us",
+                "batch/(echo+step)",
+                "echo seq-steps/s",
+                "batch seq-steps/s",
+                "batch/echo",
+                "GB/s rtt / compute / floor",
+            ],
+            rows,
+        )
+    )
     print("\n".join(lines))
 
 

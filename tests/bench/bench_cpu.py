@@ -41,8 +41,19 @@ from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 
-from .common import (Evictor, Report, bench_mode, cold_rounds, floor_reader, fmt_spread, hot_rounds, per_round_ratio,
-                     spread, table, verdict_spread)
+from .common import (
+    Evictor,
+    Report,
+    bench_mode,
+    cold_rounds,
+    floor_reader,
+    fmt_spread,
+    hot_rounds,
+    per_round_ratio,
+    spread,
+    table,
+    verdict_spread,
+)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -56,12 +67,39 @@ CONSECUTIVE_TARGET = 2.0
 MODES = {
     # lengths; rounds per length (fewer past 8192), at S=1, of the consecutive loops; seconds
     # after which a row stops at 3 rounds (a loaded machine must not stretch `make bench`)
-    "smoke": dict(lengths=(64, 600), rounds=2, long_rounds=2, s1_rounds=5, consecutive=64, consecutive_rounds=1,
-                  consecutive_cold=True, budget_s=1.0, evict_bytes=1 << 20),
-    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, s1_rounds=100, consecutive=2048,
-                    consecutive_rounds=3, consecutive_cold=False, budget_s=5.0, evict_bytes=None),
-    "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, s1_rounds=600, consecutive=2048,
-                 consecutive_rounds=5, consecutive_cold=True, budget_s=60.0, evict_bytes=None),
+    "smoke": dict(
+        lengths=(64, 600),
+        rounds=2,
+        long_rounds=2,
+        s1_rounds=5,
+        consecutive=64,
+        consecutive_rounds=1,
+        consecutive_cold=True,
+        budget_s=1.0,
+        evict_bytes=1 << 20,
+    ),
+    "default": dict(
+        lengths=(512, 2048, 8192, 32768),
+        rounds=15,
+        long_rounds=9,
+        s1_rounds=100,
+        consecutive=2048,
+        consecutive_rounds=3,
+        consecutive_cold=False,
+        budget_s=5.0,
+        evict_bytes=None,
+    ),
+    "long": dict(
+        lengths=(512, 2048, 8192, 32768),
+        rounds=41,
+        long_rounds=25,
+        s1_rounds=600,
+        consecutive=2048,
+        consecutive_rounds=5,
+        consecutive_cold=True,
+        budget_s=60.0,
+        evict_bytes=None,
+    ),
 }
 
 
@@ -141,9 +179,7 @@ class ORTStep:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = torch.get_num_threads()
         opts.inter_op_num_threads = 1
-        self.session = ort.InferenceSession(
-            model.SerializeToString(), opts, providers=["CPUExecutionProvider"]
-        )
+        self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         s = keys.shape[2]
         k = np.zeros((B, HKV, capacity, D), dtype=self.np_dtype)
         v = np.zeros_like(k)
@@ -226,8 +262,9 @@ def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[fl
     fns["floor"] = floor_reader(kv_bytes)
     del keys, values
     samples = cold_rounds(fns, evict, rounds=rounds, budget_s=budget_s)
-    report.add(kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes, cold=True,
-               **{f"{k}_s": v for k, v in samples.items()})
+    report.add(
+        kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes, cold=True, **{f"{k}_s": v for k, v in samples.items()}
+    )
     return samples
 
 
@@ -263,8 +300,14 @@ def consecutive(steps, rounds, budget_s, cold, evict, report) -> dict[str, list[
     qs = torch.randn((steps, B, HQ, D), generator=gen)
     ks = torch.randn((steps, B, HKV, D), generator=gen)
     vs = torch.randn((steps, B, HKV, D), generator=gen)
-    np_inputs = [(qs[i].reshape(B, 1, HQ * D).numpy(), ks[i].reshape(B, 1, HKV * D).numpy(),
-                  vs[i].reshape(B, 1, HKV * D).numpy()) for i in range(steps)]
+    np_inputs = [
+        (
+            qs[i].reshape(B, 1, HQ * D).numpy(),
+            ks[i].reshape(B, 1, HKV * D).numpy(),
+            vs[i].reshape(B, 1, HKV * D).numpy(),
+        )
+        for i in range(steps)
+    ]
     empty = torch.empty((B, HKV, 0, D))
     between = evict if cold else (lambda: None)
     samples: dict[str, list[float]] = {"ours": [], "ort": []}
@@ -297,8 +340,7 @@ def consecutive(steps, rounds, budget_s, cold, evict, report) -> dict[str, list[
             break
     err = ((last["ort"] - last["ours"]).abs().max() / last["ours"].abs().max()).item()
     assert err < 1e-4, f"ONNX Runtime's loop differs from ours at its last step: {err:.2e}"
-    report.add(kind="consecutive", dtype="float32", steps=steps, cold=cold,
-               **{f"{k}_s": v for k, v in samples.items()})
+    report.add(kind="consecutive", dtype="float32", steps=steps, cold=cold, **{f"{k}_s": v for k, v in samples.items()})
     return samples
 
 
@@ -306,9 +348,12 @@ def run(report: Report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
     check_peers_match_ours()
-    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, "
-          f"kernel pool {native.threads()}, ONNX Runtime {torch.get_num_threads()}; {evict.nbytes >> 20} MiB "
-          f"written before every timed call (mode {bench_mode()})", flush=True)
+    print(
+        f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, "
+        f"kernel pool {native.threads()}, ONNX Runtime {torch.get_num_threads()}; {evict.nbytes >> 20} MiB "
+        f"written before every timed call (mode {bench_mode()})",
+        flush=True,
+    )
     gen = torch.Generator().manual_seed(0)
     rows, verdicts = [], []
     for dtype in DTYPES:
@@ -328,23 +373,48 @@ def run(report: Report) -> None:
             if s in FLOOR_TARGET_LENGTHS:
                 verdicts.append(verdict_spread(f"{_name(dtype)} S={s} ours/floor", over["ours"], FLOOR_TARGET[dtype]))
             if s >= 512 and dtype in ORT_SPEEDUP_TARGET:
-                verdicts.append(verdict_spread(f"{_name(dtype)} S={s} ort/ours (speedup)", speedup,
-                                               ORT_SPEEDUP_TARGET[dtype], at_most=False))
+                verdicts.append(
+                    verdict_spread(
+                        f"{_name(dtype)} S={s} ort/ours (speedup)", speedup, ORT_SPEEDUP_TARGET[dtype], at_most=False
+                    )
+                )
             print(f"  {_name(dtype)} S={s}: {len(fl)} rounds", flush=True)
     print("\nthe public step from a cold L3 (B=1, Hq=32, Hkv=8, D=128)")
-    print("legend: '<impl> ms' median per-call milliseconds; '<impl>/floor' its time over the floor's and "
-          "'ort/ours' ONNX Runtime's time over ours (>1: ours faster), median [p10-p90] of per-round ratios")
-    print(table(["dtype", "S"] + [f"{k} ms" for k in IMPLS] + [f"{k}/floor" for k in ("ours", "sdpa", "ort")]
-                + ["ort/ours"], rows))
+    print(
+        "legend: '<impl> ms' median per-call milliseconds; '<impl>/floor' its time over the floor's and "
+        "'ort/ours' ONNX Runtime's time over ours (>1: ours faster), median [p10-p90] of per-round ratios"
+    )
+    print(
+        table(
+            ["dtype", "S"]
+            + [f"{k} ms" for k in IMPLS]
+            + [f"{k}/floor" for k in ("ours", "sdpa", "ort")]
+            + ["ort/ours"],
+            rows,
+        )
+    )
     print("\n".join(verdicts))
 
     cold, hot = per_call(evict, cfg["s1_rounds"], cfg["budget_s"], report)
     print("\nthe fixed cost: one float32 step at S=1, Python call to output")
-    print("legend: 'cold us' median [p10-p90] microseconds, each call after an eviction; 'hot us' per-round "
-          "medians of 25 calls in a row; '/ort' the per-round ratio to ONNX Runtime's run_with_iobinding (cold)")
-    print(table(["impl", "cold us", "hot us", "/ort"],
-                [[k, fmt_spread(cold[k], 1e6), fmt_spread(hot[k], 1e6),
-                  fmt_spread(per_round_ratio(cold[k], cold["ort"]))] for k in cold]))
+    print(
+        "legend: 'cold us' median [p10-p90] microseconds, each call after an eviction; 'hot us' per-round "
+        "medians of 25 calls in a row; '/ort' the per-round ratio to ONNX Runtime's run_with_iobinding (cold)"
+    )
+    print(
+        table(
+            ["impl", "cold us", "hot us", "/ort"],
+            [
+                [
+                    k,
+                    fmt_spread(cold[k], 1e6),
+                    fmt_spread(hot[k], 1e6),
+                    fmt_spread(per_round_ratio(cold[k], cold["ort"])),
+                ]
+                for k in cold
+            ],
+        )
+    )
     print(verdict_spread("float32 S=1 ours/ort per call (cold)", per_round_ratio(cold["ours"], cold["ort"]), 1.0))
 
     steps = cfg["consecutive"]
@@ -354,10 +424,18 @@ def run(report: Report) -> None:
         speedup = per_round_ratio(c["ort"], c["ours"])
         label = "cold (an eviction before each step)" if cold else "hot (one eviction before the loop)"
         rows.append([steps, label, spread(c["ours"])[0], spread(c["ort"])[0], fmt_spread(speedup)])
-        verdicts.append(verdict_spread(f"{steps} consecutive steps, {label.partition(' ')[0]}, ort/ours (speedup)",
-                                       speedup, CONSECUTIVE_TARGET, at_most=False))
+        verdicts.append(
+            verdict_spread(
+                f"{steps} consecutive steps, {label.partition(' ')[0]}, ort/ours (speedup)",
+                speedup,
+                CONSECUTIVE_TARGET,
+                at_most=False,
+            )
+        )
     print(f"\n{steps} consecutive float32 steps from an empty cache, against ONNX Runtime's shared-buffer loop")
-    print("legend: 'ours s', 'ort s' median total seconds (the sum of the steps' times); 'ort/ours' per-round "
-          "ratio, median [p10-p90] (>1: ours faster)")
+    print(
+        "legend: 'ours s', 'ort s' median total seconds (the sum of the steps' times); 'ort/ours' per-round "
+        "ratio, median [p10-p90] (>1: ours faster)"
+    )
     print(table(["steps", "L3", "ours s", "ort s", "ort/ours"], rows))
     print("\n".join(verdicts))

@@ -32,8 +32,17 @@ from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 
-from .common import (Evictor, bench_mode, cold_rounds, floor_reader, fmt_spread, per_round_ratio, spread, table,
-                     verdict_spread)
+from .common import (
+    Evictor,
+    bench_mode,
+    cold_rounds,
+    floor_reader,
+    fmt_spread,
+    per_round_ratio,
+    spread,
+    table,
+    verdict_spread,
+)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 G = HQ // HKV
@@ -97,8 +106,9 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
             kl = _kl(w_ref, _weights64(qd.float(), cache.export()[0].float()))  # the keys as stored
             name = "int8" if backend == "int8" else f"cpu {dtype}".replace("torch.", "")
             rows.append([s, name, kind, cache.row_bytes, cache.row_bytes / (2 * B * HKV * D * 2), err, kl])
-            report.add(kind="accuracy", S=s, backend=name, data=kind, bytes_per_token=cache.row_bytes, rel_l2=err,
-                       kl_nats=kl)
+            report.add(
+                kind="accuracy", S=s, backend=name, data=kind, bytes_per_token=cache.row_bytes, rel_l2=err, kl_nats=kl
+            )
             if kind == "normal" and backend == "int8":
                 caches["int8"] = cache
         if kind == "normal":
@@ -111,9 +121,11 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
 def run(report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
-    print(f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
-          f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
-          flush=True)
+    print(
+        f"B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
+        f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
+        flush=True,
+    )
     gen = torch.Generator().manual_seed(0)
     timing, errors, verdicts = [], [], []
     for s in cfg["lengths"]:
@@ -129,29 +141,52 @@ def run(report) -> None:
             "floor": floor_reader(floor_bytes),
         }
         t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])
-        report.add(kind="step", S=s, cold=True, int8_row_bytes=int8.row_bytes, floor_bytes=floor_bytes,
-                   **{f"{k}_s": v for k, v in t.items()})
+        report.add(
+            kind="step",
+            S=s,
+            cold=True,
+            int8_row_bytes=int8.row_bytes,
+            floor_bytes=floor_bytes,
+            **{f"{k}_s": v for k, v in t.items()},
+        )
         over = per_round_ratio(t["int8"], t["floor"])
         speedup = per_round_ratio(t["float32"], t["int8"])
-        timing.append([s, spread(t["int8"])[0] * 1e3, spread(t["float32"])[0] * 1e3, spread(t["floor"])[0] * 1e3,
-                       fmt_spread(over), fmt_spread(speedup)])
+        timing.append(
+            [
+                s,
+                spread(t["int8"])[0] * 1e3,
+                spread(t["float32"])[0] * 1e3,
+                spread(t["floor"])[0] * 1e3,
+                fmt_spread(over),
+                fmt_spread(speedup),
+            ]
+        )
         if s in FLOOR_TARGET_LENGTHS:
             verdicts.append(verdict_spread(f"int8 S={s} step/floor", over, FLOOR_TARGET))
         if s == SPEEDUP_LENGTH:
-            verdicts.append(verdict_spread(f"int8 S={s} float32/int8 (speedup; earlier int8 target)", speedup,
-                                           SPEEDUP_TARGET, at_most=False))
+            verdicts.append(
+                verdict_spread(
+                    f"int8 S={s} float32/int8 (speedup; earlier int8 target)", speedup, SPEEDUP_TARGET, at_most=False
+                )
+            )
         print(f"  int8 S={s}: {len(t['floor'])} rounds", flush=True)
         del fns, caches, int8, f32
     print("\nthe int8 public step from a cold L3, float32 tensors in and out")
-    print("legend: 'ms' median per-call milliseconds; 'int8/floor' int8's time over the floor's (its bytes read "
-          "once), 'float32/int8' the float32 cache's over int8's (>1: int8 faster), median [p10-p90] of per-round "
-          "ratios")
+    print(
+        "legend: 'ms' median per-call milliseconds; 'int8/floor' int8's time over the floor's (its bytes read "
+        "once), 'float32/int8' the float32 cache's over int8's (>1: int8 faster), median [p10-p90] of per-round "
+        "ratios"
+    )
     print(table(["S", "int8 ms", "float32 ms", "floor ms", "int8/floor", "float32/int8"], timing))
     print("\naccuracy of the first step against float64 on the original data")
-    print("legend: 'bytes/token' stored per position (all KV heads); 'x float16' that over a float16 cache's; "
-          "'rel L2' the output's error; 'KL nats' of the attention weights from the keys as stored")
+    print(
+        "legend: 'bytes/token' stored per position (all KV heads); 'x float16' that over a float16 cache's; "
+        "'rel L2' the output's error; 'KL nats' of the attention weights from the keys as stored"
+    )
     print(table(["S", "cache", "data", "bytes/token", "x float16", "rel L2", "KL nats"], errors))
     ratio = next(r[4] for r in errors if r[1] == "int8")
-    verdicts.append(f"{'PASS' if ratio <= BYTES_TARGET else 'FAIL'}  int8 bytes/token over float16's "
-                    f"(earlier int8 target): {ratio:.3g}x (target <= {BYTES_TARGET:g}x)")
+    verdicts.append(
+        f"{'PASS' if ratio <= BYTES_TARGET else 'FAIL'}  int8 bytes/token over float16's "
+        f"(earlier int8 target): {ratio:.3g}x (target <= {BYTES_TARGET:g}x)"
+    )
     print("\n".join(verdicts))

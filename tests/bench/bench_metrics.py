@@ -86,11 +86,19 @@ def run(report) -> None:
                     break
             med_on, med_off = statistics.median(rates["on"]), statistics.median(rates["off"])
             ratio = med_on / med_off
-            rows.append([name, len(rates["on"]), med_off, med_on, ratio, (1 - ratio) * 100,
-                         cost_us * med_off / 1e4])
-            report.add(case=name, steps_per_round=STEPS, rounds=len(rates["on"]), policy=policy, window=window,
-                       steps_per_s_off=rates["off"], steps_per_s_on=rates["on"],
-                       median_off=med_off, median_on=med_on, ratio_on_off=ratio)
+            rows.append([name, len(rates["on"]), med_off, med_on, ratio, (1 - ratio) * 100, cost_us * med_off / 1e4])
+            report.add(
+                case=name,
+                steps_per_round=STEPS,
+                rounds=len(rates["on"]),
+                policy=policy,
+                window=window,
+                steps_per_s_off=rates["off"],
+                steps_per_s_on=rates["on"],
+                median_off=med_off,
+                median_on=med_on,
+                ratio_on_off=ratio,
+            )
     finally:
         on.stop()
         off.stop()

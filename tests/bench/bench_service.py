@@ -60,30 +60,56 @@ def free_port() -> int:
 
 def reply_bytes() -> bytes:
     out = to_proto(torch.zeros(1, HQ, D))
-    return gqa_pb2.DecodeResponse(request_id=1, step=gqa_pb2.StepResult(
-        status=gqa_pb2.Status(), output=out, tokens_seen=2049, resident=2049, first_position=0,
-        last_position=2048, compute_ns=123456, rollback_reach=2049)).SerializeToString()
+    return gqa_pb2.DecodeResponse(
+        request_id=1,
+        step=gqa_pb2.StepResult(
+            status=gqa_pb2.Status(),
+            output=out,
+            tokens_seen=2049,
+            resident=2049,
+            first_position=0,
+            last_position=2048,
+            compute_ns=123456,
+            rollback_reach=2049,
+        ),
+    ).SerializeToString()
 
 
 def open_bytes(s: int) -> bytes:
     g = torch.Generator().manual_seed(0)
-    msg = gqa_pb2.OpenStream(dtype=gqa_pb2.DTYPE_FLOAT32, batch_size=1, num_query_heads=HQ, num_kv_heads=HKV,
-                             head_dim=D, num_layers=1, policy=gqa_pb2.EVICTION_POLICY_STRICT, window=s + 1)
+    msg = gqa_pb2.OpenStream(
+        dtype=gqa_pb2.DTYPE_FLOAT32,
+        batch_size=1,
+        num_query_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        num_layers=1,
+        policy=gqa_pb2.EVICTION_POLICY_STRICT,
+        window=s + 1,
+    )
     if s > 1:
-        msg.prefill.add(layer=0, key=to_proto(torch.randn(1, HKV, s, D, generator=g)),
-                        value=to_proto(torch.randn(1, HKV, s, D, generator=g)))
+        msg.prefill.add(
+            layer=0,
+            key=to_proto(torch.randn(1, HKV, s, D, generator=g)),
+            value=to_proto(torch.randn(1, HKV, s, D, generator=g)),
+        )
     return gqa_pb2.DecodeRequest(request_id=0, open=msg).SerializeToString()
 
 
 def step_bytes(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
-    return gqa_pb2.DecodeRequest(request_id=1, step=gqa_pb2.Step(
-        layer=0, query=to_proto(torch.randn(1, HQ, D, generator=g)),
-        new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
-        new_value=to_proto(torch.randn(1, HKV, D, generator=g)))).SerializeToString()
+    return gqa_pb2.DecodeRequest(
+        request_id=1,
+        step=gqa_pb2.Step(
+            layer=0,
+            query=to_proto(torch.randn(1, HQ, D, generator=g)),
+            new_key=to_proto(torch.randn(1, HKV, D, generator=g)),
+            new_value=to_proto(torch.randn(1, HKV, D, generator=g)),
+        ),
+    ).SerializeToString()
 
 
-ECHO_SERVER = r'''
+ECHO_SERVER = r"""
 import asyncio, sys, grpc
 REPLY = open(sys.argv[2], "rb").read()
 async def decode(request_iterator, context):
@@ -100,10 +126,10 @@ async def main():
     print("ready", flush=True)
     await server.wait_for_termination()
 asyncio.run(main())
-'''
+"""
 
 
-SERVICE_SERVER = r'''
+SERVICE_SERVER = r"""
 import asyncio, os, sys, threading, time
 from service.config import from_args
 from service.engine import EngineObserver
@@ -147,7 +173,7 @@ async def main():
     await server.wait()
 
 asyncio.run(main())
-'''
+"""
 
 
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
@@ -160,8 +186,17 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
     else:
         env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
         os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
-        proc = subprocess.Popen([sys.executable, "-c", SERVICE_SERVER, os.path.join(tmpdir, kind, "stats"),
-                                 *(["stub"] if kind == "stub" else [])], env=env, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                SERVICE_SERVER,
+                os.path.join(tmpdir, kind, "stats"),
+                *(["stub"] if kind == "stub" else []),
+            ],
+            env=env,
+            stdout=subprocess.DEVNULL,
+        )
     channel = grpc.insecure_channel(address)
     grpc.channel_ready_future(channel).result(timeout=60)
     channel.close()
@@ -204,12 +239,20 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
         latencies: list[float] = []
         deadline = time.perf_counter() + TIME_BUDGET_S
         t0 = time.perf_counter()
-        counts = await asyncio.gather(*(
-            run_steps(call, [requests[i % 8] for i in range(STEPS[concurrency])], latencies, deadline)
-            for call in calls))
+        counts = await asyncio.gather(
+            *(
+                run_steps(call, [requests[i % 8] for i in range(STEPS[concurrency])], latencies, deadline)
+                for call in calls
+            )
+        )
         wall = time.perf_counter() - t0
-    return {"steps": sum(counts), "wall_s": wall, "steps_per_s": sum(counts) / wall,
-            "p50_us": percentile(latencies, 50) * 1e6, "p99_us": percentile(latencies, 99) * 1e6}
+    return {
+        "steps": sum(counts),
+        "wall_s": wall,
+        "steps_per_s": sum(counts) / wall,
+        "p50_us": percentile(latencies, 50) * 1e6,
+        "p99_us": percentile(latencies, 99) * 1e6,
+    }
 
 
 def batch_counts(tmpdir: str) -> tuple[int, int]:
@@ -235,6 +278,7 @@ def read_floor_seconds(nbytes: int, threads: int) -> float:
     def read():
         for _ in range(passes):
             buf.sum()
+
     try:
         return median_seconds(read, repeat=5, warmup=1, budget_s=4.0) * nbytes / (passes * chunk)
     finally:
@@ -258,7 +302,11 @@ def _step_seconds(s: int) -> float:
     g = torch.Generator().manual_seed(1)
     if s > 1:
         cache.prefill(torch.randn(1, HKV, s, D, generator=g), torch.randn(1, HKV, s, D, generator=g))
-    q, k, v = torch.randn(1, HQ, D, generator=g), torch.randn(1, HKV, D, generator=g), torch.randn(1, HKV, D, generator=g)
+    q, k, v = (
+        torch.randn(1, HQ, D, generator=g),
+        torch.randn(1, HKV, D, generator=g),
+        torch.randn(1, HKV, D, generator=g),
+    )
     return median_seconds(lambda: cache.step(q, k, v), repeat=200, budget_s=3.0)
 
 
@@ -291,10 +339,22 @@ def run(report) -> None:
                         results[(kind, s, c)] = r
                         report.add(server=kind, S=s, streams=c, **r)
                     e, v = results[("echo", s, c)], results[("service", s, c)]
-                    rows.append([s, c, e["p50_us"], v["p50_us"], local[s] * 1e6,
-                                 v["p50_us"] / (e["p50_us"] + local[s] * 1e6), e["p99_us"], v["p99_us"],
-                                 e["steps_per_s"], v["steps_per_s"], v["steps_per_s"] / e["steps_per_s"],
-                                 v["mean_batch"]])
+                    rows.append(
+                        [
+                            s,
+                            c,
+                            e["p50_us"],
+                            v["p50_us"],
+                            local[s] * 1e6,
+                            v["p50_us"] / (e["p50_us"] + local[s] * 1e6),
+                            e["p99_us"],
+                            v["p99_us"],
+                            e["steps_per_s"],
+                            v["steps_per_s"],
+                            v["steps_per_s"] / e["steps_per_s"],
+                            v["mean_batch"],
+                        ]
+                    )
         finally:
             for proc, _ in procs.values():
                 proc.terminate()
@@ -308,15 +368,36 @@ def run(report) -> None:
     service_gbps = big["steps_per_s"] * step_bytes / 1e9
     floor_gbps = read_bytes / floor_s / 1e9
     report.add(read_floor_gbps=floor_gbps, service_read_gbps=service_gbps, read_bytes=read_bytes, threads=workers)
-    print(table(["S", "streams", "echo p50 us", "svc p50 us", "step us", "svc/(echo+step)", "echo p99 us",
-                 "svc p99 us", "echo steps/s", "svc steps/s", "svc/echo", "mean batch"], rows))
-    print(f"read floor: {floor_gbps:.2f} GB/s ({read_bytes / 1e9:.2f} GB, {workers} threads); "
-          f"service at S=2048 x 64 streams: {service_gbps:.2f} GB/s of cache")
+    print(
+        table(
+            [
+                "S",
+                "streams",
+                "echo p50 us",
+                "svc p50 us",
+                "step us",
+                "svc/(echo+step)",
+                "echo p99 us",
+                "svc p99 us",
+                "echo steps/s",
+                "svc steps/s",
+                "svc/echo",
+                "mean batch",
+            ],
+            rows,
+        )
+    )
+    print(
+        f"read floor: {floor_gbps:.2f} GB/s ({read_bytes / 1e9:.2f} GB, {workers} threads); "
+        f"service at S=2048 x 64 streams: {service_gbps:.2f} GB/s of cache"
+    )
     for c in (1, 64):
         e, v, stub = (results[(k, 1, c)] for k in ("echo", "service", "stub"))
-        print(f"ablation, S=1, {c} stream(s): step computation stubbed out, the service answers "
-              f"{stub['steps_per_s'] / e['steps_per_s']:.2f}x the echo server's steps/s at p50 {stub['p50_us']:.0f} us "
-              f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us)")
+        print(
+            f"ablation, S=1, {c} stream(s): step computation stubbed out, the service answers "
+            f"{stub['steps_per_s'] / e['steps_per_s']:.2f}x the echo server's steps/s at p50 {stub['p50_us']:.0f} us "
+            f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us)"
+        )
     one = [r for r in rows if r[0] == 1 and r[1] == 1][0]
     many = [r for r in rows if r[0] == 1 and r[1] == 64][0]
     print(verdict("1 stream S=1 round trip / (echo + step)", one[5], 1.25))

@@ -28,8 +28,17 @@ from backends.batch import BatchStep, step_many
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 
-from .common import (Evictor, bench_mode, cold_rounds, floor_reader, fmt_spread, per_round_ratio, spread, table,
-                     verdict_spread)
+from .common import (
+    Evictor,
+    bench_mode,
+    cold_rounds,
+    floor_reader,
+    fmt_spread,
+    per_round_ratio,
+    spread,
+    table,
+    verdict_spread,
+)
 
 B, HQ, HKV, D = 1, 32, 8, 128
 ENCODINGS = (("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16), ("int8", torch.float32))
@@ -39,12 +48,15 @@ MIXED_TARGET = 1.3  # step_many / floor, at most
 MODES = {
     # budget_s: seconds after which a case stops at 3 rounds (a loaded machine must not stretch
     # `make bench`)
-    "smoke": dict(caches=8, short_max=8, mixed_max=256, short_rounds=2, mixed_rounds=2, budget_s=1.0,
-                  evict_bytes=1 << 20),
-    "default": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=25, mixed_rounds=7, budget_s=6.0,
-                    evict_bytes=None),
-    "long": dict(caches=64, short_max=64, mixed_max=4096, short_rounds=81, mixed_rounds=25, budget_s=90.0,
-                 evict_bytes=None),
+    "smoke": dict(
+        caches=8, short_max=8, mixed_max=256, short_rounds=2, mixed_rounds=2, budget_s=1.0, evict_bytes=1 << 20
+    ),
+    "default": dict(
+        caches=64, short_max=64, mixed_max=4096, short_rounds=25, mixed_rounds=7, budget_s=6.0, evict_bytes=None
+    ),
+    "long": dict(
+        caches=64, short_max=64, mixed_max=4096, short_rounds=81, mixed_rounds=25, budget_s=90.0, evict_bytes=None
+    ),
 }
 
 
@@ -69,9 +81,14 @@ def _batch(backend: str, dtype: torch.dtype, lengths: list[int], headroom: int, 
     for s in lengths:
         cache = get_backend(backend).create_cache(CacheSpec(B, HQ, HKV, D, dtype, EvictionPolicy.none(s + headroom)))
         cache.prefill(keys[:, :, :s], values[:, :, :s])
-        steps.append(BatchStep(cache, torch.randn((B, HQ, D), generator=gen).to(dtype),
-                               torch.randn((B, HKV, D), generator=gen).to(dtype),
-                               torch.randn((B, HKV, D), generator=gen).to(dtype)))
+        steps.append(
+            BatchStep(
+                cache,
+                torch.randn((B, HQ, D), generator=gen).to(dtype),
+                torch.randn((B, HKV, D), generator=gen).to(dtype),
+                torch.randn((B, HKV, D), generator=gen).to(dtype),
+            )
+        )
     return steps
 
 
@@ -93,8 +110,15 @@ def measure(backend, dtype, case, cfg, evict, gen, report) -> dict[str, list[flo
     t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])
     refused = [r for r in step_many(batch) if not isinstance(r, StepOutcome)]
     assert not refused, f"step_many refused a step of the benchmark: {refused[0]!r}"
-    report.add(kind=case, backend=backend, dtype=str(dtype).removeprefix("torch."), lengths=lengths,
-               floor_bytes=floor_bytes, cold=True, **{f"{k}_s": v for k, v in t.items()})
+    report.add(
+        kind=case,
+        backend=backend,
+        dtype=str(dtype).removeprefix("torch."),
+        lengths=lengths,
+        floor_bytes=floor_bytes,
+        cold=True,
+        **{f"{k}_s": v for k, v in t.items()},
+    )
     return t
 
 
@@ -102,9 +126,11 @@ def run(report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
     n = cfg["caches"]
-    print(f"{n} caches of B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
-          f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
-          flush=True)
+    print(
+        f"{n} caches of B={B}, Hq={HQ}, Hkv={HKV}, D={D}; threads: torch {torch.get_num_threads()}, kernel pool "
+        f"{native.threads()}; {evict.nbytes >> 20} MiB written before every timed call (mode {bench_mode()})",
+        flush=True,
+    )
     rows, verdicts = [], []
     for backend, dtype in ENCODINGS:
         gen = torch.Generator().manual_seed(0)  # the same lengths for every encoding
@@ -113,19 +139,35 @@ def run(report) -> None:
             amortised = per_round_ratio(t["separate"], t["step_many"])
             over = per_round_ratio(t["step_many"], t["floor"])
             span = f"1-{cfg['short_max']}" if case == "short" else f"1-{cfg['mixed_max']}"
-            rows.append([_label(backend, dtype), case, span] + [spread(t[k])[0] * 1e3 for k in t]
-                        + [fmt_spread(amortised), fmt_spread(over)])
+            rows.append(
+                [_label(backend, dtype), case, span]
+                + [spread(t[k])[0] * 1e3 for k in t]
+                + [fmt_spread(amortised), fmt_spread(over)]
+            )
             if case == "short":
-                verdicts.append(verdict_spread(f"{_label(backend, dtype)} {n} short caches separate/step_many",
-                                               amortised, SHORT_TARGET, at_most=False))
+                verdicts.append(
+                    verdict_spread(
+                        f"{_label(backend, dtype)} {n} short caches separate/step_many",
+                        amortised,
+                        SHORT_TARGET,
+                        at_most=False,
+                    )
+                )
             else:
-                verdicts.append(verdict_spread(f"{_label(backend, dtype)} {n} mixed caches step_many/floor",
-                                               over, MIXED_TARGET))
+                verdicts.append(
+                    verdict_spread(f"{_label(backend, dtype)} {n} mixed caches step_many/floor", over, MIXED_TARGET)
+                )
             print(f"  {_label(backend, dtype)} {case}: {len(t['floor'])} rounds", flush=True)
     print(f"\n{n} steps in one step_many call from a cold L3, against {n} separate cache.step calls and the floor")
-    print("legend: 'S' the caches' lengths; 'ms' median milliseconds for all the steps; 'separate/step_many' the "
-          "loop's time over the batched call's (>1: batched faster), 'step_many/floor' the batched call's over "
-          "reading their bytes once, median [p10-p90] of per-round ratios")
-    print(table(["cache", "case", "S", "step_many ms", "separate ms", "floor ms", "separate/step_many",
-                 "step_many/floor"], rows))
+    print(
+        "legend: 'S' the caches' lengths; 'ms' median milliseconds for all the steps; 'separate/step_many' the "
+        "loop's time over the batched call's (>1: batched faster), 'step_many/floor' the batched call's over "
+        "reading their bytes once, median [p10-p90] of per-round ratios"
+    )
+    print(
+        table(
+            ["cache", "case", "S", "step_many ms", "separate ms", "floor ms", "separate/step_many", "step_many/floor"],
+            rows,
+        )
+    )
     print("\n".join(verdicts))

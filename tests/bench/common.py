@@ -15,8 +15,7 @@ import torch
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
 
 
-def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3,
-                   budget_s: float = 5.0) -> float:
+def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, budget_s: float = 5.0) -> float:
     """Median wall time of ``fn`` over ``repeat`` calls (fewer if ``budget_s`` runs out)."""
     for _ in range(warmup):
         fn()
@@ -146,8 +145,15 @@ class Evictor:
         self._buf.add_(1)
 
 
-def cold_rounds(fns: dict[str, Callable[[], object]], evict: Callable[[], None], *, rounds: int,
-                min_rounds: int = 3, budget_s: float = float("inf"), warmup: int = 1) -> dict[str, list[float]]:
+def cold_rounds(
+    fns: dict[str, Callable[[], object]],
+    evict: Callable[[], None],
+    *,
+    rounds: int,
+    min_rounds: int = 3,
+    budget_s: float = float("inf"),
+    warmup: int = 1,
+) -> dict[str, list[float]]:
     """Per-round seconds of each function, every call made right after ``evict()`` (not timed).
     The functions take turns round after round, so a drift of the machine hits all alike;
     ``rounds`` rounds, fewer (at least ``min_rounds``) once ``budget_s`` has passed."""
@@ -195,8 +201,15 @@ def floor_reader(nbytes: int) -> Callable[[], object]:
     return lambda: words.sum()
 
 
-def hot_rounds(fns: dict[str, Callable[[], object]], *, rounds: int, calls: int = 15, warmup: int = 3,
-               min_rounds: int = 3, budget_s: float = float("inf")) -> dict[str, list[float]]:
+def hot_rounds(
+    fns: dict[str, Callable[[], object]],
+    *,
+    rounds: int,
+    calls: int = 15,
+    warmup: int = 3,
+    min_rounds: int = 3,
+    budget_s: float = float("inf"),
+) -> dict[str, list[float]]:
     """Per-round seconds of each function, hot: each round, each function in turn makes
     ``warmup`` calls then ``calls`` calls in a row, and the round's figure is their median (a
     block, so that one implementation's idle threads, still spinning, do not land on the

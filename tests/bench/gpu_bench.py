@@ -122,15 +122,21 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
         l2, sms, name = getattr(props, "L2_cache_size", 50 << 20), props.multi_processor_count, props.name
     else:
         l2, sms, name = 0, td._CPU_SMS, "CPU (interpreter smoke run)"
-    print(f"device: {name}, {sms} SMs, L2 {l2 >> 10} KiB; "
-          f"torch {torch.__version__}, triton {__import__('triton').__version__}", flush=True)
+    print(
+        f"device: {name}, {sms} SMs, L2 {l2 >> 10} KiB; "
+        f"torch {torch.__version__}, triton {__import__('triton').__version__}",
+        flush=True,
+    )
 
     # The reference copy bandwidth on a buffer far larger than L2.
     big = torch.empty(max(1 << 30 if dev.type == "cuda" else 1 << 20, 4 * l2), dtype=torch.uint8, device=dev)
     big_dst = torch.empty_like(big)
     t_big = time_ms([lambda: big_dst.copy_(big)], inner=min(5, INNER), repeats=min(9, REPEATS))
     copy_bw = 2 * big.numel() / (t_big * 1e-3) / 1e9
-    print(f"device-to-device copy of {big.numel() >> 20} MiB: {t_big:.3f} ms = {copy_bw:.0f} GB/s (read + write)", flush=True)
+    print(
+        f"device-to-device copy of {big.numel() >> 20} MiB: {t_big:.3f} ms = {copy_bw:.0f} GB/s (read + write)",
+        flush=True,
+    )
     report.add(kind="copy_reference", bytes=big.numel(), ms=t_big, gbps=copy_bw)
     del big, big_dst
 
@@ -147,8 +153,13 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
         int8_bytes = 2 * n * s * (D + 4)
         reps = copies_for(fp16_bytes, l2)
         q = torch.randn(b, HQ, D, device=dev, generator=gen).to(DTYPE)
-        kv = [(torch.randn(n, s, D, device=dev, generator=gen).to(DTYPE),
-               torch.randn(n, s, D, device=dev, generator=gen).to(DTYPE)) for _ in range(reps)]
+        kv = [
+            (
+                torch.randn(n, s, D, device=dev, generator=gen).to(DTYPE),
+                torch.randn(n, s, D, device=dev, generator=gen).to(DTYPE),
+            )
+            for _ in range(reps)
+        ]
         reps8 = copies_for(int8_bytes, l2)
         kv8 = [_int8_set(n, s, dev, gen) for _ in range(reps8)]
         runs = [(0, s)]
@@ -157,8 +168,10 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
             return [lambda k=k, v=v: td.decode_attention(q, k, v, runs, num_kv_heads=HKV, config=config) for k, v in kv]
 
         def ours8(config):
-            return [lambda c=c: td.decode_attention_int8(q, c[0], c[1], c[2], c[3], runs, num_kv_heads=HKV, config=config)
-                    for c in kv8]
+            return [
+                lambda c=c: td.decode_attention_int8(q, c[0], c[1], c[2], c[3], runs, num_kv_heads=HKV, config=config)
+                for c in kv8
+            ]
 
         sdpa = [lambda k=k, v=v: sdpa_attention(q, k.view(b, HKV, s, D), v.view(b, HKV, s, D), runs) for k, v in kv]
         half = fp16_bytes // 2
@@ -188,26 +201,78 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
 
         bw = fp16_bytes / (t_ours * 1e-3) / 1e9
         frac = t_copy / t_ours
-        rec = dict(kind="shape", B=b, S=s, Hq=HQ, Hkv=HKV, D=D, splits=splits, copies=reps,
-                   triton_ms=t_ours, int8_ms=t_int8, sdpa_ms=t_sdpa, copy_ms=t_copy,
-                   triton_gbps=bw, copy_fraction=frac, sdpa_speedup=t_sdpa / t_ours,
-                   int8_speedup=t_ours / t_int8, max_abs_diff_vs_sdpa=diff,
-                   best=None if best is None else dict(ms=best[0], config=asdict(best[1])),
-                   best_int8=None if best8 is None else dict(ms=best8[0], config=asdict(best8[1])))
+        rec = dict(
+            kind="shape",
+            B=b,
+            S=s,
+            Hq=HQ,
+            Hkv=HKV,
+            D=D,
+            splits=splits,
+            copies=reps,
+            triton_ms=t_ours,
+            int8_ms=t_int8,
+            sdpa_ms=t_sdpa,
+            copy_ms=t_copy,
+            triton_gbps=bw,
+            copy_fraction=frac,
+            sdpa_speedup=t_sdpa / t_ours,
+            int8_speedup=t_ours / t_int8,
+            max_abs_diff_vs_sdpa=diff,
+            best=None if best is None else dict(ms=best[0], config=asdict(best[1])),
+            best_int8=None if best8 is None else dict(ms=best8[0], config=asdict(best8[1])),
+        )
         report.add(**rec)
-        rows.append([b, s, splits, t_ours * 1e3, t_int8 * 1e3, t_sdpa * 1e3, t_copy * 1e3, bw, frac,
-                     t_sdpa / t_ours, t_ours / t_int8, diff,
-                     "-" if best is None else f"{best[0] * 1e3:.1f}us b{best[1].block_n}w{best[1].num_warps}"
-                                              f"s{best[1].num_stages}p{best[1].programs_per_sm}"])
-        print(f"B={b} S={s}: triton {t_ours * 1e3:.1f} us ({bw:.0f} GB/s, {frac:.0%} of copy), "
-              f"int8 {t_int8 * 1e3:.1f} us, sdpa {t_sdpa * 1e3:.1f} us, copy {t_copy * 1e3:.1f} us", flush=True)
+        rows.append(
+            [
+                b,
+                s,
+                splits,
+                t_ours * 1e3,
+                t_int8 * 1e3,
+                t_sdpa * 1e3,
+                t_copy * 1e3,
+                bw,
+                frac,
+                t_sdpa / t_ours,
+                t_ours / t_int8,
+                diff,
+                "-"
+                if best is None
+                else f"{best[0] * 1e3:.1f}us b{best[1].block_n}w{best[1].num_warps}"
+                f"s{best[1].num_stages}p{best[1].programs_per_sm}",
+            ]
+        )
+        print(
+            f"B={b} S={s}: triton {t_ours * 1e3:.1f} us ({bw:.0f} GB/s, {frac:.0%} of copy), "
+            f"int8 {t_int8 * 1e3:.1f} us, sdpa {t_sdpa * 1e3:.1f} us, copy {t_copy * 1e3:.1f} us",
+            flush=True,
+        )
 
         if s >= BANDWIDTH_MIN_S:
-            checks.append((f"B={b} S={s}: triton at >= {BANDWIDTH_FRACTION:.0%} of copy bandwidth", frac >= BANDWIDTH_FRACTION, f"{frac:.0%}"))
+            checks.append(
+                (
+                    f"B={b} S={s}: triton at >= {BANDWIDTH_FRACTION:.0%} of copy bandwidth",
+                    frac >= BANDWIDTH_FRACTION,
+                    f"{frac:.0%}",
+                )
+            )
         if b == 1:
-            checks.append((f"B={b} S={s}: triton >= {SDPA_SPEEDUP_B1}x faster than SDPA", t_sdpa / t_ours >= SDPA_SPEEDUP_B1, f"{t_sdpa / t_ours:.2f}x"))
+            checks.append(
+                (
+                    f"B={b} S={s}: triton >= {SDPA_SPEEDUP_B1}x faster than SDPA",
+                    t_sdpa / t_ours >= SDPA_SPEEDUP_B1,
+                    f"{t_sdpa / t_ours:.2f}x",
+                )
+            )
         if s >= INT8_MIN_S:
-            checks.append((f"B={b} S={s}: int8 >= {INT8_SPEEDUP}x faster than float16", t_ours / t_int8 >= INT8_SPEEDUP, f"{t_ours / t_int8:.2f}x"))
+            checks.append(
+                (
+                    f"B={b} S={s}: int8 >= {INT8_SPEEDUP}x faster than float16",
+                    t_ours / t_int8 >= INT8_SPEEDUP,
+                    f"{t_ours / t_int8:.2f}x",
+                )
+            )
         del kv, kv8, src, dst
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -215,8 +280,26 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
     run_batched(report, dev, gen, copy_bw, checks)
 
     print()
-    print(table(["B", "S", "splits", "triton us", "int8 us", "sdpa us", "copy us", "triton GB/s",
-                 "of copy", "vs sdpa", "int8 gain", "max|diff|", "best fp16 config"], rows))
+    print(
+        table(
+            [
+                "B",
+                "S",
+                "splits",
+                "triton us",
+                "int8 us",
+                "sdpa us",
+                "copy us",
+                "triton GB/s",
+                "of copy",
+                "vs sdpa",
+                "int8 gain",
+                "max|diff|",
+                "best fp16 config",
+            ],
+            rows,
+        )
+    )
     print()
     passed = sum(ok for _, ok, _ in checks)
     for what, ok, value in checks:
@@ -240,23 +323,44 @@ def run_batched(report: Report, dev: torch.device, gen: torch.Generator, copy_bw
         for s in lens:  # a full window of s rows: every step attends s rows
             cache = CUDACache(CacheSpec(1, HQ, HKV, D, DTYPE, EvictionPolicy.strict(s), device=dev.type))
             cache.prefill(*(torch.randn(1, HKV, s, D, device=dev, generator=gen).to(DTYPE) for _ in range(2)))
-            steps.append(BatchStep(cache, *(torch.randn(1, h, D, device=dev, generator=gen).to(DTYPE)
-                                            for h in (HQ, HKV, HKV))))
+            steps.append(
+                BatchStep(cache, *(torch.randn(1, h, D, device=dev, generator=gen).to(DTYPE) for h in (HQ, HKV, HKV)))
+            )
         t_batched = time_ms([lambda: step_many(steps)])
         t_separate = time_ms([lambda: [st.cache.step(st.query, st.new_key, st.new_value) for st in steps]])
         kv_bytes = sum(2 * HKV * s * D * DTYPE.itemsize for s in lens)
         t_floor = kv_bytes / (copy_bw * 1e9) * 1e3  # a copy moves copy_bw GB/s read plus written
-        report.add(kind="batched", caches=n, rows=[lo, hi], kv_bytes=kv_bytes, batched_ms=t_batched,
-                   separate_ms=t_separate, floor_ms=t_floor)
-        print(f"{n} caches of {lo}-{hi} rows: step_many {t_batched * 1e3:.1f} us, one by one "
-              f"{t_separate * 1e3:.1f} us ({t_separate / t_batched:.1f}x), read floor {t_floor * 1e3:.1f} us "
-              f"({t_batched / t_floor:.2f}x)", flush=True)
+        report.add(
+            kind="batched",
+            caches=n,
+            rows=[lo, hi],
+            kv_bytes=kv_bytes,
+            batched_ms=t_batched,
+            separate_ms=t_separate,
+            floor_ms=t_floor,
+        )
+        print(
+            f"{n} caches of {lo}-{hi} rows: step_many {t_batched * 1e3:.1f} us, one by one "
+            f"{t_separate * 1e3:.1f} us ({t_separate / t_batched:.1f}x), read floor {t_floor * 1e3:.1f} us "
+            f"({t_batched / t_floor:.2f}x)",
+            flush=True,
+        )
         if name == "short":
-            checks.append((f"{n} caches of {lo}-{hi} rows: step_many >= {BATCH_SPEEDUP}x faster than one by one",
-                           t_separate / t_batched >= BATCH_SPEEDUP, f"{t_separate / t_batched:.2f}x"))
+            checks.append(
+                (
+                    f"{n} caches of {lo}-{hi} rows: step_many >= {BATCH_SPEEDUP}x faster than one by one",
+                    t_separate / t_batched >= BATCH_SPEEDUP,
+                    f"{t_separate / t_batched:.2f}x",
+                )
+            )
         else:
-            checks.append((f"{n} caches of {lo}-{hi} rows: step_many within {BATCH_FLOOR_RATIO}x of the read floor",
-                           t_batched / t_floor <= BATCH_FLOOR_RATIO, f"{t_batched / t_floor:.2f}x"))
+            checks.append(
+                (
+                    f"{n} caches of {lo}-{hi} rows: step_many within {BATCH_FLOOR_RATIO}x of the read floor",
+                    t_batched / t_floor <= BATCH_FLOOR_RATIO,
+                    f"{t_batched / t_floor:.2f}x",
+                )
+            )
         del steps
         if dev.type == "cuda":
             torch.cuda.empty_cache()
@@ -265,8 +369,11 @@ def run_batched(report: Report, dev: torch.device, gen: torch.Generator, copy_bw
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--no-sweep", action="store_true", help="time the default configuration only")
-    parser.add_argument("--cpu-smoke", action="store_true",
-                        help="tiny shapes on CPU tensors under TRITON_INTERPRET=1: checks the script, measures nothing")
+    parser.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny shapes on CPU tensors under TRITON_INTERPRET=1: checks the script, measures nothing",
+    )
     args = parser.parse_args(argv)
     device = "cuda"
     if args.cpu_smoke:
