@@ -35,8 +35,8 @@ $(VENV)/.created:
 $(VENV)/.installed: pyproject.toml | $(VENV)/.created
 	@if [ -n "$(TORCH_INDEX_URL)" ]; then echo "torch from $(TORCH_INDEX_URL)"; $(PIP) --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"; fi
 	$(PIP) -e '.$(if $(GPU_EXTRAS),[$(GPU_EXTRAS)])'
-	@# the int8 backend's C kernel; without a C compiler int8 streams use torch's slower kernels
-	$(BIN)/python -m backends.native build || echo "gqa-serve: the int8 kernel did not build (above); int8 streams will use the torch kernels"
+	@# the compiled decode kernels; without a C compiler every backend uses torch's slower kernels
+	$(BIN)/python -m backends.native build || echo "gqa-serve: the decode kernels did not build (above); every backend will use the torch kernels"
 	touch $@
 
 # Tests also run the Triton kernels through its CPU interpreter (the triton extra) and every
