@@ -258,6 +258,7 @@ def _batched_worker(config) -> dict:
     from backends.base import CacheSpec
     from backends.batch import BatchStep, step_many
     from backends.cuda import CUDACache
+    from backends.errors import CacheFullError
     from backends.policy import EvictionPolicy
 
     def build(stream: Stream, dtype: str, heads, seed: int):
@@ -320,7 +321,9 @@ def _batched_worker(config) -> dict:
     outcomes = step_many([BatchStep(c, *a) for (c, _), a in zip(caches, step_args)])
     refused = {}
     for j in (2, 4, 5):
-        refused[j] = dict(error=type(outcomes[j]).__name__, unchanged=same_storage(before[j], storage(caches[j][0])))
+        # the refusal's kind: the standard type a caller catches (input errors subclass these)
+        kind = next(t.__name__ for t in (CacheFullError, ValueError, TypeError, Exception) if isinstance(outcomes[j], t))
+        refused[j] = dict(error=kind, unchanged=same_storage(before[j], storage(caches[j][0])))
     kept = [j for j in range(7) if j not in refused]
     out["refused"] = dict(
         refused=refused,
