@@ -322,7 +322,9 @@ def _batched_worker(config) -> dict:
     refused = {}
     for j in (2, 4, 5):
         # the refusal's kind: the standard type a caller catches (input errors subclass these)
-        kind = next(t.__name__ for t in (CacheFullError, ValueError, TypeError, Exception) if isinstance(outcomes[j], t))
+        kind = next(
+            t.__name__ for t in (CacheFullError, ValueError, TypeError, Exception) if isinstance(outcomes[j], t)
+        )
         refused[j] = dict(error=kind, unchanged=same_storage(before[j], storage(caches[j][0])))
     kept = [j for j in range(7) if j not in refused]
     out["refused"] = dict(
