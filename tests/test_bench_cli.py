@@ -86,3 +86,15 @@ def test_a_plot_without_its_fields_is_skipped_with_a_message(tmp_path):
         str(tmp_path) + "/", ""
     )
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_latency_series_reads_per_round_samples_as_the_cpu_benchmark_writes_them():
+    from tests.bench.__main__ import latency_series
+
+    rounds = [0.004, 0.001, 0.002, 0.003, 0.005]
+    record = {"kind": "step", "dtype": "float32", "S": 2048, "kv_bytes": 1, "cold": True, "ours_s": rounds, "ort_s": []}
+    series = latency_series([record])
+    (point,) = series["float32"]["ours"]
+    s, median, lo, hi = point
+    assert (s, median) == (2048, 0.003) and lo <= median <= hi
+    assert "ort" not in series["float32"]  # no samples, no point

@@ -149,15 +149,21 @@ def _spread_keys(key: str) -> tuple[str, str]:
 
 def latency_series(records: list[dict]) -> dict[str, dict[str, list[tuple[float, float, float | None, float | None]]]]:
     """From cpu.json: per dtype, per implementation, (S, seconds, p10, p90) of the step records
-    (``S`` and ``<impl>_s`` fields; ``<impl>_p10_s`` / ``<impl>_p90_s`` when present)."""
+    (``S`` and ``<impl>_s`` fields: a median with ``<impl>_p10_s`` / ``<impl>_p90_s`` when
+    present, or the list of per-round seconds, whose median and p10-p90 are taken)."""
     series: dict = {}
     for record in records:
         if record.get("kind", "step") != "step" or _number(record.get("S")) is None:
             continue
         for key, value in record.items():
-            if not key.endswith("_s") or key.endswith(("_p10_s", "_p90_s")) or _number(value) is None:
+            if not key.endswith("_s") or key.endswith(("_p10_s", "_p90_s")):
                 continue
-            lo, hi = (_number(record.get(k)) for k in _spread_keys(key))
+            if isinstance(value, list) and value and all(_number(v) is not None for v in value):
+                value, lo, hi = common.spread(value)
+            elif _number(value) is None:
+                continue
+            else:
+                lo, hi = (_number(record.get(k)) for k in _spread_keys(key))
             impl = key[: -len("_s")]
             series.setdefault(str(record.get("dtype", "")), {}).setdefault(impl, []).append(
                 (record["S"], value, lo, hi)
