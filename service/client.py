@@ -423,24 +423,34 @@ def channel_options(
 
 
 class _Base:
+    """Connection settings and the channel, shared by both flavours; ``_grpc`` is the flavour's
+    channel module (``grpc`` or ``grpc.aio``)."""
+
+    _grpc = grpc
+
     def __init__(
         self,
-        address: str,
+        address: str = "127.0.0.1:50051",
         *,
-        tls: bool,
-        root_certificates,
-        certificate_chain,
-        private_key,
-        token: str | None,
-        max_message_bytes: int,
-        options,
-        timeout: float | None,
+        tls: bool = False,
+        root_certificates=None,
+        certificate_chain=None,
+        private_key=None,
+        token: str | None = None,
+        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        options: Iterable[tuple[str, Any]] = (),
+        timeout: float | None = 30.0,
     ):
         self.address = address
         self.timeout = timeout
         self.metadata = (("authorization", f"Bearer {token}"),) if token else None
         self._options = channel_options(max_message_bytes, options)
         self._credentials = _credentials(tls, root_certificates, certificate_chain, private_key)
+        if self._credentials is None:
+            self.channel = self._grpc.insecure_channel(address, options=self._options)
+        else:
+            self.channel = self._grpc.secure_channel(address, self._credentials, options=self._options)
+        self.stub = gqa_pb2_grpc.AttentionServiceStub(self.channel)
 
 
 # -- blocking flavour ----------------------------------------------------------------------------
@@ -551,36 +561,6 @@ class Client(_Base):
     (e.g. ``("grpc.lb_policy_name", "round_robin")`` with a ``dns:///`` address). ``timeout``
     is the deadline of unary calls (never of ``Decode`` streams).
     """
-
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        *,
-        tls: bool = False,
-        root_certificates=None,
-        certificate_chain=None,
-        private_key=None,
-        token: str | None = None,
-        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-        options: Iterable[tuple[str, Any]] = (),
-        timeout: float | None = 30.0,
-    ):
-        super().__init__(
-            address,
-            tls=tls,
-            root_certificates=root_certificates,
-            certificate_chain=certificate_chain,
-            private_key=private_key,
-            token=token,
-            max_message_bytes=max_message_bytes,
-            options=options,
-            timeout=timeout,
-        )
-        if self._credentials is None:
-            self.channel = grpc.insecure_channel(address, options=self._options)
-        else:
-            self.channel = grpc.secure_channel(address, self._credentials, options=self._options)
-        self.stub = gqa_pb2_grpc.AttentionServiceStub(self.channel)
 
     def _unary(self, method, request):
         try:
@@ -801,35 +781,7 @@ class AsyncDecodeStream:
 class AsyncClient(_Base):
     """``Client`` for asyncio (``grpc.aio``); the same arguments. Create it inside the loop."""
 
-    def __init__(
-        self,
-        address: str = "127.0.0.1:50051",
-        *,
-        tls: bool = False,
-        root_certificates=None,
-        certificate_chain=None,
-        private_key=None,
-        token: str | None = None,
-        max_message_bytes: int = DEFAULT_MESSAGE_BYTES,
-        options: Iterable[tuple[str, Any]] = (),
-        timeout: float | None = 30.0,
-    ):
-        super().__init__(
-            address,
-            tls=tls,
-            root_certificates=root_certificates,
-            certificate_chain=certificate_chain,
-            private_key=private_key,
-            token=token,
-            max_message_bytes=max_message_bytes,
-            options=options,
-            timeout=timeout,
-        )
-        if self._credentials is None:
-            self.channel = grpc.aio.insecure_channel(address, options=self._options)
-        else:
-            self.channel = grpc.aio.secure_channel(address, self._credentials, options=self._options)
-        self.stub = gqa_pb2_grpc.AttentionServiceStub(self.channel)
+    _grpc = grpc.aio
 
     async def _unary(self, method, request):
         try:
