@@ -162,11 +162,24 @@ class Batcher:
                     self._cond.notify()
         return True
 
-    def stop(self) -> None:
-        """Workers finish the batch they compute and the queued steps, then exit."""
+    def stop(self, join_timeout_s: float | None = None) -> bool:
+        """Workers finish the batch they compute and the queued steps, then exit; with
+        ``join_timeout_s``, waits up to that long for them. True when none is left running.
+
+        The server joins them before the interpreter finalizes: a daemon thread still freeing a
+        tensor then is ended by CPython through a C++ frame that may not unwind, which aborts the
+        whole process ("terminate called without an active exception") instead of exiting 0."""
         with self._cond:
             self._stopped = True
             self._cond.notify_all()
+            threads = list(self._threads)
+        if join_timeout_s is None:
+            return not any(t.is_alive() for t in threads)
+        deadline = time.monotonic() + join_timeout_s
+        for t in threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+        return not any(t.is_alive() for t in threads)
 
     # -- the workers ----------------------------------------------------------------------------
     def _take(self) -> list[PendingStep] | None:

@@ -539,9 +539,10 @@ class Engine:
                     )
         return reaped
 
-    def stop(self) -> None:
-        """Stops the compute workers once the queued steps are answered."""
-        self.batcher.stop()
+    def stop(self, join_timeout_s: float | None = None) -> bool:
+        """Stops the compute workers once the queued steps are answered (waiting up to
+        ``join_timeout_s`` for them to exit); True when none is left running."""
+        return self.batcher.stop(join_timeout_s)
 
     def start_draining(self) -> None:
         with self._lock:

@@ -39,6 +39,8 @@ __all__ = ["Server", "ServerThread", "run"]
 log = logging.getLogger("gqa.server")
 
 SERVICE_NAME = gqa_pb2.DESCRIPTOR.services_by_name["AttentionService"].full_name
+# How long stop waits for the compute workers to answer their last batch and exit.
+WORKER_JOIN_S = 10.0
 
 
 class Server:
@@ -179,7 +181,9 @@ class Server:
         if self.health_grpc is not None:
             await self.health_grpc.stop(None)
         self.pool.shutdown(wait=False, cancel_futures=True)
-        self.engine.stop()
+        # Joined off the loop: a worker hands its last batch's replies back to this loop.
+        if not await asyncio.to_thread(self.engine.stop, WORKER_JOIN_S):
+            log.warning("compute workers still running %.0f s after stop", WORKER_JOIN_S)
         if self.metrics is not None:
             self.metrics.stop_http()
         self._stopped.set()
