@@ -113,7 +113,7 @@ def _split_kernel(
     V,
     KS,
     VS,
-    O,
+    Out,
     LSE,
     s0,
     l0,
@@ -206,8 +206,8 @@ def _split_kernel(
         m_i = m_new
 
     out = acc / l_i[:, None]
-    o_ptrs = O + pid_n * stride_on + pid_s * stride_os + offs_g[:, None] * stride_og + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    o_ptrs = Out + pid_n * stride_on + pid_s * stride_os + offs_g[:, None] * stride_og + offs_d[None, :]
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
     if not DIRECT:
         tl.store(LSE + pid_n * stride_ln + pid_s * stride_ls + offs_g, m_i + tl.log2(l_i), mask=g_mask)
 

@@ -5,8 +5,8 @@ an engine ``Stream`` of batch size 1, so admission, the byte budget, ``max_strea
 reaper and the drain apply to it exactly as to a ``Decode`` stream. A step message becomes one
 ``backends.batch.step_many`` call over ``[seq.caches[layer] for seq in ids]`` on the compute
 pool, each step reading its rows of the packed tensors as views over the bytes the protobuf
-runtime hands over (no copy of our own, per message or per row). Refusals are per sequence and in-band; only a broken protocol, a refused ``open``, the
-idle timeout and shutdown end the RPC.
+runtime hands over (no copy of our own, per message or per row). Refusals are per sequence and
+in-band; only a broken protocol, a refused ``open``, the idle timeout and shutdown end the RPC.
 
 Translation only, like the servicer: the compute is the backend's, the bookkeeping the
 engine's, snapshots ``service.snapshot``'s.

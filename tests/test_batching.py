@@ -161,11 +161,14 @@ def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):
             )
 
         g = torch.Generator().manual_seed(3)
-        x = lambda: (
-            torch.randn(1, 4, 8, generator=g),
-            torch.randn(1, 2, 8, generator=g),
-            torch.randn(1, 2, 8, generator=g),
-        )
+
+        def x():
+            return (
+                torch.randn(1, 4, 8, generator=g),
+                torch.randn(1, 2, 8, generator=g),
+                torch.randn(1, 2, 8, generator=g),
+            )
+
         blocker, a, c = (engine.open(config()) for _ in range(3))
         full = engine.open(
             config(policy="none", capacity=2),

@@ -177,7 +177,11 @@ def run_policy(cache, kind, kw, prefill, steps, *, seed=0, rollback_at=None):
         assert out.output.dtype == s.dtype and out.bytes_moved == 0
         assert out.attended == len(pos)
         torch.testing.assert_close(
-            got, torch.from_numpy(ref), atol=atol, rtol=rtol, msg=lambda m: f"{kind} step {i} (T={t}): {m}"
+            got,
+            torch.from_numpy(ref),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, where=f"{kind} step {i} (T={t})": f"{where}: {m}",
         )
         worst = max(worst, float(np.abs(got.numpy() - ref).max()))
     ek, ev = cache.export()
@@ -379,7 +383,7 @@ def test_gpu_step_many_is_bit_identical_to_alone_and_matches_oracle(dtype):
             torch.from_numpy(ref),
             atol=atol,
             rtol=rtol,
-            msg=lambda m: f"cache {j} ({kind}, T={t}): {m}",
+            msg=lambda m, where=f"cache {j} ({kind}, T={t})": f"{where}: {m}",
         )
 
 

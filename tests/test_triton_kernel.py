@@ -408,7 +408,7 @@ def _aot_worker(path: str) -> None:
                 sig[n] = "*i8" if quant else ptr
             elif n in ("KS", "VS"):
                 sig[n] = "*fp32" if quant else ptr
-            elif n in ("O", "LSE"):
+            elif n in ("Out", "LSE"):
                 sig[n] = "*fp32"
             else:
                 sig[n] = "fp32" if n == "qk_scale" else "i32"

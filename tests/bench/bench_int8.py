@@ -22,6 +22,7 @@ on the original data; bfloat16 beside it as a reference.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -136,8 +137,8 @@ def run(report) -> None:
         q, nk, nv = caches.pop("step")
         floor_bytes = int8.row_bytes * (s + 1)
         fns = {
-            "int8": lambda: int8.step(q, nk, nv),
-            "float32": lambda: f32.step(q, nk, nv),
+            "int8": functools.partial(int8.step, q, nk, nv),
+            "float32": functools.partial(f32.step, q, nk, nv),
             "floor": floor_reader(floor_bytes),
         }
         t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])

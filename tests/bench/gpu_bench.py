@@ -33,6 +33,7 @@ The batched step, with issue #14's targets for the CPU's: 64 short caches in one
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import statistics
@@ -113,6 +114,17 @@ def _int8_set(n: int, s: int, dev, gen) -> tuple[torch.Tensor, ...]:
     return tuple(out)
 
 
+def _sdpa_call(q, k, v, shape, runs):
+    """SDPA over (N, S, D) cache tensors viewed as ``shape`` (B, Hkv, S, D), the views made in the
+    timed call."""
+    return sdpa_attention(q, k.view(shape), v.view(shape), runs)
+
+
+def _one_by_one(steps) -> list:
+    """The public step of each of ``steps`` (``BatchStep``s) in turn."""
+    return [st.cache.step(st.query, st.new_key, st.new_value) for st in steps]
+
+
 def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
     from backends import triton_decode as td
 
@@ -131,7 +143,7 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
     # The reference copy bandwidth on a buffer far larger than L2.
     big = torch.empty(max(1 << 30 if dev.type == "cuda" else 1 << 20, 4 * l2), dtype=torch.uint8, device=dev)
     big_dst = torch.empty_like(big)
-    t_big = time_ms([lambda: big_dst.copy_(big)], inner=min(5, INNER), repeats=min(9, REPEATS))
+    t_big = time_ms([functools.partial(big_dst.copy_, big)], inner=min(5, INNER), repeats=min(9, REPEATS))
     copy_bw = 2 * big.numel() / (t_big * 1e-3) / 1e9
     print(
         f"device-to-device copy of {big.numel() >> 20} MiB: {t_big:.3f} ms = {copy_bw:.0f} GB/s (read + write)",
@@ -164,20 +176,22 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
         kv8 = [_int8_set(n, s, dev, gen) for _ in range(reps8)]
         runs = [(0, s)]
 
-        def ours(config):
-            return [lambda k=k, v=v: td.decode_attention(q, k, v, runs, num_kv_heads=HKV, config=config) for k, v in kv]
-
-        def ours8(config):
+        def ours(config, q=q, kv=kv, runs=runs):
             return [
-                lambda c=c: td.decode_attention_int8(q, c[0], c[1], c[2], c[3], runs, num_kv_heads=HKV, config=config)
-                for c in kv8
+                functools.partial(td.decode_attention, q, k, v, runs, num_kv_heads=HKV, config=config) for k, v in kv
             ]
 
-        sdpa = [lambda k=k, v=v: sdpa_attention(q, k.view(b, HKV, s, D), v.view(b, HKV, s, D), runs) for k, v in kv]
+        def ours8(config, q=q, kv8=kv8, runs=runs):
+            return [
+                functools.partial(td.decode_attention_int8, q, *c, runs, num_kv_heads=HKV, config=config) for c in kv8
+            ]
+
+        shape = (b, HKV, s, D)
+        sdpa = [functools.partial(_sdpa_call, q, k, v, shape, runs) for k, v in kv]
         half = fp16_bytes // 2
         src = [torch.empty(half, dtype=torch.uint8, device=dev) for _ in range(copies_for(half, l2))]
         dst = torch.empty(half, dtype=torch.uint8, device=dev)
-        copy = [lambda x=x: dst.copy_(x) for x in src]
+        copy = [functools.partial(dst.copy_, x) for x in src]
 
         t_ours = time_ms(ours(td.DEFAULT_CONFIG))
         t_int8 = time_ms(ours8(td.DEFAULT_CONFIG))
@@ -326,8 +340,8 @@ def run_batched(report: Report, dev: torch.device, gen: torch.Generator, copy_bw
             steps.append(
                 BatchStep(cache, *(torch.randn(1, h, D, device=dev, generator=gen).to(DTYPE) for h in (HQ, HKV, HKV)))
             )
-        t_batched = time_ms([lambda: step_many(steps)])
-        t_separate = time_ms([lambda: [st.cache.step(st.query, st.new_key, st.new_value) for st in steps]])
+        t_batched = time_ms([functools.partial(step_many, steps)])
+        t_separate = time_ms([functools.partial(_one_by_one, steps)])
         kv_bytes = sum(2 * HKV * s * D * DTYPE.itemsize for s in lens)
         t_floor = kv_bytes / (copy_bw * 1e9) * 1e3  # a copy moves copy_bw GB/s read plus written
         report.add(
