@@ -23,7 +23,6 @@ on the original data; bfloat16 beside it as a reference.
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import torch
@@ -32,6 +31,7 @@ from backends import native
 from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
+from tests.oracle import attention_ref, attention_weights_ref
 
 from .common import (
     Evictor,
@@ -46,7 +46,6 @@ from .common import (
 )
 
 B, HQ, HKV, D = 1, 32, 8, 128
-G = HQ // HKV
 OUTLIER_CHANNELS, OUTLIER_GAIN = 4, 20.0
 FLOOR_TARGET, FLOOR_TARGET_LENGTHS = 1.5, (2048, 8192, 32768)  # issue #14
 # The int8 cache's own earlier targets, printed for reference: bytes per token against a
@@ -60,13 +59,6 @@ MODES = {
     "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, budget_s=4.0, evict_bytes=None),
     "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, budget_s=60.0, evict_bytes=None),
 }
-
-
-def _weights64(q: torch.Tensor, keys: torch.Tensor) -> np.ndarray:
-    """float64 attention weights (B, Hkv, G, S) of (B, Hq, D) queries over (B, Hkv, S, D) keys."""
-    qg = q.double().reshape(B, HKV, G, D)
-    scores = torch.einsum("bhgd,bhsd->bhgs", qg, keys.double()) / math.sqrt(D)
-    return torch.softmax(scores, dim=-1).numpy()
 
 
 def _kl(p: np.ndarray, r: np.ndarray) -> float:
@@ -96,15 +88,15 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
         keys = _data((B, HKV, s + 1, D), gen, kind == "outliers")
         values = _data((B, HKV, s + 1, D), gen, kind == "outliers")
         q = torch.randn(B, HQ, D, generator=gen)
-        w_ref = _weights64(q, keys)
-        y_ref = np.einsum("bhgs,bhsd->bhgd", w_ref, values.double().numpy()).reshape(B, HQ, D)
+        w_ref = attention_weights_ref(q, keys, HQ, HKV)
+        y_ref = attention_ref(q, keys, values, HQ, HKV)
         configs = (("int8", torch.float32), ("cpu", torch.bfloat16)) if kind == "normal" else (("int8", torch.float32),)
         for backend, dtype in configs:
             cache = _cache(backend, dtype, s, capacity, keys, values)
             qd = q.to(dtype)
             out = cache.step(qd, keys[:, :, s].to(dtype), values[:, :, s].to(dtype)).output
             err = float(np.linalg.norm(out.double().numpy() - y_ref) / np.linalg.norm(y_ref))
-            kl = _kl(w_ref, _weights64(qd.float(), cache.export()[0].float()))  # the keys as stored
+            kl = _kl(w_ref, attention_weights_ref(qd.float(), cache.export()[0].float(), HQ, HKV))  # the keys as stored
             name = "int8" if backend == "int8" else f"cpu {dtype}".replace("torch.", "")
             rows.append([s, name, kind, cache.row_bytes, cache.row_bytes / (2 * B * HKV * D * 2), err, kl])
             report.add(
