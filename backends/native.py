@@ -20,7 +20,7 @@ reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces 
 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
 steps or attentions of ``n`` caches in one call; ``gqa_set_threads`` / ``gqa_threads`` size the
-pool; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``; ``gqa_read_bytes`` (the benchmark floor).
+pool; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
 """
 
 from __future__ import annotations
@@ -90,9 +90,6 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """The size of the compiled kernels' thread pool."""
     return _threads
-
-
-threads_count = threads
 
 
 class NativeUnavailable(RuntimeError):
@@ -218,8 +215,6 @@ class Kernel:
         lib.gqa_threads.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
-        lib.gqa_read_bytes.argtypes = [p, i64, i32]
-        lib.gqa_read_bytes.restype = ctypes.c_uint64
         self._lib = lib
         self._run = lib.gqa_run
         lib.gqa_set_threads(_threads)
@@ -329,12 +324,6 @@ class Kernel:
         if rc:
             raise ValueError(f"hadamard: {os.strerror(-rc)} for shape {tuple(x.shape)}")
         return y
-
-    def read_bytes(self, t: torch.Tensor, threads: int | None = None) -> int:
-        """Reads a contiguous tensor's bytes once on the pool (the benchmark's memory floor)."""
-        if not t.is_contiguous():
-            raise ValueError("read_bytes: the tensor must be contiguous")
-        return self._lib.gqa_read_bytes(t.data_ptr(), t.nbytes, threads or threads_count())
 
 
 Int8Kernel = Kernel  # the name of the int8-only library this one replaced

@@ -178,14 +178,6 @@ def test_hadamard_is_the_rotation_product(d):
     torch.testing.assert_close(KERNEL.hadamard(got).double(), x.double(), atol=1e-5, rtol=1e-5)  # H H = I
 
 
-def test_read_bytes_reads_every_byte():
-    t = torch.randint(-128, 128, (1003,), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
-    words = np.frombuffer(t.numpy().tobytes()[:1000], dtype=np.uint64)
-    want = int(np.bitwise_xor.reduce(words)) ^ int(np.bitwise_xor.reduce(t.numpy()[1000:].view(np.uint8)))
-    for threads in (1, 2, 5):
-        assert KERNEL.read_bytes(t, threads) == want
-
-
 # -- the build -------------------------------------------------------------------------------------
 
 

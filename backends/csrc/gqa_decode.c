@@ -1101,7 +1101,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
 }
 
 /* ---------------------------------------------------------------------------------------------
- * The int8 cache's value rotation, and the benchmark's floor.
+ * The int8 cache's value rotation.
  */
 
 /* x (rows, d) float32 times the normalized block-diagonal Sylvester Hadamard matrix with blocks
@@ -1127,37 +1127,4 @@ int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
         }
     }
     return 0;
-}
-
-/* The bandwidth floor: read `nbytes` once on the pool (an xor of 8-byte words, so nothing is
- * optimized away and the loop is bound by memory at any ISA). The benchmark times it over the
- * bytes a step reads. */
-typedef struct {
-    const uint8_t *p;
-    int64_t nbytes, per;
-    atomic_ullong sum;
-} read_job_t;
-
-#define READ_CHUNK (1 << 20)
-
-static void read_item(void *ctx, int64_t item, int tid) {
-    (void)tid;
-    read_job_t *job = ctx;
-    const int64_t lo = item * READ_CHUNK, hi = lo + READ_CHUNK < job->nbytes ? lo + READ_CHUNK : job->nbytes;
-    uint64_t x = 0;
-    int64_t i = lo;
-    for (; i + 8 <= hi; i += 8) {
-        uint64_t w;
-        memcpy(&w, job->p + i, 8);
-        x ^= w;
-    }
-    for (; i < hi; i++) x ^= job->p[i];
-    atomic_fetch_xor(&job->sum, x);
-}
-
-uint64_t gqa_read_bytes(const void *p, int64_t nbytes, int nthreads) {
-    read_job_t job = {.p = p, .nbytes = nbytes};
-    atomic_init(&job.sum, 0);
-    pool_run(read_item, &job, (nbytes + READ_CHUNK - 1) / READ_CHUNK, nthreads < 1 ? 1 : nthreads);
-    return atomic_load(&job.sum);
 }
