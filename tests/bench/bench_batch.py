@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -42,7 +40,7 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.tensors import NAME_TO_DTYPE, to_proto
 
-from .common import median_seconds, spread, table, verdict
+from .common import median_seconds, spread, start_server, stop_server, table, verdict
 
 HQ, HKV, D = 32, 8, 128
 N = 64  # sequences per session and per step message
@@ -55,12 +53,6 @@ MESSAGES_S2048 = 3  # round trips per round at S=2048
 SESSIONS = 4  # concurrent sessions for the throughput figure
 THROUGHPUT_S = 0.8  # seconds per throughput measurement
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def step_reply(dtype: torch.dtype) -> bytes:
@@ -84,9 +76,9 @@ def step_reply(dtype: torch.dtype) -> bytes:
 
 
 ECHO_SERVER = r"""
-import asyncio, sys, grpc
+import asyncio, os, sys, grpc
 from service.api import gqa_pb2
-REPLIES = {int(k): open(p, "rb").read() for k, p in zip(sys.argv[2::2], sys.argv[3::2])}
+REPLIES = {int(k): open(p, "rb").read() for k, p in zip(sys.argv[1::2], sys.argv[2::2])}
 async def batch(request_iterator, context):
     reply = None
     async for request in request_iterator:
@@ -101,7 +93,7 @@ async def main():
     handler = grpc.method_handlers_generic_handler("gqa.v1.AttentionService", {
         "Batch": grpc.stream_stream_rpc_method_handler(batch)})
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(sys.argv[1])
+    server.add_insecure_port(os.environ["GQA_ADDRESS"])
     await server.start()
     await server.wait_for_termination()
 asyncio.run(main())
@@ -109,22 +101,15 @@ asyncio.run(main())
 
 
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
-    address = f"127.0.0.1:{free_port()}"
-    if kind == "echo":
-        args = []
-        for name, dtype in DTYPES.items():
-            path = os.path.join(tmpdir, f"reply-{name}.bin")
-            with open(path, "wb") as f:
-                f.write(step_reply(dtype))
-            args += [str(NAME_TO_DTYPE[name]), path]
-        proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, address, *args], stdout=subprocess.DEVNULL)
-    else:
-        env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
-        proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve"], env=env, stdout=subprocess.DEVNULL)
-    channel = grpc.insecure_channel(address)
-    grpc.channel_ready_future(channel).result(timeout=60)
-    channel.close()
-    return proc, address
+    if kind == "service":
+        return start_server(["-m", "service.cli", "serve"])
+    args = []
+    for name, dtype in DTYPES.items():
+        path = os.path.join(tmpdir, f"reply-{name}.bin")
+        with open(path, "wb") as f:
+            f.write(step_reply(dtype))
+        args += [str(NAME_TO_DTYPE[name]), path]
+    return start_server(["-c", ECHO_SERVER, *args])
 
 
 # -- messages ------------------------------------------------------------------------------------
@@ -388,8 +373,7 @@ def run(report) -> None:
                 )
         finally:
             for proc, _ in procs.values():
-                proc.terminate()
-                proc.wait(20)
+                stop_server(proc)
             loop.close()
     print(
         table(

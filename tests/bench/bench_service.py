@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
-import sys
 import time
 
 import grpc
@@ -41,7 +39,7 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.tensors import to_proto
 
-from .common import median_seconds, percentile, table, verdict
+from .common import median_seconds, percentile, start_server, stop_server, table, verdict
 
 HQ, HKV, D = 32, 8, 128
 METHOD = "/gqa.v1.AttentionService/Decode"
@@ -50,12 +48,6 @@ SEQ = [1, 2048]
 STEPS = {1: 300, 8: 50, 64: 12}  # per stream, bounded
 TIME_BUDGET_S = 6.0  # per (server, S, concurrency) cell
 ROW_BYTES = 2 * HKV * D * 4  # one cached position, keys and values, float32
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def reply_bytes() -> bytes:
@@ -110,8 +102,8 @@ def step_bytes(seed: int) -> bytes:
 
 
 ECHO_SERVER = r"""
-import asyncio, sys, grpc
-REPLY = open(sys.argv[2], "rb").read()
+import asyncio, os, sys, grpc
+REPLY = open(sys.argv[1], "rb").read()
 async def decode(request_iterator, context):
     async for _ in request_iterator:
         yield REPLY
@@ -121,7 +113,7 @@ async def main():
     handler = grpc.method_handlers_generic_handler("gqa.v1.AttentionService", {
         "Decode": grpc.stream_stream_rpc_method_handler(decode)})
     server.add_generic_rpc_handlers((handler,))
-    server.add_insecure_port(sys.argv[1])
+    server.add_insecure_port(os.environ["GQA_ADDRESS"])
     await server.start()
     print("ready", flush=True)
     await server.wait_for_termination()
@@ -177,30 +169,15 @@ asyncio.run(main())
 
 
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
-    address = f"127.0.0.1:{free_port()}"
     if kind == "echo":
         reply = os.path.join(tmpdir, "reply.bin")
         with open(reply, "wb") as f:
             f.write(reply_bytes())
-        proc = subprocess.Popen([sys.executable, "-c", ECHO_SERVER, address, reply], stdout=subprocess.DEVNULL)
-    else:
-        env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
-        os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-c",
-                SERVICE_SERVER,
-                os.path.join(tmpdir, kind, "stats"),
-                *(["stub"] if kind == "stub" else []),
-            ],
-            env=env,
-            stdout=subprocess.DEVNULL,
-        )
-    channel = grpc.insecure_channel(address)
-    grpc.channel_ready_future(channel).result(timeout=60)
-    channel.close()
-    return proc, address
+        return start_server(["-c", ECHO_SERVER, reply])
+    os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
+    return start_server(
+        ["-c", SERVICE_SERVER, os.path.join(tmpdir, kind, "stats"), *(["stub"] if kind == "stub" else [])]
+    )
 
 
 async def open_stream(channel, opening: bytes):
@@ -357,8 +334,7 @@ def run(report) -> None:
                     )
         finally:
             for proc, _ in procs.values():
-                proc.terminate()
-                proc.wait(20)
+                stop_server(proc)
             loop.close()
     # The 64-stream S=2048 cell's reads: every step attends S+1 cached positions.
     big = results[("service", 2048, 64)]

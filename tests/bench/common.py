@@ -7,10 +7,15 @@ import os
 import pathlib
 import platform
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 
+import grpc
 import torch
+
+from tests.metrics_load import free_port
 
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
 
@@ -222,3 +227,27 @@ def hot_rounds(
         if i + 1 >= min_rounds and time.perf_counter() > deadline:
             break
     return samples
+
+
+# -- servers in their own processes, on loopback ------------------------------------------------
+
+
+def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
+    """``python *args`` in its own process, serving on a free loopback port it reads from
+    ``GQA_ADDRESS`` (metrics off, warnings only, as gqa-serve reads them), and its address once
+    it accepts calls; stop it with ``stop_server``."""
+    address = f"127.0.0.1:{free_port()}"
+    env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL)
+    try:
+        with grpc.insecure_channel(address) as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)
+    except BaseException:
+        stop_server(proc)
+        raise
+    return proc, address
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    proc.wait(20)
