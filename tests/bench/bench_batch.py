@@ -11,7 +11,8 @@
 - in-process: ``backends.batch.step_many`` over 64 caches of the same shape in this process,
   with the server's torch threads, rows taken as views of packed tensors as the server does.
 - read floor: a sum over the same number of bytes viewed as float32 words, with the same threads,
-  cold (the buffer is far larger than the last-level cache), in the same run.
+  cold (read in passes over a 256 MiB buffer, far larger than the last-level cache), in the same run
+  (``common.read_floor_seconds``).
 
 Clients are grpc.aio streams of raw bytes (no client-side protobuf work in the timed loop).
 Echo and service take turns, round after round. Targets (issue 16): at S=1 the Batch round trip
@@ -26,6 +27,7 @@ import asyncio
 import os
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -40,7 +42,17 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.tensors import NAME_TO_DTYPE, to_proto
 
-from .common import median_seconds, spread, start_server, stop_server, table, verdict
+from .common import (
+    median_seconds,
+    read_floor_seconds,
+    round_trips,
+    spread,
+    start_server,
+    stop_server,
+    table,
+    torch_threads,
+    verdict,
+)
 
 HQ, HKV, D = 32, 8, 128
 N = 64  # sequences per session and per step message
@@ -170,42 +182,18 @@ async def open_session(channel, dtype: str, s: int, kind: str):
     return call
 
 
-async def round_trips(call, steps: list[bytes], count: int) -> tuple[list[float], bytes]:
-    times, reply = [], b""
-    for i in range(count):
-        t0 = time.perf_counter()
-        await call.write(steps[i % len(steps)])
-        reply = await call.read()
-        times.append(time.perf_counter() - t0)
-        if reply is grpc.aio.EOF:
-            raise RuntimeError("the server ended the session")
-    return times, reply
-
-
 async def throughput(calls, steps: list[bytes]) -> float:
     """Sequence-steps/s of ``calls`` closed-loop sessions over ``THROUGHPUT_S`` seconds."""
     deadline = time.perf_counter() + THROUGHPUT_S
     t0 = time.perf_counter()
-
-    async def loop(call):
-        done = 0
-        while time.perf_counter() < deadline:
-            await call.write(steps[done % len(steps)])
-            if await call.read() is grpc.aio.EOF:
-                raise RuntimeError("the server ended the session")
-            done += 1
-        return done
-
-    counts = await asyncio.gather(*(loop(c) for c in calls))
-    return sum(counts) * N / (time.perf_counter() - t0)
+    done = await asyncio.gather(*(round_trips(c, steps, sys.maxsize, deadline=deadline) for c in calls))
+    return sum(len(times) for times, _ in done) * N / (time.perf_counter() - t0)
 
 
 # -- in-process references -------------------------------------------------------------------------
 def in_process_step_many_seconds(dtype: torch.dtype, threads: int) -> float:
     """step_many over 64 S=1 caches, rows as views of packed tensors (as the server does)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         caches = [
             CPUBackend().create_cache(CacheSpec(1, HQ, HKV, D, dtype, EvictionPolicy.strict(2))) for _ in range(N)
         ]
@@ -215,19 +203,6 @@ def in_process_step_many_seconds(dtype: torch.dtype, threads: int) -> float:
         v = torch.randn(N, HKV, D, generator=g).to(dtype).split(1)
         steps = [BatchStep(c, q[i], k[i], v[i]) for i, c in enumerate(caches)]
         return median_seconds(lambda: step_many(steps), repeat=30, budget_s=3.0)
-    finally:
-        torch.set_num_threads(previous)
-
-
-def read_floor_seconds(nbytes: int, threads: int, buffer: torch.Tensor) -> float:
-    """One cold read of ``nbytes`` (a sum over float32 words) with ``threads`` threads."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        view = buffer[: nbytes // 4]
-        return median_seconds(lambda: view.sum(), repeat=3, warmup=1, budget_s=2.0)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def cache_bytes_per_step(s: int, dtype: torch.dtype) -> int:
@@ -266,7 +241,6 @@ async def measure_s1(addresses: dict[str, str], dtype: str) -> dict:
 async def measure_s2048(addresses: dict[str, str], dtype: str, threads: int) -> dict:
     steps = step_messages(DTYPES[dtype])
     nbytes = cache_bytes_per_step(2048, DTYPES[dtype])
-    buffer = torch.ones(nbytes // 4 + 1, dtype=torch.float32)
     rtt, floor, compute = [], [], []
     async with grpc.aio.insecure_channel(addresses["service"], options=OPTIONS) as channel:
         call = await open_session(channel, dtype, 2048, "service")
@@ -275,10 +249,9 @@ async def measure_s2048(addresses: dict[str, str], dtype: str, threads: int) -> 
             times, reply = await round_trips(call, steps, MESSAGES_S2048)
             rtt.append(statistics.median(times))
             compute.append(gqa_pb2.BatchResponse.FromString(reply).step.compute_ns * 1e-9)
-            floor.append(read_floor_seconds(nbytes, threads, buffer))
+            floor.append(read_floor_seconds(nbytes, threads, repeat=3, budget_s=2.0))
         await call.done_writing()
         await call.read()
-    del buffer
     return {"rtt": rtt, "floor": floor, "compute": compute, "bytes": nbytes}
 
 

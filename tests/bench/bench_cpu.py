@@ -31,6 +31,7 @@ PASS/FAIL lines for issue #14's targets follow each table.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -50,6 +51,7 @@ from .common import (
     fmt_spread,
     hot_rounds,
     per_round_ratio,
+    sample_seconds,
     spread,
     table,
     verdict_spread,
@@ -290,6 +292,19 @@ def per_call(evict, rounds, budget_s, report) -> tuple[dict[str, list[float]], d
     return cold, hot
 
 
+def _ours_step(cache, qs, ks, vs, i, last) -> None:
+    """Step ``i`` of the consecutive loop (the inputs indexed in the call, as a loop does), its
+    output kept in ``last["ours"]``."""
+    last["ours"] = cache.step(qs[i], ks[i], vs[i]).output
+
+
+def _ort_step(ort_step, np_inputs, i) -> None:
+    """Step ``i`` of ONNX Runtime's loop: bind the inputs and the past length, run."""
+    ort_step.set_length(i)
+    ort_step.bind_step(*np_inputs[i])
+    ort_step()
+
+
 def consecutive(steps, rounds, budget_s, cold, evict, report) -> dict[str, list[float]]:
     """Total seconds of ``steps`` consecutive float32 steps from an empty cache: ours (the public
     step, policy none) and ONNX Runtime's shared-buffer loop (per step: bind the inputs, the
@@ -309,32 +324,20 @@ def consecutive(steps, rounds, budget_s, cold, evict, report) -> dict[str, list[
         for i in range(steps)
     ]
     empty = torch.empty((B, HKV, 0, D))
-    between = evict if cold else (lambda: None)
+
+    def loop_seconds(calls) -> float:
+        """The sum of the steps' times, one eviction before the loop and, cold, one before each step."""
+        evict()
+        return sum(sample_seconds([fn], 1, before=evict if cold else None)[0] for fn in calls)
+
     samples: dict[str, list[float]] = {"ours": [], "ort": []}
     last = {}
     deadline = time.perf_counter() + budget_s
     for r in range(rounds):
         cache = get_backend("cpu").create_cache(CacheSpec(B, HQ, HKV, D, torch.float32, EvictionPolicy.none(steps)))
-        total = 0.0
-        evict()
-        for i in range(steps):
-            between()
-            t0 = time.perf_counter()
-            out = cache.step(qs[i], ks[i], vs[i]).output
-            total += time.perf_counter() - t0
-        samples["ours"].append(total)
-        last["ours"] = out
+        samples["ours"].append(loop_seconds([partial(_ours_step, cache, qs, ks, vs, i, last) for i in range(steps)]))
         ort_step = ORTStep(empty, empty, steps)
-        total = 0.0
-        evict()
-        for i in range(steps):
-            between()
-            t0 = time.perf_counter()
-            ort_step.set_length(i)
-            ort_step.bind_step(*np_inputs[i])
-            ort_step()
-            total += time.perf_counter() - t0
-        samples["ort"].append(total)
+        samples["ort"].append(loop_seconds([partial(_ort_step, ort_step, np_inputs, i) for i in range(steps)]))
         last["ort"] = ort_step.output()
         if r >= 1 and time.perf_counter() > deadline:
             break

@@ -39,7 +39,17 @@ from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.tensors import to_proto
 
-from .common import median_seconds, percentile, start_server, stop_server, table, verdict
+from .common import (
+    median_seconds,
+    percentile,
+    read_floor_seconds,
+    round_trips,
+    start_server,
+    stop_server,
+    table,
+    torch_threads,
+    verdict,
+)
 
 HQ, HKV, D = 32, 8, 128
 METHOD = "/gqa.v1.AttentionService/Decode"
@@ -188,20 +198,13 @@ async def open_stream(channel, opening: bytes):
     return call
 
 
-async def run_steps(call, steps: list[bytes], latencies: list[float], deadline: float) -> int:
-    done = 0
-    for request in steps:
-        if time.perf_counter() > deadline:
-            break
-        t0 = time.perf_counter()
-        await call.write(request)
-        reply = await call.read()
-        latencies.append(time.perf_counter() - t0)
-        if reply is grpc.aio.EOF:
-            raise RuntimeError("the server ended the stream")
-        done += 1
+async def run_steps(call, requests: list[bytes], count: int, latencies: list[float], deadline: float) -> int:
+    """``count`` timed round trips (``requests`` in turn, none started past ``deadline``), their
+    times added to ``latencies``; then the stream's end. Returns how many were made."""
+    times, _ = await round_trips(call, requests, count, deadline=deadline)
+    latencies += times
     await call.done_writing()
-    return done
+    return len(times)
 
 
 async def drive(address: str, s: int, concurrency: int) -> dict:
@@ -210,17 +213,14 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
     async with grpc.aio.insecure_channel(address, options=options) as channel:
         warm = await open_stream(channel, opening)
-        await run_steps(warm, requests * 3, [], time.perf_counter() + 10)
+        await run_steps(warm, requests, 3 * len(requests), [], time.perf_counter() + 10)
         # Open every stream first (prefill included), then time the steps alone.
         calls = [await open_stream(channel, opening) for _ in range(concurrency)]
         latencies: list[float] = []
         deadline = time.perf_counter() + TIME_BUDGET_S
         t0 = time.perf_counter()
         counts = await asyncio.gather(
-            *(
-                run_steps(call, [requests[i % 8] for i in range(STEPS[concurrency])], latencies, deadline)
-                for call in calls
-            )
+            *(run_steps(call, requests, STEPS[concurrency], latencies, deadline) for call in calls)
         )
         wall = time.perf_counter() - t0
     return {
@@ -243,34 +243,11 @@ def batch_counts(tmpdir: str) -> tuple[int, int]:
         return 0, 0
 
 
-def read_floor_seconds(nbytes: int, threads: int) -> float:
-    """Reading ``nbytes`` once from DRAM (a sum viewed as float32 words) with ``threads``
-    threads: a 256 MiB buffer (8x any L3 here) read as many times as it takes."""
-    chunk = min(nbytes, 256 << 20)
-    buf = torch.ones(chunk // 4, dtype=torch.float32)
-    passes = max(1, round(nbytes / chunk))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-
-    def read():
-        for _ in range(passes):
-            buf.sum()
-
-    try:
-        return median_seconds(read, repeat=5, warmup=1, budget_s=4.0) * nbytes / (passes * chunk)
-    finally:
-        torch.set_num_threads(previous)
-
-
 def in_process_step_seconds(s: int, threads: int) -> float:
     """The CPU backend's step alone, with ``threads`` torch threads (the server runs with
     ``--torch-threads``, default 1)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         return _step_seconds(s)
-    finally:
-        torch.set_num_threads(previous)
 
 
 def _step_seconds(s: int) -> float:
@@ -340,7 +317,7 @@ def run(report) -> None:
     big = results[("service", 2048, 64)]
     step_bytes = (2048 + 1) * ROW_BYTES
     read_bytes = big["steps"] * step_bytes
-    floor_s = read_floor_seconds(read_bytes, workers)
+    floor_s = read_floor_seconds(read_bytes, workers, repeat=5, budget_s=4.0)
     service_gbps = big["steps_per_s"] * step_bytes / 1e9
     floor_gbps = read_bytes / floor_s / 1e9
     report.add(read_floor_gbps=floor_gbps, service_read_gbps=service_gbps, read_bytes=read_bytes, threads=workers)

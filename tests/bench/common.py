@@ -1,8 +1,11 @@
-"""Shared helpers for the benchmarks: timing by medians, tables, raw JSON output."""
+"""Shared helpers for the benchmarks: timing (one loop, ``sample_seconds``, under every figure),
+tables, raw JSON output, servers in their own processes."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import pathlib
 import platform
@@ -20,19 +23,107 @@ from tests.metrics_load import free_port
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
 
 
+class WallClock:
+    """``sample_seconds``' default clock: ``time.perf_counter`` read before and after."""
+
+    now = staticmethod(time.perf_counter)
+
+    @staticmethod
+    def elapsed(start: float, end: float) -> float:
+        return end - start
+
+
+class CudaClock:
+    """``sample_seconds``' clock on the GPU: CUDA events recorded on the current stream before
+    and after, the second waited for; seconds of device time between them."""
+
+    def __init__(self):
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        self._next = 0
+
+    def now(self) -> torch.cuda.Event:
+        event = self._events[self._next]
+        self._next ^= 1
+        event.record()
+        return event
+
+    @staticmethod
+    def elapsed(start: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        end.synchronize()
+        return start.elapsed_time(end) * 1e-3
+
+
+WALL = WallClock()
+
+
+def sample_seconds(
+    calls: list[Callable[[], object]],
+    samples: int,
+    *,
+    per_sample: int = 1,
+    before: Callable[[], object] | None = None,
+    budget_s: float = math.inf,
+    min_samples: int = 3,
+    clock: WallClock | CudaClock = WALL,
+) -> list[float]:
+    """Seconds per call, ``samples`` times: each sample times ``per_sample`` calls in a row,
+    ``calls[i % len(calls)]`` for i from 0 (copies of an input, each in its own memory, taking
+    turns), and is their total over ``per_sample``. ``before`` runs untimed ahead of each sample
+    (an ``Evictor``: a cold call). Fewer samples (at least ``min_samples``) once ``budget_s``
+    has passed. Every timing in the benchmarks goes through this loop."""
+    block = [calls[i % len(calls)] for i in range(per_sample)]
+    now, elapsed = clock.now, clock.elapsed
+    out: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    for _ in range(samples):
+        if before is not None:
+            before()
+        start = now()
+        for fn in block:
+            fn()
+        end = now()
+        out.append(elapsed(start, end) / per_sample)
+        if len(out) >= min_samples and time.perf_counter() > deadline:
+            break
+    return out
+
+
 def median_seconds(fn: Callable[[], object], *, repeat: int = 15, warmup: int = 3, budget_s: float = 5.0) -> float:
     """Median wall time of ``fn`` over ``repeat`` calls (fewer if ``budget_s`` runs out)."""
     for _ in range(warmup):
         fn()
-    times = []
-    deadline = time.perf_counter() + budget_s
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        if time.perf_counter() > deadline and len(times) >= 3:
+    return statistics.median(sample_seconds([fn], repeat, budget_s=budget_s))
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to ``n`` inside the block (a server's count), restored after."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+async def round_trips(
+    call, requests: list[bytes], count: int, *, deadline: float = math.inf
+) -> tuple[list[float], bytes]:
+    """Seconds of up to ``count`` round trips on a raw-bytes bidirectional ``call`` (write a
+    request, read its reply), ``requests`` in turn; none is started past ``deadline``
+    (``time.perf_counter``). Returns the times and the last reply; ``RuntimeError`` when the
+    server ends the call. The awaiting counterpart of ``sample_seconds``."""
+    times, reply = [], b""
+    for i in range(count):
+        if time.perf_counter() > deadline:
             break
-    return statistics.median(times)
+        t0 = time.perf_counter()
+        await call.write(requests[i % len(requests)])
+        reply = await call.read()
+        times.append(time.perf_counter() - t0)
+        if reply is grpc.aio.EOF:
+            raise RuntimeError("the server ended the call")
+    return times, reply
 
 
 _status_hook: Callable[[str], None] | None = None
@@ -169,10 +260,7 @@ def cold_rounds(
     deadline = time.perf_counter() + budget_s
     for i in range(rounds):
         for name, fn in fns.items():
-            evict()
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
+            samples[name] += sample_seconds([fn], 1, before=evict)
         if i + 1 >= min_rounds and time.perf_counter() > deadline:
             break
     return samples
@@ -204,6 +292,25 @@ def floor_reader(nbytes: int) -> Callable[[], object]:
     both come from DRAM."""
     words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     return lambda: words.sum()
+
+
+def read_floor_seconds(
+    nbytes: int, threads: int, *, repeat: int, budget_s: float, chunk_bytes: int = 256 << 20
+) -> float:
+    """Reading ``nbytes`` once from DRAM with ``threads`` torch threads, for a figure measured
+    without ``cold_rounds``: a ``floor_reader`` of ``min(nbytes, chunk_bytes)`` (256 MiB: 8x any
+    L3 here, so every pass comes from DRAM) read as many times as it takes, the median of
+    ``repeat`` timings (one warm-up) scaled to ``nbytes``."""
+    chunk = min(nbytes, chunk_bytes)
+    passes = max(1, round(nbytes / chunk))
+    read = floor_reader(chunk)
+
+    def read_all():
+        for _ in range(passes):
+            read()
+
+    with torch_threads(threads):
+        return median_seconds(read_all, repeat=repeat, warmup=1, budget_s=budget_s) * nbytes / (passes * chunk)
 
 
 def hot_rounds(

@@ -44,7 +44,7 @@ from dataclasses import asdict, replace
 import torch
 
 from backends.cuda import sdpa_attention
-from tests.bench.common import Report, table
+from tests.bench.common import WALL, CudaClock, Report, sample_seconds, table
 
 BATCHES = [1, 8]
 SEQ_LENS = [2048, 32768, 131072]
@@ -80,25 +80,11 @@ def time_ms(calls: list, inner: int | None = None, repeats: int | None = None) -
     repeats = repeats or REPEATS
     for fn in calls:
         fn()
-    if not torch.cuda.is_available():  # --cpu-smoke: the script's logic, not a measurement
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            for i in range(inner):
-                calls[i % len(calls)]()
-            times.append((time.perf_counter() - t0) * 1e3 / inner)
-        return statistics.median(times)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(repeats):
-        start.record()
-        for i in range(inner):
-            calls[i % len(calls)]()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
+    clock = WALL  # --cpu-smoke: the script's logic, not a measurement
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        clock = CudaClock()
+    return statistics.median(sample_seconds(calls, repeats, per_sample=inner, clock=clock)) * 1e3
 
 
 def copies_for(nbytes: int, l2_bytes: int) -> int:
