@@ -488,6 +488,42 @@ AVX512 static void block_avx512_int8(const gqa_cache_t *cc, const float *qf, int
 }
 #endif /* GQA_HAVE_AVX512 */
 
+#if GQA_HAVE_AVX512
+/* n float16/bfloat16 elements (enc) to float32 times scale: load_elem(enc, src, i) * scale,
+ * 16 lanes at a time. */
+AVX512 static void widen_row_avx512(const int enc, const uint16_t *src, float *dst, int64_t n, float scale) {
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int64_t x = 0; x < n; x += 16) {
+        const __mmask16 m = lanes16(n - x, 0);
+        _mm512_mask_storeu_ps(dst + x, m, _mm512_mul_ps(widen16(enc, src + x, m), s));
+    }
+}
+
+/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem: round to nearest
+ * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign. */
+AVX512 static void narrow_row_avx512(const int enc, const float *src, uint16_t *dst, int64_t n) {
+    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7FFF);
+    for (int64_t x = 0; x < n; x += 16) {
+        const __mmask16 m = lanes16(n - x, 0);
+        const __m512 v = _mm512_maskz_loadu_ps(m, src + x);
+        const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        __m256i h;
+        if (enc == ENC_F16) {
+            const __m512i qnan = _mm512_or_si512(_mm512_and_si512(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7E00));
+            h = _mm256_mask_mov_epi16(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nan,
+                                      _mm512_cvtepi32_epi16(qnan));
+        } else {
+            const __m512i lsb = _mm512_and_si512(high, one);
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round, lsb)), 16);
+            r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
+            h = _mm512_cvtepi32_epi16(r);
+        }
+        _mm256_mask_storeu_epi16(dst + x, m, h);
+    }
+}
+#endif
+
 typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 
 static block_fn choose_block(int enc, int isa) {
@@ -646,6 +682,7 @@ typedef struct {
     int64_t scratch_floats; /* per thread */
     atomic_int *done;       /* per (cache, head): splits finished */
     char *deferred;         /* per cache: its dense write is done by the item reading the row */
+    char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
 } call_t;
 
 static int64_t find_cache(const int64_t *off, int64_t ncaches, int64_t item) {
@@ -669,13 +706,21 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
-static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf) {
+static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide) {
     const int64_t G = cc->g, d = cc->d;
     if (!cc->order && cc->io == ENC_F32) {
         const float *q = (const float *)cc->q + h * G * d;
         for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
         return;
     }
+#if GQA_HAVE_AVX512
+    if (!cc->order && wide) {
+        widen_row_avx512(cc->io, (const uint16_t *)cc->q + h * G * d, qf, G * d, cc->qscale);
+        return;
+    }
+#else
+    (void)wide;
+#endif
     const int64_t *order = cc->order ? cc->order + h * d : NULL;
     for (int64_t g = 0; g < G; g++)
         for (int64_t j = 0; j < d; j++)
@@ -714,7 +759,7 @@ static void attend_item(void *ctx, int64_t item, int tid) {
     }
     memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
     const block_fn block = call->block[i];
-    convert_query(cc, h, st.q);
+    convert_query(cc, h, st.q, call->wide[i]);
     const float *qf = st.q;
     if (call->deferred[i]) { /* a dense step's write of this head, by the split that reads the row */
         int64_t at = 0;
@@ -780,6 +825,9 @@ static void merge_head(const call_t *call, int64_t i, int64_t h, const float *ba
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
         if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
         if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
+#if GQA_HAVE_AVX512
+        else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
+#endif
         else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
         else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
     }
@@ -1004,7 +1052,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     if (threads <= 0) threads = gqa_threads();
     if (threads > MAX_THREADS) threads = MAX_THREADS;
     int64_t *ints = malloc((size_t)(5 * ncaches + 2) * sizeof(int64_t));
-    block_fn *blocks = malloc((size_t)ncaches * sizeof(block_fn));
+    block_fn *blocks = malloc((size_t)ncaches * (sizeof(block_fn) + 1)); /* and the `wide` flags */
     if (!ints || !blocks) {
         free(ints);
         free(blocks);
@@ -1012,7 +1060,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     }
     call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + ncaches + 1,
                    .nsplit = ints + 2 * ncaches + 2, .s = ints + 3 * ncaches + 2, .part_off = ints + 4 * ncaches + 2,
-                   .block = blocks};
+                   .block = blocks, .wide = (char *)(blocks + ncaches)};
     int64_t items = 0, heads = 0, parts = 0, scratch = 0, work = 0, wneed = 1;
     int rc = 0;
     for (int64_t i = 0; i < ncaches && !rc; i++) {
@@ -1022,6 +1070,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         if (rc) break;
         cc->status = 0;
         call.block[i] = choose_block(cc->enc, chosen);
+        call.wide[i] = chosen == ISA_AVX512;
         call.nsplit[i] = (call.s[i] + SPLIT_T - 1) / SPLIT_T;
         call.item_off[i] = items;
         call.head_off[i] = heads;
