@@ -15,13 +15,9 @@ import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.tensors import to_proto
+from service.vocab import POLICY_ENUMS
 
-POLICIES = {
-    "none": gqa_pb2.EVICTION_POLICY_NONE,
-    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
-    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
-    "sink": gqa_pb2.EVICTION_POLICY_SINK,
-}
+POLICIES = POLICY_ENUMS  # the policy's name -> its wire enum
 
 
 def free_port() -> int:

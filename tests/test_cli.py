@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.client import Session, open_message
+from tests.metrics_load import free_port
 
 ENTRY = [sys.executable, "-m", "service.cli"]
 
@@ -103,12 +104,6 @@ def test_step_bad_input_exits_2_with_one_line(payload, word):
 def test_serve_bad_flag_exits_2():
     done = gqa("serve", "--address", "nonsense", "--metrics-port", "0")
     assert done.returncode == 2 and "--address" in done.stderr
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_sigterm_drains(tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from service.config import ServerConfig
 from service.server import ServerThread
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 from tests.conftest import assert_close_to_oracle
+from tests.metrics_load import free_port
 from tests.oracle import attended_positions, attention_ref
 
 HQ, HKV, D = 4, 2, 8
@@ -154,12 +154,6 @@ def test_rollback_over_the_wire(channel):
     assert result.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "layer" in result.status.message
     session.close()
     fresh.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server_process(**env_overrides):

@@ -16,7 +16,6 @@ import os
 import pathlib
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ grpc = pytest.importorskip("grpc")
 
 from service.api import gqa_pb2, gqa_pb2_grpc  # noqa: E402
 from tests.conftest import TOLERANCES  # noqa: E402
+from tests.metrics_load import free_port  # noqa: E402
 from tests.oracle import attention_ref  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,12 +49,6 @@ HQ, HKV, D = 4, 2, 8
 ATOL, RTOL = TOLERANCES[torch.float32]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 class Replica:
     """One `gqa-serve serve` process on a free loopback port."""
 
@@ -63,7 +57,7 @@ class Replica:
         self.log_path = log_dir / f"replica-{index}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GQA_")}
         self._log = open(self.log_path, "wb")
-        self.metrics_port = _free_port()
+        self.metrics_port = free_port()
         script = pathlib.Path(sys.executable).parent / "gqa-serve"
         command = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
         self.proc = subprocess.Popen(
