@@ -76,11 +76,12 @@ from typing import NamedTuple
 import torch
 
 import quant.int8 as quant_int8
-from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
+from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
 from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
 from .errors import InputValueError
+from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
 from .validation import dtype_name
 
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
@@ -91,19 +92,10 @@ log = logging.getLogger(__name__)
 # CPU has; "native-<isa>" picks one (the tests run each).
 NATIVE_ISAS = ("portable", "avx512")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
-# Pieces the float operand of an int8 product is split into: 3 reach float32's resolution of
-# the row's absmax (each piece shrinks the error ~254x), 2 would leave ~1e-5 relative.
-PIECES = 3
-BLOCK = 1024
 # Key channels per KV head kept in float16 (at most one in 8: key_outlier_count), and how many
 # first keys choose them.
 KEY_OUTLIERS = 4
 CALIBRATION_TOKENS = 16
-_INT32_SAFE_ROWS = 65536
-
-
-def _has_int_mm() -> bool:
-    return hasattr(torch, "_int_mm")
 
 
 def default_kernel(device) -> str:
@@ -113,7 +105,7 @@ def default_kernel(device) -> str:
     ok, reason = native.available()
     if ok:
         return "native"
-    fallback = "int_mm" if _has_int_mm() else "blocks"
+    fallback = "int_mm" if has_int_mm() else "blocks"
     _warn_fallback(reason, fallback)
     return fallback
 
@@ -170,11 +162,6 @@ def shared_rotation(d: int, device: str) -> torch.Tensor:
     layer's cache at small capacities. Built on first use (the CPU caches use the native
     transform and never build it)."""
     return hadamard_rotation(d, device=device)
-
-
-def _chunks(a: int, b: int, size: int):
-    for start in range(a, b, size):
-        yield start, min(start + size, b)
 
 
 class Int8Rows(NamedTuple):
@@ -617,23 +604,15 @@ class Int8Cache(LayerCache):
         if self.kernel.startswith("native"):  # reads float16 scales itself, by row
             out = self._native.attend(q, k, v, ks, vs, runs, ko if o else None, isa=self._isa)
         else:
-            ks, vs = _gather(ks, runs), _gather(vs, runs)
+            ks, vs = gather_scales(ks, runs), gather_scales(vs, runs)
             bias = None
             if o:  # the outlier channels' scores, in float
                 kov = torch.cat([ko[:, :, a:b] for a, b in runs], dim=2).to(torch.float32)
                 bias = torch.bmm(q[:, :, d - o :], kov)
-            kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
+            kernel = attend_int_mm if self.kernel == "int_mm" else attend_blocks
             out = kernel(q[:, :, : d - o].contiguous(), k, v, ks, vs, runs, bias)
         out = self._rotate(out)
         return out.view(s.batch_size, s.num_query_heads, d).to(s.dtype)
-
-
-def _gather(scales: torch.Tensor, runs) -> torch.Tensor:
-    """The scales of the attended rows in run order, (N, S) float32 (a view when possible)."""
-    if len(runs) == 1:
-        a, b = runs[0]
-        return scales[:, a:b].to(torch.float32)
-    return torch.cat([scales[:, a:b] for a, b in runs], dim=1).to(torch.float32)
 
 
 _FLOAT16_MAX = torch.finfo(torch.float16).max
@@ -660,89 +639,6 @@ def _check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
         f"{name}: |values| up to {m:.4g}, beyond float16's {_FLOAT16_MAX:.0f} that the int8 cache's "
         "outlier channels hold; nothing was written"
     )
-
-
-def _mixer(scales: torch.Tensor) -> torch.Tensor:
-    """(P, N, G) piece scales -> (N, G, P*G) matrices that sum the pieces of each row back."""
-    p, n, g = scales.shape
-    eye = torch.eye(g, dtype=torch.float32, device=scales.device)
-    return (scales.permute(1, 2, 0).unsqueeze(-1) * eye.view(1, g, 1, g)).reshape(n, g, p * g)
-
-
-def _attend_int_mm(q, k, v, ks, vs, runs, bias=None):
-    """Scores and weighted sums as exact int8 products; see the module docstring.
-
-    q (N, G, Dk) float32, already scaled; k (N, Dk, C) and v (N, C, D) int8 codes; ks, vs (N, S)
-    float32 scales of the attended rows in run order; bias (N, G, S) float32 scores to add (the
-    key outlier channels') or None. Returns (N, G, D) float32.
-
-    One KV head at a time, so that the int32 products, their float32 sums and the weights'
-    pieces (about 26 * G * S bytes) stay in the core's cache between the passes.
-    """
-    n, g, dk = q.shape
-    d = v.shape[2]
-    total = ks.shape[1]
-    qc, qsc = quantize_int8_residual(q, PIECES, check=False)  # (P, N, G, Dk), (P, N, G)
-    qc = qc.transpose(0, 1).reshape(n, PIECES * g, dk)
-    qmix = _mixer(qsc)
-    scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
-    for h in range(n):
-        if len(runs) == 1:
-            a, b = runs[0]
-            iscores = torch._int_mm(qc[h], k[h, :, a:b])
-        else:  # a product over D: 127 * 127 * D stays far inside int32
-            iscores = torch.cat([torch._int_mm(qc[h], k[h, :, a:b]) for a, b in runs], dim=1)
-        torch.mm(qmix[h], iscores.to(torch.float32), out=scores[h])
-    scores.mul_(ks.unsqueeze(1))
-    if bias is not None:
-        scores.add_(bias)
-    weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
-    out = torch.empty((n, g, d), dtype=torch.float32, device=q.device)
-    for h in range(n):
-        wc, wsc = quantize_int8_residual(weights[h], PIECES, check=False)  # (P, G, S), (P, G)
-        wc = wc.view(PIECES * g, total)
-        acc = None
-        off = 0
-        for a, b in runs:
-            for c0, c1 in _chunks(a, b, _INT32_SAFE_ROWS):
-                w = c1 - c0
-                part = torch._int_mm(wc[:, off : off + w], v[h, c0:c1]).to(torch.float32)
-                acc = part if acc is None else acc.add_(part)
-                off += w
-        torch.mm(_mixer(wsc.unsqueeze(1))[0], acc, out=out[h])
-    return out
-
-
-def _attend_blocks(q, k, v, ks, vs, runs, bias=None):
-    """The same sums with codes widened to float32 a block at a time in a reused workspace."""
-    n, g, dk = q.shape
-    d = v.shape[2]
-    total = ks.shape[1]
-    scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
-    work_k = torch.empty((n, dk, min(BLOCK, total)), dtype=torch.float32, device=q.device)
-    work_v = torch.empty((n, min(BLOCK, total), d), dtype=torch.float32, device=q.device)
-    off = 0
-    for a, b in runs:
-        for c0, c1 in _chunks(a, b, BLOCK):
-            w = c1 - c0
-            wk = work_k[:, :, :w]
-            wk.copy_(k[:, :, c0:c1])
-            torch.bmm(q, wk, out=scores[:, :, off : off + w])
-            off += w
-    scores.mul_(ks.unsqueeze(1))
-    if bias is not None:
-        scores.add_(bias)
-    weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
-    out = torch.zeros((n, g, d), dtype=torch.float32, device=q.device)
-    off = 0
-    for a, b in runs:
-        for c0, c1 in _chunks(a, b, BLOCK):
-            w = c1 - c0
-            wv = work_v[:, :w]
-            wv.copy_(v[:, c0:c1])
-            out.baddbmm_(weights[:, :, off : off + w], wv)
-            off += w
-    return out
 
 
 class Int8Backend(Backend):
