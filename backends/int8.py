@@ -79,8 +79,16 @@ import quant.int8 as quant_int8
 from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
-from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
+from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, key_row_stride, scaled_query
 from .errors import InputValueError
+from .int8_calibration import (
+    CALIBRATION_TOKENS,
+    KEY_OUTLIERS,
+    calibration_bytes,
+    choose_key_channels,
+    chooses_again,
+    key_outlier_count,
+)
 from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
 from .validation import dtype_name
 
@@ -92,10 +100,6 @@ log = logging.getLogger(__name__)
 # CPU has; "native-<isa>" picks one (the tests run each).
 NATIVE_ISAS = ("portable", "avx512")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
-# Key channels per KV head kept in float16 (at most one in 8: key_outlier_count), and how many
-# first keys choose them.
-KEY_OUTLIERS = 4
-CALIBRATION_TOKENS = 16
 
 
 def default_kernel(device) -> str:
@@ -123,15 +127,6 @@ def _warn_fallback(reason: str, fallback: str) -> None:
     log.warning("int8: the native kernel is unavailable (%s); using the %s kernel, 2-3x slower", reason, fallback)
 
 
-def _key_row_stride(capacity: int) -> int:
-    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
-
-
-def key_outlier_count(head_dim: int, key_outliers: int = KEY_OUTLIERS) -> int:
-    """Key channels a cache keeps in float16: ``key_outliers``, at most one in 8."""
-    return max(0, min(key_outliers, head_dim // 8))
-
-
 def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
     """One position of one KV head: D - O key codes, O float16 key channels, D value codes and
     two scales."""
@@ -146,13 +141,13 @@ def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = K
     b, h, c, d = spec.rows_shape
     o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (_key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
+    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
 
 
 def _fixed_bytes(d: int, o: int, scale: int) -> int:
     """Per KV head, beside the positions: the calibration rows of the first keys (while they
     are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
-    return (CALIBRATION_TOKENS * d * 4 if o else 0) + 8 * d + _position_bytes(d, o, scale)
+    return calibration_bytes(d, o) + 8 * d + _position_bytes(d, o, scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -222,7 +217,7 @@ class Int8Cache(LayerCache):
         self.outliers = o = key_outlier_count(d, key_outliers)
         # Key rows (one channel, every position) are padded to whole 64-byte lines once that
         # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
-        self._k = torch.zeros((b, h, d - o, _key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
+        self._k = torch.zeros((b, h, d - o, key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
         self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
@@ -239,14 +234,14 @@ class Int8Cache(LayerCache):
     # -- storage ---------------------------------------------------------------------------
     @property
     def nbytes(self) -> int:
-        calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
+        s = self.spec
         return (
             self._k.untyped_storage().nbytes()
             + self._ko.nbytes
             + self._v.nbytes
             + self._ks.nbytes
             + self._vs.nbytes
-            + (calibration if self.outliers else 0)
+            + s.batch_size * s.num_kv_heads * calibration_bytes(s.head_dim, self.outliers)
             + self._key_order.nbytes
             + self._saved_row.nbytes
         )
@@ -335,21 +330,11 @@ class Int8Cache(LayerCache):
         return self._decode(self._codes(start, stop), self.spec.dtype)
 
     # -- the outlier channels: chosen from the keys themselves ------------------------------
-    def _choose_key_channels(self, keys: torch.Tensor) -> torch.Tensor:
-        """The channel order for (B, Hkv, n, D) keys: the O channels of largest absmax last."""
-        b, h, _, d = keys.shape
-        o = self.outliers
-        absmax = keys.to(torch.float32).abs().amax(dim=2)  # (B, Hkv, D)
-        outliers = absmax.topk(o, dim=-1).indices.sort(dim=-1).values
-        coded = torch.ones((b, h, d), dtype=torch.bool, device=keys.device).scatter_(2, outliers, False)
-        rest = torch.arange(d, device=keys.device).expand(b, h, d)[coded].view(b, h, d - o)
-        return torch.cat([rest, outliers], dim=2)
-
     def _calibrate(self, t: int) -> None:
         """After ``t`` tokens (t <= CALIBRATION_TOKENS, all of them calibration rows): choose
         the outlier channels from them and re-encode the resident ones exactly."""
         cal = self._calibration[:, :, :t]
-        self._set_key_channels(self._choose_key_channels(cal))
+        self._set_key_channels(choose_key_channels(cal, self.outliers))
         for r in self.policy.resident(t):
             for p in r:  # values do not depend on the choice: only keys are written again
                 self._write_keys(self.row_of(p), cal[:, :, p : p + 1])
@@ -363,7 +348,7 @@ class Int8Cache(LayerCache):
         self._calibration[:, :, position] = key[:, :, 0].to(torch.float32)
         self._write_rows(row, key, value)  # with the current channels
         t = position + 1
-        if not t & (t - 1):  # t = 1, 2, 4, 8, 16: choose again from every key so far
+        if chooses_again(t):  # from every key so far
             self._calibrate(t)
 
     def prefill(self, keys, values):
@@ -376,7 +361,7 @@ class Int8Cache(LayerCache):
         """A prefill's resident keys (already checked) choose the outlier channels; below
         CALIBRATION_TOKENS tokens they are kept for the choices still to come."""
         if self.outliers and keys.shape[2]:
-            self._set_key_channels(self._choose_key_channels(keys))
+            self._set_key_channels(choose_key_channels(keys, self.outliers))
             if t >= CALIBRATION_TOKENS:
                 self._calibration = None
             else:
