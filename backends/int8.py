@@ -71,24 +71,16 @@ import errno
 import functools
 import logging
 import math
-from typing import NamedTuple
 
 import torch
 
 import quant.int8 as quant_int8
-from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
-from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, key_row_stride, scaled_query
+from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
 from .errors import InputValueError
-from .int8_calibration import (
-    CALIBRATION_TOKENS,
-    KEY_OUTLIERS,
-    calibration_bytes,
-    choose_key_channels,
-    chooses_again,
-    key_outlier_count,
-)
+from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, choose_key_channels, chooses_again, key_outlier_count
+from .int8_storage import FLOAT16_MAX, Int8Rows, Int8Storage, check_values, int8_nbytes
 from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
 from .validation import dtype_name
 
@@ -127,50 +119,7 @@ def _warn_fallback(reason: str, fallback: str) -> None:
     log.warning("int8: the native kernel is unavailable (%s); using the %s kernel, 2-3x slower", reason, fallback)
 
 
-def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
-    """One position of one KV head: D - O key codes, O float16 key channels, D value codes and
-    two scales."""
-    return (head_dim - outliers) + 2 * outliers + head_dim + 2 * scale_bytes
-
-
-def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
-    """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
-    outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
-    under 1/64 more), plus ``_fixed_bytes`` per KV head. The Hadamard matrix is shared per D
-    (``shared_rotation``), not a layer's."""
-    b, h, c, d = spec.rows_shape
-    o = key_outlier_count(d, key_outliers)
-    scale = torch.empty((), dtype=scale_dtype).element_size()
-    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
-
-
-def _fixed_bytes(d: int, o: int, scale: int) -> int:
-    """Per KV head, beside the positions: the calibration rows of the first keys (while they
-    are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
-    return calibration_bytes(d, o) + 8 * d + _position_bytes(d, o, scale)
-
-
-@functools.lru_cache(maxsize=None)
-def shared_rotation(d: int, device: str) -> torch.Tensor:
-    """``quant.hadamard_rotation(d)`` float32 on ``device``, one per (D, device) in the process,
-    shared by every cache (read only): a D x D matrix per layer would cost more than the
-    layer's cache at small capacities. Built on first use (the CPU caches use the native
-    transform and never build it)."""
-    return hadamard_rotation(d, device=device)
-
-
-class Int8Rows(NamedTuple):
-    """Positions as an int8 cache stores them (B, Hkv, n, ...), keys in the cache's channel
-    order (``Int8Cache.key_channels``): the coded channels, then the float16 outlier ones."""
-
-    key_codes: torch.Tensor  # (B, Hkv, n, D - O) int8
-    value_codes: torch.Tensor  # (B, Hkv, n, D) int8, of the rotated values
-    key_scales: torch.Tensor  # (B, Hkv, n) scale dtype
-    value_scales: torch.Tensor  # (B, Hkv, n) scale dtype
-    key_outliers: torch.Tensor  # (B, Hkv, n, O) float16
-
-
-class Int8Cache(LayerCache):
+class Int8Cache(Int8Storage):
     """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring; see the
     module docstring for the key outlier channels and the value rotation."""
 
@@ -184,7 +133,6 @@ class Int8Cache(LayerCache):
         rotate: bool = True,
         key_outliers: int = KEY_OUTLIERS,
     ):
-        super().__init__(spec)
         if kernel == "auto":
             kernel = default_kernel(spec.device)
         if kernel not in KERNELS:
@@ -202,132 +150,12 @@ class Int8Cache(LayerCache):
                 )
         self.kernel = kernel
         self._desc = None
-        self.scale_dtype = scale_dtype
-        b, h, c, d = spec.rows_shape
-        dev = spec.device
-        # Values are stored rotated (``quant.hadamard_rotation``): H is symmetric and orthonormal,
-        # so the output rotates back with the same H (``rotation``, shared per D).
-        self._rotated = rotate
-        # On the CPU the native library computes the same product as a fast Walsh-Hadamard
-        # transform without torch's thread pool (whose idle spinning would then slow the kernel);
-        # for every kernel alike, so that the stored codes never depend on the kernel chosen.
-        self._hadamard = None
-        if torch.device(dev).type == "cpu" and native.available()[0]:
-            self._hadamard = native.load().hadamard
-        self.outliers = o = key_outlier_count(d, key_outliers)
-        # Key rows (one channel, every position) are padded to whole 64-byte lines once that
-        # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
-        self._k = torch.zeros((b, h, d - o, key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
-        self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
-        self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
-        self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
-        self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
-        # what the native step overwrites, kept until it has succeeded
-        self._saved_row = torch.empty(
-            b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev
-        )
-        # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
-        self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
-        # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
-        self._calibration = torch.zeros((b, h, CALIBRATION_TOKENS, d), device=dev) if o else None
-
-    # -- storage ---------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        s = self.spec
-        return (
-            self._k.untyped_storage().nbytes()
-            + self._ko.nbytes
-            + self._v.nbytes
-            + self._ks.nbytes
-            + self._vs.nbytes
-            + s.batch_size * s.num_kv_heads * calibration_bytes(s.head_dim, self.outliers)
-            + self._key_order.nbytes
-            + self._saved_row.nbytes
-        )
-
-    @property
-    def rotation(self) -> torch.Tensor | None:
-        """The (D, D) float32 Hadamard matrix the values are stored rotated by (shared per D,
-        read only), or None without rotation."""
-        return shared_rotation(self.spec.head_dim, str(self.spec.device)) if self._rotated else None
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes one position occupies (codes, outlier channels, scales; the fixed calibration
-        rows are not a position's)."""
-        s = self.spec
-        return s.batch_size * s.num_kv_heads * _position_bytes(s.head_dim, self.outliers, self._ks.element_size())
-
-    @property
-    def key_channels(self) -> torch.Tensor:
-        """(B, Hkv, D) int64: the key channels in stored order, the D - O coded ones, then the
-        O outlier channels kept in float16 (a copy)."""
-        return self._key_order.clone()
+        super().__init__(spec, scale_dtype, rotate, key_outliers)
 
     @property
     def calibrated(self) -> bool:
         """Whether the outlier channels are final (after ``CALIBRATION_TOKENS`` keys)."""
         return self._calibration is None
-
-    def _set_key_channels(self, order: torch.Tensor) -> None:
-        self._key_order = order
-        self._key_index = order.unsqueeze(2)  # (B, Hkv, 1, D), for gathers over positions
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Value rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
-        x = x.to(torch.float32)
-        if not self._rotated:
-            return x
-        if self._hadamard is not None and x.numel():
-            return self._hadamard(x)
-        return x @ self.rotation
-
-    def _write_keys(self, start: int, keys: torch.Tensor) -> None:
-        """(B, Hkv, n, D) keys at rows ``start ..``: codes of the coded channels, float16 of the
-        outlier ones."""
-        b, h, n, d = keys.shape
-        o = self.outliers
-        ordered = keys.to(torch.float32).gather(3, self._key_index.expand(b, h, n, d))
-        kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key", check=False)
-        self._k[:, :, :, start : start + n] = kc.transpose(2, 3)
-        self._ks[:, :, start : start + n] = ks
-        self._ko[:, :, :, start : start + n] = ordered[..., d - o :].to(torch.float16).transpose(2, 3)
-
-    def _write_rows(self, start, keys, values):
-        vc, vs = quantize_int8(self._rotate(values), scale_dtype=self.scale_dtype, name="value", check=False)
-        self._write_keys(start, keys)
-        n = vc.shape[2]
-        self._v[:, :, start : start + n] = vc
-        self._vs[:, :, start : start + n] = vs
-
-    def _write_codes(self, start: int, rows: Int8Rows) -> None:
-        n = rows.key_codes.shape[2]
-        self._k[:, :, :, start : start + n] = rows.key_codes.transpose(2, 3)
-        self._ko[:, :, :, start : start + n] = rows.key_outliers.transpose(2, 3)
-        self._v[:, :, start : start + n] = rows.value_codes
-        self._ks[:, :, start : start + n] = rows.key_scales
-        self._vs[:, :, start : start + n] = rows.value_scales
-
-    def _codes(self, start: int, stop: int) -> Int8Rows:
-        return Int8Rows(
-            self._k[:, :, :, start:stop].transpose(2, 3),
-            self._v[:, :, start:stop],
-            self._ks[:, :, start:stop],
-            self._vs[:, :, start:stop],
-            self._ko[:, :, :, start:stop].transpose(2, 3),
-        )
-
-    def _decode(self, rows: Int8Rows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        ordered = torch.cat(
-            [dequantize_int8(rows.key_codes, rows.key_scales), rows.key_outliers.to(torch.float32)], dim=3
-        )
-        keys = torch.empty_like(ordered).scatter_(3, self._key_index.expand_as(ordered), ordered)
-        values = self._rotate(dequantize_int8(rows.value_codes, rows.value_scales))
-        return keys.to(dtype), values.to(dtype)
-
-    def _read_rows(self, start, stop):
-        return self._decode(self._codes(start, stop), self.spec.dtype)
 
     # -- the outlier channels: chosen from the keys themselves ------------------------------
     def _calibrate(self, t: int) -> None:
@@ -353,8 +181,8 @@ class Int8Cache(LayerCache):
 
     def prefill(self, keys, values):
         if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
-            _check_values("prefill key", keys, _FLOAT16_MAX)
-            _check_values("prefill value", values)
+            check_values("prefill key", keys, FLOAT16_MAX)
+            check_values("prefill value", values)
         super().prefill(keys, values)
 
     def _store_resident(self, t, keys, values):
@@ -389,9 +217,9 @@ class Int8Cache(LayerCache):
     # -- checks: non-finite input is refused before anything is written ---------------------
     def check_step(self, query, new_key, new_value):
         super().check_step(query, new_key, new_value)
-        _check_values("query", query)
-        _check_values("new_key", new_key, _FLOAT16_MAX)
-        _check_values("new_value", new_value)
+        check_values("query", query)
+        check_values("new_key", new_key, FLOAT16_MAX)
+        check_values("new_value", new_value)
 
     # -- raw codes, for bit-exact snapshots ------------------------------------------------------
     def export_quantized(self) -> Int8Rows:
@@ -598,32 +426,6 @@ class Int8Cache(LayerCache):
             out = kernel(q[:, :, : d - o].contiguous(), k, v, ks, vs, runs, bias)
         out = self._rotate(out)
         return out.view(s.batch_size, s.num_query_heads, d).to(s.dtype)
-
-
-_FLOAT16_MAX = torch.finfo(torch.float16).max
-
-
-def _check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
-    """Refuses non-finite values, and |values| beyond ``limit`` (keys: any key channel may be
-    kept in float16), before anything is written. One reduction when all is well (NaN
-    propagates through aminmax); the message is worked out only for a refusal."""
-    if not t.numel():
-        return
-    lo, hi = t.detach().aminmax()  # one pass, no |t| written (2.5 us against 4 for abs().amax())
-    lo, hi = float(lo), float(hi)
-    if math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit:
-        return
-    m = max(abs(lo), abs(hi))
-    finite = torch.isfinite(t)
-    if not bool(finite.all()):
-        raise InputValueError(
-            f"{name}: {int((~finite).sum())} non-finite value(s) (NaN or inf) in shape {tuple(t.shape)}; "
-            "the int8 cache cannot store them and nothing was written"
-        )
-    raise InputValueError(
-        f"{name}: |values| up to {m:.4g}, beyond float16's {_FLOAT16_MAX:.0f} that the int8 cache's "
-        "outlier channels hold; nothing was written"
-    )
 
 
 class Int8Backend(Backend):
