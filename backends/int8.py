@@ -80,9 +80,9 @@ from . import native
 from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, choose_key_channels, chooses_again, key_outlier_count
+from .int8_codes import STATE_ENCODING, check_quantized, join_rows, rows_from_state, state_from_rows
 from .int8_storage import FLOAT16_MAX, Int8Rows, Int8Storage, check_values, int8_nbytes
 from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
-from .validation import dtype_name
 
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
 
@@ -123,7 +123,7 @@ class Int8Cache(Int8Storage):
     """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring; see the
     module docstring for the key outlier channels and the value rotation."""
 
-    state_encoding = "int8"
+    state_encoding = STATE_ENCODING
 
     def __init__(
         self,
@@ -232,7 +232,7 @@ class Int8Cache(Int8Storage):
         parts = [self._codes(a, b) for a, b in self._runs(self.resident_positions())]
         if not parts:
             parts = [self._codes(0, 0)]
-        return Int8Rows(*(torch.cat([p[i] for p in parts], dim=2) for i in range(len(Int8Rows._fields))))
+        return join_rows(parts)
 
     def load_quantized(
         self, rows: Int8Rows, key_channels: torch.Tensor, tokens_seen: int, calibration: torch.Tensor | None = None
@@ -247,7 +247,6 @@ class Int8Cache(Int8Storage):
         (nothing stored) for anything else.
         """
         s = self.spec
-        b, h, d, o = s.batch_size, s.num_kv_heads, s.head_dim, self.outliers
         if self.tokens_seen:
             raise ValueError("load_quantized: the cache already holds tokens")
         if isinstance(tokens_seen, bool) or not isinstance(tokens_seen, int) or tokens_seen < 0:
@@ -256,58 +255,17 @@ class Int8Cache(Int8Storage):
             n = self.policy.resident_length(tokens_seen)
         except ValueError as exc:  # more tokens than policy none can hold
             raise ValueError(f"load_quantized: {exc}") from None
-        if not isinstance(rows, tuple) or len(rows) != len(Int8Rows._fields):
-            raise TypeError("load_quantized: rows must be an Int8Rows")
-        rows = Int8Rows(*rows)
-        shapes = {
-            "key_codes": ((b, h, n, d - o), torch.int8),
-            "value_codes": ((b, h, n, d), torch.int8),
-            "key_scales": ((b, h, n), self.scale_dtype),
-            "value_scales": ((b, h, n), self.scale_dtype),
-            "key_outliers": ((b, h, n, o), torch.float16),
-        }
-        for name, (shape, dtype) in shapes.items():
-            t = getattr(rows, name)
-            label = name.replace("_", " ")
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-                raise TypeError(
-                    f"load_quantized: {label} must be a {dtype_name(dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-                )
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"load_quantized: {label} expected shape {shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}"
-                )
-            if not n:
-                continue
-            if dtype == torch.int8 and int(t.min()) < -127:
-                raise ValueError(f"load_quantized: {label} hold -128, outside the symmetric range [-127, 127]")
-            if name.endswith("scales") and not bool((torch.isfinite(t) & (t >= 0)).all()):
-                raise ValueError(f"load_quantized: {label} must be finite and >= 0")
-            if name == "key_outliers" and not bool(torch.isfinite(t).all()):
-                raise ValueError("load_quantized: key outliers must be finite")
-        if (
-            not isinstance(key_channels, torch.Tensor)
-            or key_channels.dtype != torch.int64
-            or tuple(key_channels.shape) != (b, h, d)
-        ):
-            raise ValueError(f"load_quantized: key_channels must be int64 of shape {(b, h, d)}")
-        if not torch.equal(
-            key_channels.sort(dim=-1).values, torch.arange(d, device=key_channels.device).expand(b, h, d)
-        ):
-            raise ValueError("load_quantized: key_channels must order each head's channels 0..D-1 once each")
+        rows = check_quantized(
+            rows,
+            key_channels,
+            calibration,
+            spec=s,
+            outliers=self.outliers,
+            scale_dtype=self.scale_dtype,
+            n=n,
+            tokens_seen=tokens_seen,
+        )
         cal_len = min(tokens_seen, CALIBRATION_TOKENS)
-        if calibration is not None:
-            if not o or tokens_seen >= CALIBRATION_TOKENS:
-                raise ValueError(
-                    f"load_quantized: calibration rows only come with T < {CALIBRATION_TOKENS} and outlier channels"
-                )
-            if (
-                not isinstance(calibration, torch.Tensor)
-                or calibration.dtype != torch.float32
-                or tuple(calibration.shape) != (b, h, cal_len, d)
-                or not bool(torch.isfinite(calibration).all())
-            ):
-                raise ValueError(f"load_quantized: calibration must be finite float32 of shape {(b, h, cal_len, d)}")
         self._set_key_channels(key_channels.to(self.spec.device).contiguous())
         offset = 0
         for a, b_ in self._runs(self.policy.resident(tokens_seen)):
@@ -322,26 +280,15 @@ class Int8Cache(Int8Storage):
     def export_state(self) -> dict:
         """The stored codes, scales, outlier channels and their order, bit-exact (``encoding``
         "int8"), plus the calibration keys while the channels are not final; for snapshots."""
-        rows = self.export_quantized()
-        state = {
-            "encoding": self.state_encoding,
-            "key": rows.key_codes,
-            "value": rows.value_codes,
-            "key_scale": rows.key_scales,
-            "value_scale": rows.value_scales,
-            "key_outliers": rows.key_outliers,
-            "key_channels": self.key_channels,
-        }
+        calibration = None
         if self._calibration is not None:
-            state["key_calibration"] = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
-        return state
+            calibration = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
+        return state_from_rows(self.export_quantized(), self.key_channels, calibration)
 
     def _load_state(self, tokens_seen: int, state: dict) -> None:
         try:
-            rows = Int8Rows(
-                state["key"], state["value"], state["key_scale"], state["value_scale"], state["key_outliers"]
-            )
-            self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
+            rows, key_channels, calibration = rows_from_state(state)
+            self.load_quantized(rows, key_channels, tokens_seen, calibration)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
 
