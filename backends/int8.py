@@ -1,68 +1,59 @@
 """The int8 backend: KV caches stored as int8 codes plus one scale per (token, KV head).
 
 Streams exchange float tensors (float32, bfloat16, float16); each new token's key and value are
-quantized on append (``quant.quantize_int8``, absmax / 127 per row, scales in float16 by
-default). A position costs, per KV head, D - O key codes, O float16 key channels, D value codes
-and two scales: 264 bytes at D = 128 against 512 in float16 (0.516x; 0.523x with float32
-scales).
+quantized on append, and every output is (B, Hq, D) in the stream dtype. The backend's parts,
+one module each:
 
-Outliers. A few channels of much larger magnitude are common in keys and values, and one such
-channel sets its token's absmax and coarsens every other channel of the token. Two defences,
-one per side (tests/test_int8_backend.py measures each; together they keep the output within
-1e-2 of float64 with 4 channels 20x larger):
+- ``backends.int8_storage``: the tensors and their layout, the byte counts (``int8_nbytes``;
+  264 bytes per position and KV head at D = 128 with float16 scales, 0.516x float16's), the
+  coding of rows (``quant.quantize_int8``, absmax / 127 per row) and what input a row can hold.
+- ``backends.int8_calibration``: the O key outlier channels per (batch, KV head) kept in
+  float16 and their choice from the cache's first keys.
+- ``backends.int8_torch``: the torch kernels over codes and scales.
+- ``backends.int8_codes``: raw codes in and out (``export_quantized``, ``load_quantized``, the
+  snapshot state), bit-exact.
+- this module: ``Int8Cache`` (the step: calibration, the native call, the attention) and
+  ``Int8Backend`` (registered as "int8" in ``backends.registry``), and the kernel choice.
 
-- Keys: the O = ``KEY_OUTLIERS`` channels of largest magnitude per (batch, KV head) are kept in
-  float16 beside the codes of the other D - O, as LLM.int8()'s mixed-precision decomposition
-  does; the codes' absmax is then that of the ordinary channels. Key outlier channels are fixed
-  channels of a model's heads, so the choice is made once per cache from its first keys: every
-  key of a prefill, or, token by token, the first ``CALIBRATION_TOKENS`` keys, which are kept
-  exactly (float32) until then and chosen from again at 1, 2, 4, 8 and 16 keys; each time the
-  first keys are re-encoded from their exact values. Rotating keys instead (below) cannot do as
-  well: the score error ``q . dk`` stays proportional to the whole key's norm, outliers included.
-- Values: each row is rotated by a normalized Hadamard matrix H (``quant.hadamard_rotation``;
-  QuaRot's trick) before quantizing, which spreads an outlier over the row so its absmax falls
-  to a few times its RMS. The output is rotated back by the same H (symmetric, orthonormal);
-  ``export`` rotates back.
+Outliers. One channel of much larger magnitude sets its token's absmax and coarsens every
+other channel of the token. Keys keep their O outlier channels in float16 (LLM.int8()'s
+mixed-precision decomposition; ``int8_calibration``). Values are rotated by a normalized
+Hadamard matrix H (``quant.hadamard_rotation``; QuaRot's) before quantizing, which spreads an
+outlier over the row; the output is rotated back by the same H (symmetric, orthonormal), and
+``export`` returns unrotated values. tests/test_int8_backend.py holds the error budget: the
+output within 1e-2 of float64 with 4 channels 20x larger.
 
-Layout, as in the CPU backend: key codes transposed (B, Hkv, D - O, C), float16 key channels
-(B, Hkv, O, C), value codes (B, Hkv, C, D), scales (B, Hkv, C) each, all in the ring of
-``base.LayerCache``; ``key_channels`` gives the stored order of the key channels. From C = 4032
-on, each key row is padded to a whole number of 64-byte lines (under 1/64 more), so that the
-kernel's blocks of 64 positions are whole lines; the reservation counts the padding.
+The key channel order. Keys are stored in a per-(batch, KV head) order of their channels,
+(B, Hkv, D) int64 (``Int8Cache.key_channels``): the D - O coded channels, then the O outlier
+ones, each ascending. Queries are gathered into that order before the scores; the native
+kernel (``backends/csrc/gqa_decode.c``) receives the order and does the same.
 
-The step: after calibration (the first ``CALIBRATION_TOKENS`` keys, on the Python path) the
-whole step is one native call (``_prepare_native``): the new key reordered and quantized, its
-outlier channels in float16, the value rotated and quantized (the same codes as
-``quant.quantize_int8``, bit for bit), the codes written into the ring with the overwritten ones
-saved, the attention, and the output rotated back in the stream dtype.
+The step. During calibration (fewer than ``CALIBRATION_TOKENS`` keys seen, with outlier
+channels) the step runs in Python. After it, with a "native" kernel, the whole step is one
+native call (``_prepare_native``): the new key reordered and quantized, its outlier channels in
+float16, the value rotated and quantized (the same codes as ``quant.quantize_int8``, bit for
+bit), the codes written into the ring with the overwritten bytes saved (restored on failure),
+the attention, and the output rotated back in the stream dtype.
 
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
-scales into the attention weights::
+scales into the attention weights, and both products run on the codes::
 
     score[s] = (q . kcode[s]) * kscale[s] + q_o . kout[s]      out = sum_s (p[s] * vscale[s]) * vcode[s]
 
-and the two products run on the int8 codes themselves. Three kernels compute them (measured
-side by side by ``python -m tests.bench int8``):
+Kernels (``kernel=``, ``KERNELS``):
 
-- ``"native"`` (the default on the CPU): ``backends/csrc/gqa_decode.c`` through
-  ``backends.native``, built on first use. It reads each code once, widens it to float32 in
-  registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
-  but the output is written. On the reference machine at S = 32768: 2.5-2.8x faster than the
-  float32 backend, 1.3-1.6x its memory floor. ``"native-portable"`` and ``"native-avx512"`` pick one of its
-  implementations (the default takes the fastest this CPU runs).
-- ``"int_mm"`` (the CPU fallback where no C compiler is at hand): the float operand (the scaled
-  query; the weights ``p * vscale``) is split into three int8 pieces, each quantizing what the
-  previous left (``quant.quantize_int8_residual``), so it is reproduced to float32 resolution,
-  and each product is ``torch._int_mm`` (int8 x int8 -> int32, exact), read straight from the
-  cache. The splitting passes make it about as fast as the float32 backend.
-- ``"blocks"``: blocks of ``BLOCK`` codes are widened to float32 by torch in a small reused
-  workspace that stays in cache, then a float matrix product; the path on other devices.
+- ``"native"`` (the default on the CPU where the library builds and loads): ``backends.native``,
+  one pass over the codes with an online softmax per block of 64 positions (flash-decoding);
+  nothing but the output is written. ``"native-portable"`` and ``"native-avx512"`` pick one of
+  its implementations (the default takes the fastest this CPU runs).
+- ``"int_mm"`` (the CPU fallback without the native library): exact int8 products
+  (``int8_torch.attend_int_mm``).
+- ``"blocks"``: codes widened to float32 a block at a time (``int8_torch.attend_blocks``); the
+  path on devices other than the CPU.
 
-An integer variant of the native kernel (int16 query and weights, AVX-512 VNNI products) was
-measured at 0-15% faster for 30x the kernel error (5e-5 against float32's 2e-6) and not kept.
-
-int32 sums of int8 products are exact while a product runs over at most ``_INT32_SAFE_ROWS``
-rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated in float32.
+Every kernel stores the same codes (the value rotation is the native Walsh-Hadamard transform
+on the CPU for all of them), so a cache's contents never depend on the kernel. Measurements
+and the alternatives tried are in docs/design.md.
 """
 
 from __future__ import annotations
@@ -84,6 +75,8 @@ from .int8_codes import STATE_ENCODING, check_quantized, join_rows, rows_from_st
 from .int8_storage import FLOAT16_MAX, Int8Rows, Int8Storage, check_values, int8_nbytes
 from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
 
+# The backend's public names: Int8Rows, int8_nbytes and key_outlier_count live in its parts
+# (int8_storage, int8_calibration) and are re-exported here, where callers have imported them.
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
 
 log = logging.getLogger(__name__)
@@ -120,8 +113,15 @@ def _warn_fallback(reason: str, fallback: str) -> None:
 
 
 class Int8Cache(Int8Storage):
-    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring; see the
-    module docstring for the key outlier channels and the value rotation."""
+    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring
+    (``Int8Storage``), with the outlier channels chosen as ``int8_calibration`` says.
+
+    ``kernel``: "auto" (``default_kernel(spec.device)``) or one of ``KERNELS``; a "native"
+    kernel runs on the CPU only (``ValueError`` elsewhere) and raises
+    ``native.NativeUnavailable`` where the library does not load or (for "native-<isa>") where
+    this CPU lacks the ISA. ``scale_dtype`` float16 or float32; ``rotate`` stores values
+    rotated; ``key_outliers`` caps O (``key_outlier_count``).
+    """
 
     state_encoding = STATE_ENCODING
 
@@ -404,8 +404,8 @@ class Int8Backend(Backend):
 
     @classmethod
     def probe(cls) -> list[str]:
-        # Builds (about a second, once per machine) or loads the native kernel now, while the
-        # server starts, rather than in a stream's first step. Without it the torch kernels serve.
+        # Builds (once per machine) or loads the native kernel now, while the server starts,
+        # rather than in a stream's first step. Without it the torch kernels serve.
         _log_kernel()
         return []
 

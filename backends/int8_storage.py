@@ -104,7 +104,7 @@ def check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
     propagates through aminmax); the message is worked out only for a refusal."""
     if not t.numel():
         return
-    lo, hi = t.detach().aminmax()  # one pass, no |t| written (2.5 us against 4 for abs().amax())
+    lo, hi = t.detach().aminmax()  # one pass, no |t| written (docs/design.md)
     lo, hi = float(lo), float(hi)
     if math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit:
         return
