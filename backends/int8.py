@@ -1,68 +1,59 @@
 """The int8 backend: KV caches stored as int8 codes plus one scale per (token, KV head).
 
 Streams exchange float tensors (float32, bfloat16, float16); each new token's key and value are
-quantized on append (``quant.quantize_int8``, absmax / 127 per row, scales in float16 by
-default). A position costs, per KV head, D - O key codes, O float16 key channels, D value codes
-and two scales: 264 bytes at D = 128 against 512 in float16 (0.516x; 0.523x with float32
-scales).
+quantized on append, and every output is (B, Hq, D) in the stream dtype. The backend's parts,
+one module each:
 
-Outliers. A few channels of much larger magnitude are common in keys and values, and one such
-channel sets its token's absmax and coarsens every other channel of the token. Two defences,
-one per side (tests/test_int8_backend.py measures each; together they keep the output within
-1e-2 of float64 with 4 channels 20x larger):
+- ``backends.int8_storage``: the tensors and their layout, the byte counts (``int8_nbytes``;
+  264 bytes per position and KV head at D = 128 with float16 scales, 0.516x float16's), the
+  coding of rows (``quant.quantize_int8``, absmax / 127 per row) and what input a row can hold.
+- ``backends.int8_calibration``: the O key outlier channels per (batch, KV head) kept in
+  float16 and their choice from the cache's first keys.
+- ``backends.int8_torch``: the torch kernels over codes and scales.
+- ``backends.int8_codes``: raw codes in and out (``export_quantized``, ``load_quantized``, the
+  snapshot state), bit-exact.
+- this module: ``Int8Cache`` (the step: calibration, the native call, the attention) and
+  ``Int8Backend`` (registered as "int8" in ``backends.registry``), and the kernel choice.
 
-- Keys: the O = ``KEY_OUTLIERS`` channels of largest magnitude per (batch, KV head) are kept in
-  float16 beside the codes of the other D - O, as LLM.int8()'s mixed-precision decomposition
-  does; the codes' absmax is then that of the ordinary channels. Key outlier channels are fixed
-  channels of a model's heads, so the choice is made once per cache from its first keys: every
-  key of a prefill, or, token by token, the first ``CALIBRATION_TOKENS`` keys, which are kept
-  exactly (float32) until then and chosen from again at 1, 2, 4, 8 and 16 keys; each time the
-  first keys are re-encoded from their exact values. Rotating keys instead (below) cannot do as
-  well: the score error ``q . dk`` stays proportional to the whole key's norm, outliers included.
-- Values: each row is rotated by a normalized Hadamard matrix H (``quant.hadamard_rotation``;
-  QuaRot's trick) before quantizing, which spreads an outlier over the row so its absmax falls
-  to a few times its RMS. The output is rotated back by the same H (symmetric, orthonormal);
-  ``export`` rotates back.
+Outliers. One channel of much larger magnitude sets its token's absmax and coarsens every
+other channel of the token. Keys keep their O outlier channels in float16 (LLM.int8()'s
+mixed-precision decomposition; ``int8_calibration``). Values are rotated by a normalized
+Hadamard matrix H (``quant.hadamard_rotation``; QuaRot's) before quantizing, which spreads an
+outlier over the row; the output is rotated back by the same H (symmetric, orthonormal), and
+``export`` returns unrotated values. tests/test_int8_backend.py holds the error budget: the
+output within 1e-2 of float64 with 4 channels 20x larger.
 
-Layout, as in the CPU backend: key codes transposed (B, Hkv, D - O, C), float16 key channels
-(B, Hkv, O, C), value codes (B, Hkv, C, D), scales (B, Hkv, C) each, all in the ring of
-``base.LayerCache``; ``key_channels`` gives the stored order of the key channels. From C = 4032
-on, each key row is padded to a whole number of 64-byte lines (under 1/64 more), so that the
-kernel's blocks of 64 positions are whole lines; the reservation counts the padding.
+The key channel order. Keys are stored in a per-(batch, KV head) order of their channels,
+(B, Hkv, D) int64 (``Int8Cache.key_channels``): the D - O coded channels, then the O outlier
+ones, each ascending. Queries are gathered into that order before the scores; the native
+kernel (``backends/csrc/gqa_decode.c``) receives the order and does the same.
 
-The step: after calibration (the first ``CALIBRATION_TOKENS`` keys, on the Python path) the
-whole step is one native call (``_prepare_native``): the new key reordered and quantized, its
-outlier channels in float16, the value rotated and quantized (the same codes as
-``quant.quantize_int8``, bit for bit), the codes written into the ring with the overwritten ones
-saved, the attention, and the output rotated back in the stream dtype.
+The step. During calibration (fewer than ``CALIBRATION_TOKENS`` keys seen, with outlier
+channels) the step runs in Python. After it, with a "native" kernel, the whole step is one
+native call (``_prepare_native``): the new key reordered and quantized, its outlier channels in
+float16, the value rotated and quantized (the same codes as ``quant.quantize_int8``, bit for
+bit), the codes written into the ring with the overwritten bytes saved (restored on failure),
+the attention, and the output rotated back in the stream dtype.
 
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
-scales into the attention weights::
+scales into the attention weights, and both products run on the codes::
 
     score[s] = (q . kcode[s]) * kscale[s] + q_o . kout[s]      out = sum_s (p[s] * vscale[s]) * vcode[s]
 
-and the two products run on the int8 codes themselves. Three kernels compute them (measured
-side by side by ``python -m tests.bench int8``):
+Kernels (``kernel=``, ``KERNELS``):
 
-- ``"native"`` (the default on the CPU): ``backends/csrc/gqa_decode.c`` through
-  ``backends.native``, built on first use. It reads each code once, widens it to float32 in
-  registers, and keeps an online softmax per block of 64 positions (flash-decoding), so nothing
-  but the output is written. On the reference machine at S = 32768: 2.5-2.8x faster than the
-  float32 backend, 1.3-1.6x its memory floor. ``"native-portable"`` and ``"native-avx512"`` pick one of its
-  implementations (the default takes the fastest this CPU runs).
-- ``"int_mm"`` (the CPU fallback where no C compiler is at hand): the float operand (the scaled
-  query; the weights ``p * vscale``) is split into three int8 pieces, each quantizing what the
-  previous left (``quant.quantize_int8_residual``), so it is reproduced to float32 resolution,
-  and each product is ``torch._int_mm`` (int8 x int8 -> int32, exact), read straight from the
-  cache. The splitting passes make it about as fast as the float32 backend.
-- ``"blocks"``: blocks of ``BLOCK`` codes are widened to float32 by torch in a small reused
-  workspace that stays in cache, then a float matrix product; the path on other devices.
+- ``"native"`` (the default on the CPU where the library builds and loads): ``backends.native``,
+  one pass over the codes with an online softmax per block of 64 positions (flash-decoding);
+  nothing but the output is written. ``"native-portable"`` and ``"native-avx512"`` pick one of
+  its implementations (the default takes the fastest this CPU runs).
+- ``"int_mm"`` (the CPU fallback without the native library): exact int8 products
+  (``int8_torch.attend_int_mm``).
+- ``"blocks"``: codes widened to float32 a block at a time (``int8_torch.attend_blocks``); the
+  path on devices other than the CPU.
 
-An integer variant of the native kernel (int16 query and weights, AVX-512 VNNI products) was
-measured at 0-15% faster for 30x the kernel error (5e-5 against float32's 2e-6) and not kept.
-
-int32 sums of int8 products are exact while a product runs over at most ``_INT32_SAFE_ROWS``
-rows (127 * 127 * rows < 2**31), so longer runs are cut into chunks accumulated in float32.
+Every kernel stores the same codes (the value rotation is the native Walsh-Hadamard transform
+on the CPU for all of them), so a cache's contents never depend on the kernel. Measurements
+and the alternatives tried are in docs/design.md.
 """
 
 from __future__ import annotations
@@ -71,18 +62,21 @@ import errno
 import functools
 import logging
 import math
-from typing import NamedTuple
 
 import torch
 
 import quant.int8 as quant_int8
-from quant import dequantize_int8, hadamard_rotation, quantize_int8, quantize_int8_residual
 
 from . import native
 from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
 from .errors import InputValueError
-from .validation import dtype_name
+from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, choose_key_channels, chooses_again, key_outlier_count
+from .int8_codes import STATE_ENCODING, check_quantized, join_rows, rows_from_state, state_from_rows
+from .int8_storage import FLOAT16_MAX, Int8Rows, Int8Storage, check_values, int8_nbytes
+from .int8_torch import attend_blocks, attend_int_mm, gather_scales, has_int_mm
 
+# The backend's public names: Int8Rows, int8_nbytes and key_outlier_count live in its parts
+# (int8_storage, int8_calibration) and are re-exported here, where callers have imported them.
 __all__ = ["Int8Backend", "Int8Cache", "Int8Rows", "default_kernel", "int8_nbytes", "key_outlier_count"]
 
 log = logging.getLogger(__name__)
@@ -91,19 +85,6 @@ log = logging.getLogger(__name__)
 # CPU has; "native-<isa>" picks one (the tests run each).
 NATIVE_ISAS = ("portable", "avx512")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
-# Pieces the float operand of an int8 product is split into: 3 reach float32's resolution of
-# the row's absmax (each piece shrinks the error ~254x), 2 would leave ~1e-5 relative.
-PIECES = 3
-BLOCK = 1024
-# Key channels per KV head kept in float16 (at most one in 8: key_outlier_count), and how many
-# first keys choose them.
-KEY_OUTLIERS = 4
-CALIBRATION_TOKENS = 16
-_INT32_SAFE_ROWS = 65536
-
-
-def _has_int_mm() -> bool:
-    return hasattr(torch, "_int_mm")
 
 
 def default_kernel(device) -> str:
@@ -113,7 +94,7 @@ def default_kernel(device) -> str:
     ok, reason = native.available()
     if ok:
         return "native"
-    fallback = "int_mm" if _has_int_mm() else "blocks"
+    fallback = "int_mm" if has_int_mm() else "blocks"
     _warn_fallback(reason, fallback)
     return fallback
 
@@ -131,68 +112,18 @@ def _warn_fallback(reason: str, fallback: str) -> None:
     log.warning("int8: the native kernel is unavailable (%s); using the %s kernel, 2-3x slower", reason, fallback)
 
 
-def _key_row_stride(capacity: int) -> int:
-    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
+class Int8Cache(Int8Storage):
+    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring
+    (``Int8Storage``), with the outlier channels chosen as ``int8_calibration`` says.
 
+    ``kernel``: "auto" (``default_kernel(spec.device)``) or one of ``KERNELS``; a "native"
+    kernel runs on the CPU only (``ValueError`` elsewhere) and raises
+    ``native.NativeUnavailable`` where the library does not load or (for "native-<isa>") where
+    this CPU lacks the ISA. ``scale_dtype`` float16 or float32; ``rotate`` stores values
+    rotated; ``key_outliers`` caps O (``key_outlier_count``).
+    """
 
-def key_outlier_count(head_dim: int, key_outliers: int = KEY_OUTLIERS) -> int:
-    """Key channels a cache keeps in float16: ``key_outliers``, at most one in 8."""
-    return max(0, min(key_outliers, head_dim // 8))
-
-
-def _position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
-    """One position of one KV head: D - O key codes, O float16 key channels, D value codes and
-    two scales."""
-    return (head_dim - outliers) + 2 * outliers + head_dim + 2 * scale_bytes
-
-
-def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
-    """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
-    outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
-    under 1/64 more), plus ``_fixed_bytes`` per KV head. The Hadamard matrix is shared per D
-    (``shared_rotation``), not a layer's."""
-    b, h, c, d = spec.rows_shape
-    o = key_outlier_count(d, key_outliers)
-    scale = torch.empty((), dtype=scale_dtype).element_size()
-    return b * h * (c * _position_bytes(d, o, scale) + (d - o) * (_key_row_stride(c) - c) + _fixed_bytes(d, o, scale))
-
-
-def _fixed_bytes(d: int, o: int, scale: int) -> int:
-    """Per KV head, beside the positions: the calibration rows of the first keys (while they
-    are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
-    return (CALIBRATION_TOKENS * d * 4 if o else 0) + 8 * d + _position_bytes(d, o, scale)
-
-
-@functools.lru_cache(maxsize=None)
-def shared_rotation(d: int, device: str) -> torch.Tensor:
-    """``quant.hadamard_rotation(d)`` float32 on ``device``, one per (D, device) in the process,
-    shared by every cache (read only): a D x D matrix per layer would cost more than the
-    layer's cache at small capacities. Built on first use (the CPU caches use the native
-    transform and never build it)."""
-    return hadamard_rotation(d, device=device)
-
-
-def _chunks(a: int, b: int, size: int):
-    for start in range(a, b, size):
-        yield start, min(start + size, b)
-
-
-class Int8Rows(NamedTuple):
-    """Positions as an int8 cache stores them (B, Hkv, n, ...), keys in the cache's channel
-    order (``Int8Cache.key_channels``): the coded channels, then the float16 outlier ones."""
-
-    key_codes: torch.Tensor  # (B, Hkv, n, D - O) int8
-    value_codes: torch.Tensor  # (B, Hkv, n, D) int8, of the rotated values
-    key_scales: torch.Tensor  # (B, Hkv, n) scale dtype
-    value_scales: torch.Tensor  # (B, Hkv, n) scale dtype
-    key_outliers: torch.Tensor  # (B, Hkv, n, O) float16
-
-
-class Int8Cache(LayerCache):
-    """One layer's cache as int8 codes plus per-(token, KV head) scales, in a ring; see the
-    module docstring for the key outlier channels and the value rotation."""
-
-    state_encoding = "int8"
+    state_encoding = STATE_ENCODING
 
     def __init__(
         self,
@@ -202,7 +133,6 @@ class Int8Cache(LayerCache):
         rotate: bool = True,
         key_outliers: int = KEY_OUTLIERS,
     ):
-        super().__init__(spec)
         if kernel == "auto":
             kernel = default_kernel(spec.device)
         if kernel not in KERNELS:
@@ -220,149 +150,19 @@ class Int8Cache(LayerCache):
                 )
         self.kernel = kernel
         self._desc = None
-        self.scale_dtype = scale_dtype
-        b, h, c, d = spec.rows_shape
-        dev = spec.device
-        # Values are stored rotated (``quant.hadamard_rotation``): H is symmetric and orthonormal,
-        # so the output rotates back with the same H (``rotation``, shared per D).
-        self._rotated = rotate
-        # On the CPU the native library computes the same product as a fast Walsh-Hadamard
-        # transform without torch's thread pool (whose idle spinning would then slow the kernel);
-        # for every kernel alike, so that the stored codes never depend on the kernel chosen.
-        self._hadamard = None
-        if torch.device(dev).type == "cpu" and native.available()[0]:
-            self._hadamard = native.load().hadamard
-        self.outliers = o = key_outlier_count(d, key_outliers)
-        # Key rows (one channel, every position) are padded to whole 64-byte lines once that
-        # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
-        self._k = torch.zeros((b, h, d - o, _key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
-        self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
-        self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
-        self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
-        self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
-        # what the native step overwrites, kept until it has succeeded
-        self._saved_row = torch.empty(
-            b * h * _position_bytes(d, o, self._ks.element_size()), dtype=torch.uint8, device=dev
-        )
-        # (B, Hkv, D): the coded key channels (ascending), then the outlier channels (ascending).
-        self._set_key_channels(torch.arange(d, device=dev).expand(b, h, d).contiguous())
-        # The first CALIBRATION_TOKENS keys, exact, until the outlier channels are final.
-        self._calibration = torch.zeros((b, h, CALIBRATION_TOKENS, d), device=dev) if o else None
-
-    # -- storage ---------------------------------------------------------------------------
-    @property
-    def nbytes(self) -> int:
-        calibration = CALIBRATION_TOKENS * self.spec.head_dim * 4 * self.spec.batch_size * self.spec.num_kv_heads
-        return (
-            self._k.untyped_storage().nbytes()
-            + self._ko.nbytes
-            + self._v.nbytes
-            + self._ks.nbytes
-            + self._vs.nbytes
-            + (calibration if self.outliers else 0)
-            + self._key_order.nbytes
-            + self._saved_row.nbytes
-        )
-
-    @property
-    def rotation(self) -> torch.Tensor | None:
-        """The (D, D) float32 Hadamard matrix the values are stored rotated by (shared per D,
-        read only), or None without rotation."""
-        return shared_rotation(self.spec.head_dim, str(self.spec.device)) if self._rotated else None
-
-    @property
-    def row_bytes(self) -> int:
-        """Bytes one position occupies (codes, outlier channels, scales; the fixed calibration
-        rows are not a position's)."""
-        s = self.spec
-        return s.batch_size * s.num_kv_heads * _position_bytes(s.head_dim, self.outliers, self._ks.element_size())
-
-    @property
-    def key_channels(self) -> torch.Tensor:
-        """(B, Hkv, D) int64: the key channels in stored order, the D - O coded ones, then the
-        O outlier channels kept in float16 (a copy)."""
-        return self._key_order.clone()
+        super().__init__(spec, scale_dtype, rotate, key_outliers)
 
     @property
     def calibrated(self) -> bool:
         """Whether the outlier channels are final (after ``CALIBRATION_TOKENS`` keys)."""
         return self._calibration is None
 
-    def _set_key_channels(self, order: torch.Tensor) -> None:
-        self._key_order = order
-        self._key_index = order.unsqueeze(2)  # (B, Hkv, 1, D), for gathers over positions
-
-    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
-        """Value rows (..., D) into (or, H being its own inverse, out of) the stored basis, float32."""
-        x = x.to(torch.float32)
-        if not self._rotated:
-            return x
-        if self._hadamard is not None and x.numel():
-            return self._hadamard(x)
-        return x @ self.rotation
-
-    def _write_keys(self, start: int, keys: torch.Tensor) -> None:
-        """(B, Hkv, n, D) keys at rows ``start ..``: codes of the coded channels, float16 of the
-        outlier ones."""
-        b, h, n, d = keys.shape
-        o = self.outliers
-        ordered = keys.to(torch.float32).gather(3, self._key_index.expand(b, h, n, d))
-        kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key", check=False)
-        self._k[:, :, :, start : start + n] = kc.transpose(2, 3)
-        self._ks[:, :, start : start + n] = ks
-        self._ko[:, :, :, start : start + n] = ordered[..., d - o :].to(torch.float16).transpose(2, 3)
-
-    def _write_rows(self, start, keys, values):
-        vc, vs = quantize_int8(self._rotate(values), scale_dtype=self.scale_dtype, name="value", check=False)
-        self._write_keys(start, keys)
-        n = vc.shape[2]
-        self._v[:, :, start : start + n] = vc
-        self._vs[:, :, start : start + n] = vs
-
-    def _write_codes(self, start: int, rows: Int8Rows) -> None:
-        n = rows.key_codes.shape[2]
-        self._k[:, :, :, start : start + n] = rows.key_codes.transpose(2, 3)
-        self._ko[:, :, :, start : start + n] = rows.key_outliers.transpose(2, 3)
-        self._v[:, :, start : start + n] = rows.value_codes
-        self._ks[:, :, start : start + n] = rows.key_scales
-        self._vs[:, :, start : start + n] = rows.value_scales
-
-    def _codes(self, start: int, stop: int) -> Int8Rows:
-        return Int8Rows(
-            self._k[:, :, :, start:stop].transpose(2, 3),
-            self._v[:, :, start:stop],
-            self._ks[:, :, start:stop],
-            self._vs[:, :, start:stop],
-            self._ko[:, :, :, start:stop].transpose(2, 3),
-        )
-
-    def _decode(self, rows: Int8Rows, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        ordered = torch.cat(
-            [dequantize_int8(rows.key_codes, rows.key_scales), rows.key_outliers.to(torch.float32)], dim=3
-        )
-        keys = torch.empty_like(ordered).scatter_(3, self._key_index.expand_as(ordered), ordered)
-        values = self._rotate(dequantize_int8(rows.value_codes, rows.value_scales))
-        return keys.to(dtype), values.to(dtype)
-
-    def _read_rows(self, start, stop):
-        return self._decode(self._codes(start, stop), self.spec.dtype)
-
     # -- the outlier channels: chosen from the keys themselves ------------------------------
-    def _choose_key_channels(self, keys: torch.Tensor) -> torch.Tensor:
-        """The channel order for (B, Hkv, n, D) keys: the O channels of largest absmax last."""
-        b, h, _, d = keys.shape
-        o = self.outliers
-        absmax = keys.to(torch.float32).abs().amax(dim=2)  # (B, Hkv, D)
-        outliers = absmax.topk(o, dim=-1).indices.sort(dim=-1).values
-        coded = torch.ones((b, h, d), dtype=torch.bool, device=keys.device).scatter_(2, outliers, False)
-        rest = torch.arange(d, device=keys.device).expand(b, h, d)[coded].view(b, h, d - o)
-        return torch.cat([rest, outliers], dim=2)
-
     def _calibrate(self, t: int) -> None:
         """After ``t`` tokens (t <= CALIBRATION_TOKENS, all of them calibration rows): choose
         the outlier channels from them and re-encode the resident ones exactly."""
         cal = self._calibration[:, :, :t]
-        self._set_key_channels(self._choose_key_channels(cal))
+        self._set_key_channels(choose_key_channels(cal, self.outliers))
         for r in self.policy.resident(t):
             for p in r:  # values do not depend on the choice: only keys are written again
                 self._write_keys(self.row_of(p), cal[:, :, p : p + 1])
@@ -376,20 +176,20 @@ class Int8Cache(LayerCache):
         self._calibration[:, :, position] = key[:, :, 0].to(torch.float32)
         self._write_rows(row, key, value)  # with the current channels
         t = position + 1
-        if not t & (t - 1):  # t = 1, 2, 4, 8, 16: choose again from every key so far
+        if chooses_again(t):  # from every key so far
             self._calibrate(t)
 
     def prefill(self, keys, values):
         if isinstance(keys, torch.Tensor) and isinstance(values, torch.Tensor):
-            _check_values("prefill key", keys, _FLOAT16_MAX)
-            _check_values("prefill value", values)
+            check_values("prefill key", keys, FLOAT16_MAX)
+            check_values("prefill value", values)
         super().prefill(keys, values)
 
     def _store_resident(self, t, keys, values):
         """A prefill's resident keys (already checked) choose the outlier channels; below
         CALIBRATION_TOKENS tokens they are kept for the choices still to come."""
         if self.outliers and keys.shape[2]:
-            self._set_key_channels(self._choose_key_channels(keys))
+            self._set_key_channels(choose_key_channels(keys, self.outliers))
             if t >= CALIBRATION_TOKENS:
                 self._calibration = None
             else:
@@ -417,9 +217,9 @@ class Int8Cache(LayerCache):
     # -- checks: non-finite input is refused before anything is written ---------------------
     def check_step(self, query, new_key, new_value):
         super().check_step(query, new_key, new_value)
-        _check_values("query", query)
-        _check_values("new_key", new_key, _FLOAT16_MAX)
-        _check_values("new_value", new_value)
+        check_values("query", query)
+        check_values("new_key", new_key, FLOAT16_MAX)
+        check_values("new_value", new_value)
 
     # -- raw codes, for bit-exact snapshots ------------------------------------------------------
     def export_quantized(self) -> Int8Rows:
@@ -432,7 +232,7 @@ class Int8Cache(LayerCache):
         parts = [self._codes(a, b) for a, b in self._runs(self.resident_positions())]
         if not parts:
             parts = [self._codes(0, 0)]
-        return Int8Rows(*(torch.cat([p[i] for p in parts], dim=2) for i in range(len(Int8Rows._fields))))
+        return join_rows(parts)
 
     def load_quantized(
         self, rows: Int8Rows, key_channels: torch.Tensor, tokens_seen: int, calibration: torch.Tensor | None = None
@@ -447,7 +247,6 @@ class Int8Cache(LayerCache):
         (nothing stored) for anything else.
         """
         s = self.spec
-        b, h, d, o = s.batch_size, s.num_kv_heads, s.head_dim, self.outliers
         if self.tokens_seen:
             raise ValueError("load_quantized: the cache already holds tokens")
         if isinstance(tokens_seen, bool) or not isinstance(tokens_seen, int) or tokens_seen < 0:
@@ -456,58 +255,17 @@ class Int8Cache(LayerCache):
             n = self.policy.resident_length(tokens_seen)
         except ValueError as exc:  # more tokens than policy none can hold
             raise ValueError(f"load_quantized: {exc}") from None
-        if not isinstance(rows, tuple) or len(rows) != len(Int8Rows._fields):
-            raise TypeError("load_quantized: rows must be an Int8Rows")
-        rows = Int8Rows(*rows)
-        shapes = {
-            "key_codes": ((b, h, n, d - o), torch.int8),
-            "value_codes": ((b, h, n, d), torch.int8),
-            "key_scales": ((b, h, n), self.scale_dtype),
-            "value_scales": ((b, h, n), self.scale_dtype),
-            "key_outliers": ((b, h, n, o), torch.float16),
-        }
-        for name, (shape, dtype) in shapes.items():
-            t = getattr(rows, name)
-            label = name.replace("_", " ")
-            if not isinstance(t, torch.Tensor) or t.dtype != dtype:
-                raise TypeError(
-                    f"load_quantized: {label} must be a {dtype_name(dtype)} tensor, got {getattr(t, 'dtype', type(t).__name__)}"
-                )
-            if tuple(t.shape) != shape:
-                raise ValueError(
-                    f"load_quantized: {label} expected shape {shape} (L={n} at T={tokens_seen}), got {tuple(t.shape)}"
-                )
-            if not n:
-                continue
-            if dtype == torch.int8 and int(t.min()) < -127:
-                raise ValueError(f"load_quantized: {label} hold -128, outside the symmetric range [-127, 127]")
-            if name.endswith("scales") and not bool((torch.isfinite(t) & (t >= 0)).all()):
-                raise ValueError(f"load_quantized: {label} must be finite and >= 0")
-            if name == "key_outliers" and not bool(torch.isfinite(t).all()):
-                raise ValueError("load_quantized: key outliers must be finite")
-        if (
-            not isinstance(key_channels, torch.Tensor)
-            or key_channels.dtype != torch.int64
-            or tuple(key_channels.shape) != (b, h, d)
-        ):
-            raise ValueError(f"load_quantized: key_channels must be int64 of shape {(b, h, d)}")
-        if not torch.equal(
-            key_channels.sort(dim=-1).values, torch.arange(d, device=key_channels.device).expand(b, h, d)
-        ):
-            raise ValueError("load_quantized: key_channels must order each head's channels 0..D-1 once each")
+        rows = check_quantized(
+            rows,
+            key_channels,
+            calibration,
+            spec=s,
+            outliers=self.outliers,
+            scale_dtype=self.scale_dtype,
+            n=n,
+            tokens_seen=tokens_seen,
+        )
         cal_len = min(tokens_seen, CALIBRATION_TOKENS)
-        if calibration is not None:
-            if not o or tokens_seen >= CALIBRATION_TOKENS:
-                raise ValueError(
-                    f"load_quantized: calibration rows only come with T < {CALIBRATION_TOKENS} and outlier channels"
-                )
-            if (
-                not isinstance(calibration, torch.Tensor)
-                or calibration.dtype != torch.float32
-                or tuple(calibration.shape) != (b, h, cal_len, d)
-                or not bool(torch.isfinite(calibration).all())
-            ):
-                raise ValueError(f"load_quantized: calibration must be finite float32 of shape {(b, h, cal_len, d)}")
         self._set_key_channels(key_channels.to(self.spec.device).contiguous())
         offset = 0
         for a, b_ in self._runs(self.policy.resident(tokens_seen)):
@@ -522,26 +280,15 @@ class Int8Cache(LayerCache):
     def export_state(self) -> dict:
         """The stored codes, scales, outlier channels and their order, bit-exact (``encoding``
         "int8"), plus the calibration keys while the channels are not final; for snapshots."""
-        rows = self.export_quantized()
-        state = {
-            "encoding": self.state_encoding,
-            "key": rows.key_codes,
-            "value": rows.value_codes,
-            "key_scale": rows.key_scales,
-            "value_scale": rows.value_scales,
-            "key_outliers": rows.key_outliers,
-            "key_channels": self.key_channels,
-        }
+        calibration = None
         if self._calibration is not None:
-            state["key_calibration"] = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
-        return state
+            calibration = self._calibration[:, :, : min(self.tokens_seen, CALIBRATION_TOKENS)].clone()
+        return state_from_rows(self.export_quantized(), self.key_channels, calibration)
 
     def _load_state(self, tokens_seen: int, state: dict) -> None:
         try:
-            rows = Int8Rows(
-                state["key"], state["value"], state["key_scale"], state["value_scale"], state["key_outliers"]
-            )
-            self.load_quantized(rows, state["key_channels"], tokens_seen, state.get("key_calibration"))
+            rows, key_channels, calibration = rows_from_state(state)
+            self.load_quantized(rows, key_channels, tokens_seen, calibration)
         except (KeyError, TypeError) as exc:
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
 
@@ -617,132 +364,15 @@ class Int8Cache(LayerCache):
         if self.kernel.startswith("native"):  # reads float16 scales itself, by row
             out = self._native.attend(q, k, v, ks, vs, runs, ko if o else None, isa=self._isa)
         else:
-            ks, vs = _gather(ks, runs), _gather(vs, runs)
+            ks, vs = gather_scales(ks, runs), gather_scales(vs, runs)
             bias = None
             if o:  # the outlier channels' scores, in float
                 kov = torch.cat([ko[:, :, a:b] for a, b in runs], dim=2).to(torch.float32)
                 bias = torch.bmm(q[:, :, d - o :], kov)
-            kernel = _attend_int_mm if self.kernel == "int_mm" else _attend_blocks
+            kernel = attend_int_mm if self.kernel == "int_mm" else attend_blocks
             out = kernel(q[:, :, : d - o].contiguous(), k, v, ks, vs, runs, bias)
         out = self._rotate(out)
         return out.view(s.batch_size, s.num_query_heads, d).to(s.dtype)
-
-
-def _gather(scales: torch.Tensor, runs) -> torch.Tensor:
-    """The scales of the attended rows in run order, (N, S) float32 (a view when possible)."""
-    if len(runs) == 1:
-        a, b = runs[0]
-        return scales[:, a:b].to(torch.float32)
-    return torch.cat([scales[:, a:b] for a, b in runs], dim=1).to(torch.float32)
-
-
-_FLOAT16_MAX = torch.finfo(torch.float16).max
-
-
-def _check_values(name: str, t: torch.Tensor, limit: float = math.inf) -> None:
-    """Refuses non-finite values, and |values| beyond ``limit`` (keys: any key channel may be
-    kept in float16), before anything is written. One reduction when all is well (NaN
-    propagates through aminmax); the message is worked out only for a refusal."""
-    if not t.numel():
-        return
-    lo, hi = t.detach().aminmax()  # one pass, no |t| written (2.5 us against 4 for abs().amax())
-    lo, hi = float(lo), float(hi)
-    if math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit:
-        return
-    m = max(abs(lo), abs(hi))
-    finite = torch.isfinite(t)
-    if not bool(finite.all()):
-        raise InputValueError(
-            f"{name}: {int((~finite).sum())} non-finite value(s) (NaN or inf) in shape {tuple(t.shape)}; "
-            "the int8 cache cannot store them and nothing was written"
-        )
-    raise InputValueError(
-        f"{name}: |values| up to {m:.4g}, beyond float16's {_FLOAT16_MAX:.0f} that the int8 cache's "
-        "outlier channels hold; nothing was written"
-    )
-
-
-def _mixer(scales: torch.Tensor) -> torch.Tensor:
-    """(P, N, G) piece scales -> (N, G, P*G) matrices that sum the pieces of each row back."""
-    p, n, g = scales.shape
-    eye = torch.eye(g, dtype=torch.float32, device=scales.device)
-    return (scales.permute(1, 2, 0).unsqueeze(-1) * eye.view(1, g, 1, g)).reshape(n, g, p * g)
-
-
-def _attend_int_mm(q, k, v, ks, vs, runs, bias=None):
-    """Scores and weighted sums as exact int8 products; see the module docstring.
-
-    q (N, G, Dk) float32, already scaled; k (N, Dk, C) and v (N, C, D) int8 codes; ks, vs (N, S)
-    float32 scales of the attended rows in run order; bias (N, G, S) float32 scores to add (the
-    key outlier channels') or None. Returns (N, G, D) float32.
-
-    One KV head at a time, so that the int32 products, their float32 sums and the weights'
-    pieces (about 26 * G * S bytes) stay in the core's cache between the passes.
-    """
-    n, g, dk = q.shape
-    d = v.shape[2]
-    total = ks.shape[1]
-    qc, qsc = quantize_int8_residual(q, PIECES, check=False)  # (P, N, G, Dk), (P, N, G)
-    qc = qc.transpose(0, 1).reshape(n, PIECES * g, dk)
-    qmix = _mixer(qsc)
-    scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
-    for h in range(n):
-        if len(runs) == 1:
-            a, b = runs[0]
-            iscores = torch._int_mm(qc[h], k[h, :, a:b])
-        else:  # a product over D: 127 * 127 * D stays far inside int32
-            iscores = torch.cat([torch._int_mm(qc[h], k[h, :, a:b]) for a, b in runs], dim=1)
-        torch.mm(qmix[h], iscores.to(torch.float32), out=scores[h])
-    scores.mul_(ks.unsqueeze(1))
-    if bias is not None:
-        scores.add_(bias)
-    weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
-    out = torch.empty((n, g, d), dtype=torch.float32, device=q.device)
-    for h in range(n):
-        wc, wsc = quantize_int8_residual(weights[h], PIECES, check=False)  # (P, G, S), (P, G)
-        wc = wc.view(PIECES * g, total)
-        acc = None
-        off = 0
-        for a, b in runs:
-            for c0, c1 in _chunks(a, b, _INT32_SAFE_ROWS):
-                w = c1 - c0
-                part = torch._int_mm(wc[:, off : off + w], v[h, c0:c1]).to(torch.float32)
-                acc = part if acc is None else acc.add_(part)
-                off += w
-        torch.mm(_mixer(wsc.unsqueeze(1))[0], acc, out=out[h])
-    return out
-
-
-def _attend_blocks(q, k, v, ks, vs, runs, bias=None):
-    """The same sums with codes widened to float32 a block at a time in a reused workspace."""
-    n, g, dk = q.shape
-    d = v.shape[2]
-    total = ks.shape[1]
-    scores = torch.empty((n, g, total), dtype=torch.float32, device=q.device)
-    work_k = torch.empty((n, dk, min(BLOCK, total)), dtype=torch.float32, device=q.device)
-    work_v = torch.empty((n, min(BLOCK, total), d), dtype=torch.float32, device=q.device)
-    off = 0
-    for a, b in runs:
-        for c0, c1 in _chunks(a, b, BLOCK):
-            w = c1 - c0
-            wk = work_k[:, :, :w]
-            wk.copy_(k[:, :, c0:c1])
-            torch.bmm(q, wk, out=scores[:, :, off : off + w])
-            off += w
-    scores.mul_(ks.unsqueeze(1))
-    if bias is not None:
-        scores.add_(bias)
-    weights = torch.softmax(scores, dim=-1).mul_(vs.unsqueeze(1))
-    out = torch.zeros((n, g, d), dtype=torch.float32, device=q.device)
-    off = 0
-    for a, b in runs:
-        for c0, c1 in _chunks(a, b, BLOCK):
-            w = c1 - c0
-            wv = work_v[:, :w]
-            wv.copy_(v[:, c0:c1])
-            out.baddbmm_(weights[:, :, off : off + w], wv)
-            off += w
-    return out
 
 
 class Int8Backend(Backend):
@@ -774,8 +404,8 @@ class Int8Backend(Backend):
 
     @classmethod
     def probe(cls) -> list[str]:
-        # Builds (about a second, once per machine) or loads the native kernel now, while the
-        # server starts, rather than in a stream's first step. Without it the torch kernels serve.
+        # Builds (once per machine) or loads the native kernel now, while the server starts,
+        # rather than in a stream's first step. Without it the torch kernels serve.
         _log_kernel()
         return []
 

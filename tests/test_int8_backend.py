@@ -23,7 +23,8 @@ from backends import native
 from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import CacheFullError
-from backends.int8 import CALIBRATION_TOKENS, KERNELS, Int8Backend, Int8Cache, Int8Rows, key_outlier_count
+from backends.int8 import KERNELS, Int8Backend, Int8Cache, Int8Rows, key_outlier_count
+from backends.int8_calibration import CALIBRATION_TOKENS
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from quant import dequantize_int8, quantize_int8
