@@ -310,10 +310,13 @@ class LayerCache(abc.ABC):
     # ``_prepare_native``; ``step`` and ``batch.step_many`` run the prepared descriptors.
     _native = None
 
-    def _prepare_native(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor):
+    def _prepare_native(
+        self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, out: torch.Tensor | None = None
+    ):
         """After ``check_step``: this step as a ``NativeStep`` (the cache's own descriptor filled
-        in, the output tensor the call writes, the step's ``_plan``, the tensors the call reads,
-        kept alive), or None when this step takes the Python path. Writes nothing."""
+        in, the output tensor the call writes (``out`` when given: contiguous, the query's shape
+        and dtype, checked by the caller), the step's ``_plan``, the tensors the call reads, kept
+        alive), or None when this step takes the Python path. Writes nothing."""
         return None
 
     def _plan(self, t: int) -> tuple:

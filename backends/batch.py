@@ -29,12 +29,39 @@ __all__ = ["BatchStep", "step_many"]
 
 class BatchStep(NamedTuple):
     """One step of a batch: the cache it appends to and attends over, and its tensors
-    ((B, Hq, D), (B, Hkv, D), (B, Hkv, D) in the cache's dtype; never written to)."""
+    ((B, Hq, D), (B, Hkv, D), (B, Hkv, D) in the cache's dtype; never written to).
+
+    ``out``, when given, is where the output goes: a contiguous (B, Hq, D) tensor of the
+    cache's dtype on its device (checked; a step with another is refused alone), which the
+    outcome's ``output`` then is. Rows of one packed tensor let a caller collect a batch's
+    outputs without a copy. Written only by a step that succeeds."""
 
     cache: LayerCache
     query: torch.Tensor
     new_key: torch.Tensor
     new_value: torch.Tensor
+    out: torch.Tensor | None = None
+
+
+def _check_out(out: torch.Tensor, query: torch.Tensor) -> None:
+    if not (
+        type(out) is torch.Tensor
+        and out.shape == query.shape
+        and out.dtype is query.dtype
+        and out.device == query.device
+        and out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out: expected a contiguous {tuple(query.shape)} {str(query.dtype)[6:]} tensor on {query.device}"
+        )
+
+
+def _into(out: torch.Tensor | None, outcome: StepOutcome) -> StepOutcome:
+    """A step computed elsewhere: its output copied into ``out`` (when given)."""
+    if out is not None:
+        out.copy_(outcome.output)
+        outcome.output = out
+    return outcome
 
 
 def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
@@ -58,7 +85,13 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     kernels = {}
     by_class: dict = {}  # a cache class's own batched step (``step_group``, e.g. cuda) -> slots
     for i, s in enumerate(steps):
-        cache, q, k, v = s
+        cache, q, k, v, out = s
+        if out is not None:
+            try:
+                _check_out(out, q)
+            except ValueError as exc:
+                results[i] = exc
+                continue
         step_group = getattr(type(cache), "step_group", None)
         if step_group is not None:
             by_class.setdefault(step_group, []).append(i)
@@ -67,7 +100,7 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
         if kernel is not None:
             try:
                 cache.check_step(q, k, v)
-                prepared = cache._prepare_native(q, k, v)
+                prepared = cache._prepare_native(q, k, v, out)
             except Exception as exc:
                 results[i] = exc
                 continue
@@ -80,7 +113,7 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
                 continue
         # no compiled step, or this step takes the Python path (e.g. int8 calibration)
         try:
-            results[i] = cache.step(q, k, v)
+            results[i] = _into(out, cache.step(q, k, v))
         except Exception as exc:  # refused alone; the cache restored itself
             results[i] = exc
     size = ctypes.sizeof(native.CacheDesc)
@@ -109,5 +142,5 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
                 results[i] = exc
     for step_group, slots in by_class.items():
         for i, result in zip(slots, step_group([steps[i] for i in slots])):
-            results[i] = result
+            results[i] = result if isinstance(result, Exception) else _into(steps[i].out, result)
     return results  # type: ignore[return-value]

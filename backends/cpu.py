@@ -96,12 +96,13 @@ class DenseCache(DenseRingCache):
     # Tests set it to make the native step fail after its write (the kernel restores the row).
     _fail_after_write = False
 
-    def _prepare_native(self, query, new_key, new_value):
+    def _prepare_native(self, query, new_key, new_value, out=None):
         if self._native is None:
             return None
         t = self.tokens_seen
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
-        out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
+        if out is None:
+            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
         x = self._desc
         plan = self._plan(t)
         x.set_runs(plan[0])

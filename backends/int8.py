@@ -315,7 +315,7 @@ class Int8Cache(Int8Storage):
         x.saved = self._saved_row.data_ptr()
         return x
 
-    def _prepare_native(self, query, new_key, new_value):
+    def _prepare_native(self, query, new_key, new_value, out=None):
         t = self.tokens_seen
         if self._native is None or (self._calibration is not None and t < CALIBRATION_TOKENS):
             return None  # calibration: the Python path chooses the outlier channels
@@ -326,7 +326,8 @@ class Int8Cache(Int8Storage):
             self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
         order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
-        out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
+        if out is None:
+            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
         plan = self._plan(t)
         x.set_runs(plan[0])
         x.write_row = plan[1]

@@ -137,12 +137,44 @@ def _packed(message: gqa_pb2.Tensor, name: str, shape: tuple[int, ...], dtype: t
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def _fill_tensor(message: gqa_pb2.Tensor, tensor: torch.Tensor) -> None:
-    """``to_proto``, written into an existing message (one copy of the data, not two)."""
-    tensor = tensor.detach().to("cpu").contiguous()  # no-op for CPU tensors
-    message.dtype = TORCH_TO_DTYPE[tensor.dtype]
-    message.shape.extend(tensor.shape)
-    message.data = tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b""
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+# Wire tags (field number << 3 | wire type 2, length-delimited) of the fields the step reply
+# encodes itself; tests/test_batch_rpc.py checks the bytes parse to the message built by upb.
+_TAG_TENSOR_SHAPE = b"\x12"  # Tensor.shape = 2 (packed)
+_TAG_TENSOR_DATA = b"\x1a"  # Tensor.data = 3
+_TAG_RESULT_OUTPUT = b"\x1a"  # BatchStepResult.output = 3
+_TAG_RESPONSE_STEP = b"\x22"  # BatchResponse.step = 4
+
+
+def step_reply_bytes(rid: int, result: gqa_pb2.BatchStepResult, output: torch.Tensor) -> bytes:
+    """``BatchResponse(request_id=rid, step=result)`` with ``result.output`` set to ``output``
+    (a contiguous CPU tensor), serialized: ``result`` (its output unset) by the protobuf
+    runtime, the output field written here after it, the tensor's bytes copied once, straight
+    from its memory into the reply (protobuf parsers take fields in any order)."""
+    data = output.view(torch.uint8).reshape(-1).numpy() if output.numel() else b""
+    shape = b"".join(_varint(x) for x in output.shape)
+    tensor_head = (
+        b"\x08"  # Tensor.dtype = 1 (varint)
+        + _varint(TORCH_TO_DTYPE[output.dtype])
+        + _TAG_TENSOR_SHAPE
+        + _varint(len(shape))
+        + shape
+        + (_TAG_TENSOR_DATA + _varint(len(data)) if len(data) else b"")  # proto3 omits empty bytes
+    )
+    tensor_len = len(tensor_head) + len(data)
+    rest = result.SerializeToString()
+    output_field = _TAG_RESULT_OUTPUT + _varint(tensor_len) + tensor_head
+    step_len = len(rest) + len(output_field) + len(data)
+    head = (b"\x08" + _varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + _varint(step_len) + rest + output_field
+    return b"".join((head, data))
 
 
 @dataclass
@@ -183,7 +215,7 @@ class Session:
         self.id = session_id
         self.sequences: dict[int, Stream] = {}
         self.restoring: dict[int, _PendingRestore] = {}
-        self._output: torch.Tensor | None = None  # reused by every step message, see _packed_output
+        self._output: torch.Tensor | None = None  # reused by every step message, see _output_buffer
         self._on_forced_close = on_forced_close
 
     # -- bookkeeping ------------------------------------------------------------------------
@@ -345,11 +377,13 @@ class Session:
             tokens_seen=[c.tokens_seen for c in stream.caches],
         )
 
-    async def step(self, request: gqa_pb2.BatchStep, result: gqa_pb2.BatchStepResult) -> None:
-        """Answers a step message into ``result``, the response's own field: building the
-        answer in place spares a copy of the output, which for a 64-sequence float32 message
-        (1 MiB) costs about a millisecond of fresh pages."""
+    async def step(self, request: gqa_pb2.BatchStep, rid: int) -> bytes:
+        """Answers a step message: the ``BatchResponse`` with request id ``rid``, serialized.
+        On CPU the kernel writes each sequence's output into its row of one buffer the session
+        keeps, and the reply is encoded around that buffer (``step_reply_bytes``): the output
+        (1 MiB for 64 float32 sequences at Hq=32, D=128) is copied once, into the reply."""
         received = time.perf_counter()
+        result = gqa_pb2.BatchStepResult()
         s = self.shared
         layer = request.layer
         ids = list(request.ids)
@@ -364,7 +398,7 @@ class Session:
         except ServiceError as exc:
             result.status.CopyFrom(_status(exc))
             result.layer = layer
-            return
+            return gqa_pb2.BatchResponse(request_id=rid, step=result).SerializeToString()
 
         refusals: list[gqa_pb2.SequenceRefusal] = []
         refused: set[int] = set()
@@ -373,6 +407,9 @@ class Session:
         slots: list[int] = []  # message row of each batch entry
         streams: list[Stream] = []
         q_rows, k_rows, v_rows = queries.split(1), keys.split(1), values.split(1)
+        on_cpu = self._on_cpu(layer)
+        packed = self._output_buffer(n) if on_cpu else None
+        o_rows = packed.split(1) if packed is not None and n else [None] * n
         for i, sid in enumerate(ids):
             if sid in duplicated:
                 exc: ServiceError = InvalidArgument(f"step.ids: sequence {sid} appears more than once in the message")
@@ -381,7 +418,7 @@ class Session:
             elif stream.closed:  # closed under the session by the drain; it ends after this message
                 exc = Unavailable(f"step.ids: sequence {sid} was closed ({stream.close_reason})")
             else:
-                batch.append(BatchStep(stream.caches[layer], q_rows[i], k_rows[i], v_rows[i]))
+                batch.append(BatchStep(stream.caches[layer], q_rows[i], k_rows[i], v_rows[i], o_rows[i]))
                 slots.append(i)
                 streams.append(stream)
                 continue
@@ -424,40 +461,50 @@ class Session:
             )
             observer.step_done(stream, StepReport(outcome, compute_ns, reach), queue_seconds)
         if refused:
-            # zeros on the outputs' device (a cuda backend's outputs stay there until the copy below)
-            like = next((r for r in out_rows if r is not None), None)
-            zero = torch.zeros(
-                (1, s.num_query_heads, s.head_dim),
-                dtype=s.torch_dtype,
-                device=like.device if like is not None else "cpu",
-            )
-            out_rows = [zero if r is None else r for r in out_rows]
             refusals.sort(key=lambda r: r.index)
-        output = self._packed_output(out_rows)
+        if packed is not None:
+            for i in refused:  # a refused sequence's row: zeros
+                packed[i].zero_()
+            output = packed
+        else:  # a cuda backend's outputs: gathered on the device, then one copy here
+            zero = None
+            if refused:
+                like = next((r for r in out_rows if r is not None), None)
+                zero = torch.zeros(
+                    (1, s.num_query_heads, s.head_dim),
+                    dtype=s.torch_dtype,
+                    device=like.device if like is not None else "cpu",
+                )
+            rows_ = [zero if r is None else r for r in out_rows]
+            output = (
+                torch.cat(rows_).cpu() if n else torch.empty((0, s.num_query_heads, s.head_dim), dtype=s.torch_dtype)
+            )
         observer.batch_message(s.backend, s.dtype, n)
         result.status.SetInParent()
         result.layer = layer
-        _fill_tensor(result.output, output)
         if n:
             for name, column in zip(_ROW_FIELDS, zip(*rows)):
                 getattr(result, name).extend(column)
         result.refusals.extend(refusals)
         result.compute_ns = compute_ns
+        return step_reply_bytes(rid, result, output.contiguous())
 
-    def _packed_output(self, rows: list[torch.Tensor]) -> torch.Tensor:
-        """The (N, Hq, D) output rows in one tensor. CPU rows go to a buffer the session keeps:
-        a fresh 1 MiB tensor per message (64 float32 sequences at Hq=32, D=128) costs ~1 ms of
-        page faults here, when glibc has handed the last one back to the kernel."""
+    def _on_cpu(self, layer: int) -> bool:
+        """Whether the session's caches live in host memory (every backend but cuda)."""
+        for stream in self.sequences.values():
+            if stream.caches:
+                return torch.device(stream.caches[layer].spec.device).type == "cpu"
+        return True
+
+    def _output_buffer(self, n: int) -> torch.Tensor:
+        """(n, Hq, D) rows the kernel writes the outputs into: one buffer the session keeps
+        (the reply copies it before the next message), since a fresh 1 MiB tensor per message
+        (64 float32 sequences at Hq=32, D=128) costs ~1 ms of page faults when glibc has handed
+        the last one back to the kernel."""
         s = self.shared
-        n = len(rows)
-        if n and rows[0].device.type != "cpu":
-            return torch.cat(rows)
         if self._output is None or self._output.shape[0] < n:
             self._output = torch.empty((n, s.num_query_heads, s.head_dim), dtype=s.torch_dtype)
-        out = self._output[:n]
-        if n:
-            torch.cat(rows, out=out)
-        return out
+        return self._output[:n]
 
     def remove(self, request: gqa_pb2.BatchRemove) -> gqa_pb2.BatchRemoved:
         removed, refusals = [], []
@@ -597,9 +644,7 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
             rid = request.request_id
             kind = request.WhichOneof("kind")
             if kind == "step":
-                response = gqa_pb2.BatchResponse(request_id=rid)
-                await session.step(request.step, response.step)
-                await context.write(response)
+                await context.write(await session.step(request.step, rid))
             elif kind == "add":
                 added = await session.add(request.add)
                 if added is not None:

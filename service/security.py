@@ -26,7 +26,7 @@ import grpc
 
 from .config import ConfigError, ServerConfig
 from .errors import InvalidArgument, ServiceError
-from .grpc_handlers import handler_kind
+from .grpc_handlers import handler_kind, passes_bytes
 
 __all__ = [
     "server_credentials",
@@ -211,7 +211,7 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
         return factory(
             wrapped,
             request_deserializer=_tolerant(handler.request_deserializer),
-            response_serializer=handler.response_serializer,
+            response_serializer=passes_bytes(handler.response_serializer),
         )
 
     @staticmethod

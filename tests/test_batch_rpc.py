@@ -92,6 +92,29 @@ def prefills(g, lengths, dtype):
     }
 
 
+# -- the step reply's own encoding -------------------------------------------------------------
+@pytest.mark.parametrize("rid", [0, 1, 300, 2**63 + 5])
+@pytest.mark.parametrize("n", [0, 1, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
+    from service.batch_rpc import step_reply_bytes
+
+    g = torch.Generator().manual_seed(n)
+    output = torch.randn(n, 32, 128, generator=g).to(dtype)
+    result = gqa_pb2.BatchStepResult(layer=3, compute_ns=123456789)
+    result.status.SetInParent()
+    result.tokens_seen.extend(range(n))
+    result.rollback_reach.extend([2**40] * n)
+    if n:
+        result.refusals.add(index=n - 1, id=7, status=gqa_pb2.Status(code=5, message="step.ids: sequence 7 ..."))
+    want = gqa_pb2.BatchResponse(request_id=rid, step=result)
+    want.step.output.CopyFrom(to_proto(output))
+    got = gqa_pb2.BatchResponse.FromString(step_reply_bytes(rid, result, output))
+    assert got == want
+    assert got.step.HasField("status") and got.step.HasField("output")
+    assert len(step_reply_bytes(rid, result, output)) == want.ByteSize()
+
+
 # -- Batch == Decode == oracle ---------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):

@@ -206,6 +206,38 @@ def test_a_failure_after_the_write_restores_that_cache_alone(monkeypatch):
     assert all(not isinstance(r, Exception) for i, r in enumerate(results) if i != 2)
 
 
+def test_outputs_go_into_the_given_rows_bit_identical():
+    """``BatchStep.out``: rows of one packed tensor receive the outputs (native caches, an int8
+    cache still calibrating, which takes the Python path, and a torch-kernel cache alike), bit
+    for bit what the steps give without it; a row of the wrong shape is refused alone."""
+    want = [r.output for r in step_many(_fleet(13, 12))]
+    steps = _fleet(13, 12)
+    calibrating = Int8Backend().create_cache(CacheSpec(1, 8, 2, 64, torch.float32, EvictionPolicy.none(8)))
+    fallback = DenseCache(CacheSpec(1, 8, 2, 64, torch.bfloat16, EvictionPolicy.strict(4)), "torch")
+    extra = [(calibrating, torch.float32), (fallback, torch.bfloat16)]
+    gen = torch.Generator().manual_seed(1)
+    for cache, dtype in extra:
+        x = [torch.randn(1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2)]
+        steps.append(BatchStep(cache, *x))
+    twins = [  # stepped alone, fed the same tensors
+        Int8Backend().create_cache(calibrating.spec),
+        DenseCache(fallback.spec, "torch"),
+    ]
+    want += [twin.step(*steps[-2 + j][1:4]).output for j, twin in enumerate(twins)]
+    outs = [torch.full_like(st.query, float("nan")) for st in steps]
+    wrong = torch.empty(2, *steps[0].query.shape[1:], dtype=steps[0].query.dtype)
+    steps = [BatchStep(*st[:4], out) for st, out in zip(steps, outs)]
+    steps[3] = BatchStep(*steps[3][:4], wrong)
+    before = steps[3].cache.tokens_seen
+    results = step_many(steps)
+    assert isinstance(results[3], ValueError) and "out:" in str(results[3])
+    assert steps[3].cache.tokens_seen == before and torch.isnan(outs[3]).all()
+    for i, (r, out, w) in enumerate(zip(results, outs, want)):
+        if i == 3:
+            continue
+        assert r.output is out and torch.equal(out, w), i
+
+
 def test_one_cache_twice_is_refused_before_anything_is_written():
     steps = _fleet(2, 2)
     before = steps[0].cache._k.clone()
