@@ -21,7 +21,6 @@ from typing import NamedTuple
 
 import torch
 
-from . import native
 from .base import LayerCache, StepOutcome
 
 __all__ = ["BatchStep", "step_many"]
@@ -116,25 +115,19 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
             results[i] = _into(out, cache.step(q, k, v))
         except Exception as exc:  # refused alone; the cache restored itself
             results[i] = exc
-    size = ctypes.sizeof(native.CacheDesc)
     for key, members in groups.items():
-        if len(members) == 1:  # a batch of one (the server's inline step): the cache's own descriptor
-            descs = (members[0][3].desc,)
-            base = ctypes.addressof(descs[0])
-        else:
-            descs = (native.CacheDesc * len(members))()
-            base = ctypes.addressof(descs)
-            for j, member in enumerate(members):
-                ctypes.memmove(base + j * size, ctypes.addressof(member[3].desc), size)
         try:
-            kernels[key].run(base, len(members))
+            if len(members) == 1:  # a batch of one (the server's inline step)
+                kernels[key].run_one(ctypes.addressof(members[0][3].desc))
+            else:  # each cache's own descriptor, by address: the library gathers them
+                kernels[key].run_each([ctypes.addressof(m[3].desc) for m in members])
         except Exception as exc:  # the whole call refused: nothing was written
             for i, *_ in members:
                 results[i] = exc
             continue
-        for j, (i, cache, t, prepared) in enumerate(members):
+        for i, cache, t, prepared in members:
             try:
-                status = descs[j].status
+                status = prepared.desc.status
                 if status:
                     cache.native_step_done(status)
                 results[i] = cache._commit_plan(t, prepared.output, prepared.plan)

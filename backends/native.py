@@ -19,7 +19,8 @@ Where no compiler or no writable cache exists, ``load`` raises ``NativeUnavailab
 reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces that).
 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
-steps or attentions of ``n`` caches in one call; ``gqa_set_threads`` / ``gqa_threads`` size the
+steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors given
+by address); ``gqa_set_threads`` / ``gqa_threads`` size the
 pool; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
 """
 
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -207,6 +209,8 @@ class Kernel:
         p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
         lib.gqa_run.argtypes = [p, i64, i32, i32]
         lib.gqa_run.restype = i32
+        lib.gqa_run_ptrs.argtypes = [p, i64, i32, i32]
+        lib.gqa_run_ptrs.restype = i32
         lib.gqa_usable_isas.argtypes = [i64]
         lib.gqa_usable_isas.restype = i32
         lib.gqa_set_threads.argtypes = [i32]
@@ -217,6 +221,7 @@ class Kernel:
         lib.gqa_hadamard_rows.restype = i32
         self._lib = lib
         self._run = lib.gqa_run
+        self._run_ptrs = lib.gqa_run_ptrs
         lib.gqa_set_threads(_threads)
 
     def isas(self, head_dim: int) -> list[str]:
@@ -230,6 +235,14 @@ class Kernel:
         (0: all). Releases the GIL while it runs. ``RuntimeError`` for arguments the kernel
         refuses (a caller's bug: the caches check their input first), ``MemoryError`` when it cannot allocate (nothing written either way)."""
         rc = self._run(ctypes.addressof(descs) if not isinstance(descs, int) else descs, count, threads, ISA[isa])
+        if rc:
+            self.raise_for(rc)
+
+    def run_each(self, addresses: Sequence[int]) -> None:
+        """``run`` over descriptors that live apart, given by address (each cache's own), on the
+        whole pool with the best ISA; each one's ``status`` is set as by ``run``."""
+        n = len(addresses)
+        rc = self._run_ptrs((ctypes.c_void_p * n)(*addresses), n, 0, 0)
         if rc:
             self.raise_for(rc)
 

@@ -1149,6 +1149,26 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     return 0;
 }
 
+/* gqa_run over descriptors that live apart (each cache keeps its own): copied into one array,
+ * computed, and each one's `status` copied back. The same return codes as gqa_run. */
+int gqa_run_ptrs(gqa_cache_t *const *ptrs, int64_t ncaches, int threads, int isa) {
+    if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
+    gqa_cache_t *caches = malloc((size_t)ncaches * sizeof *caches);
+    if (!caches) return -ENOMEM;
+    for (int64_t i = 0; i < ncaches; i++) {
+        if (!ptrs[i]) {
+            free(caches);
+            return -EINVAL;
+        }
+        caches[i] = *ptrs[i];
+    }
+    const int rc = gqa_run(caches, ncaches, threads, isa);
+    if (!rc)
+        for (int64_t i = 0; i < ncaches; i++) ptrs[i]->status = caches[i].status;
+    free(caches);
+    return rc;
+}
+
 /* ---------------------------------------------------------------------------------------------
  * The int8 cache's value rotation.
  */
