@@ -30,7 +30,7 @@ from backends import registry
 from backends.batch import BatchStep, step_many
 from backends.errors import BackendUnavailable, CacheFullError, InvalidInput
 
-from . import snapshot
+from . import snapshot, wire
 from .api import gqa_pb2
 from .config import ServerConfig
 from .engine import Engine, StepReport, Stream, StreamConfig
@@ -42,6 +42,7 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
+from .security import malformed_request
 from .tensors import from_proto
 from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 
@@ -187,6 +188,14 @@ class _PendingRestore:
 class _SessionClosed(Exception):
     def __init__(self, error: ServiceError):
         self.error = error
+
+
+def _parse(raw: bytes) -> gqa_pb2.BatchRequest:
+    """A request's bytes as a message; ``InvalidArgument`` (as for every RPC) when they are not one."""
+    try:
+        return gqa_pb2.BatchRequest.FromString(raw)
+    except Exception:
+        raise malformed_request("Batch") from None
 
 
 def _timed_step_many(steps: list[BatchStep], received: float):
@@ -576,10 +585,13 @@ _session_ids = iter(range(1, 1 << 62))
 
 
 async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.Executor, context) -> None:
-    """The handler of one Batch RPC (the servicer's ``Batch`` delegates here)."""
+    """The handler of one Batch RPC (the servicer's ``Batch`` delegates here). Requests arrive
+    as their bytes (``AttentionServicer.Batch.raw_requests``): step messages are read by
+    ``service.wire`` without copying their tensors, the others parsed here."""
     first = await context.read()
     if first is grpc.aio.EOF:
         return
+    first = _parse(first)
     if first.WhichOneof("kind") != "open":
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Batch stream must be `open`")
     try:
@@ -641,6 +653,12 @@ async def serve(engine: Engine, config: ServerConfig, pool: concurrent.futures.E
             if request is grpc.aio.EOF:
                 break
             session.touch()
+            fast = wire.read_step_request(request)
+            if fast is not None:
+                rid, step = fast
+                await context.write(await session.step(step, rid))
+                continue
+            request = _parse(request)
             rid = request.request_id
             kind = request.WhichOneof("kind")
             if kind == "step":

@@ -35,6 +35,7 @@ __all__ = [
     "SafeStatusInterceptor",
     "EXEMPT_SERVICES",
     "INTERNAL_MESSAGE",
+    "malformed_request",
 ]
 
 log = logging.getLogger("gqa.security")
@@ -173,23 +174,24 @@ class _GuardedContext:
         # servicer's read-ahead), and only the handler may end the call.
         message = await self._context.read()
         if message is _MALFORMED:
-            raise _malformed(self._method)
+            raise malformed_request(self._method)
         return message
 
 
-def _malformed(method: str) -> InvalidArgument:
+def malformed_request(method: str) -> InvalidArgument:
+    """The refusal of a request message that does not parse (``method``: its name or path)."""
     return InvalidArgument(f"a request message of {method.rpartition('/')[2]} is not valid protobuf for its type")
 
 
 async def _refuse_malformed(context, method: str):
-    error = _malformed(method)
+    error = malformed_request(method)
     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
 
 
 async def _guarded_iterator(requests, method: str):
     async for message in requests:
         if message is _MALFORMED:
-            raise _malformed(method)
+            raise malformed_request(method)
         yield message
 
 
@@ -208,9 +210,11 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
             wrapped = self._wrap_coroutine(behavior, method, handler.request_streaming)
         else:
             return handler
+        # A behaviour marked ``raw_requests`` reads its requests' bytes and parses them itself.
+        raw = getattr(behavior, "raw_requests", False)
         return factory(
             wrapped,
-            request_deserializer=_tolerant(handler.request_deserializer),
+            request_deserializer=None if raw else _tolerant(handler.request_deserializer),
             response_serializer=passes_bytes(handler.response_serializer),
         )
 

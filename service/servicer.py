@@ -185,6 +185,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     async def Batch(self, request_iterator, context):
         await batch_rpc.serve(self.engine, self.config, self.pool, context)
 
+    # Batch reads its requests as bytes (step messages without copying their tensors; see
+    # service.wire); the status interceptor gives it no deserializer.
+    Batch.raw_requests = True
+
     # -- Decode -----------------------------------------------------------------------------
     async def Decode(self, request_iterator, context):
         first = await context.read()

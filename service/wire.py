@@ -1,0 +1,168 @@
+"""The ``Batch`` stream's step requests read straight from their bytes, without copying tensors.
+
+The protobuf runtime copies a 64-sequence step request twice more than the transport already
+has (into its arena when it parses, and again on every read of a ``bytes`` field: 1.5 MiB each
+for float32 at Hq=32, Hkv=8, D=128). ``read_step_request`` reads a serialized ``BatchRequest``
+whose ``kind`` is ``step`` itself and hands out the tensors' data as ``memoryview`` slices of
+the request's bytes (read-only; they keep the bytes alive).
+
+Contract: for any input it returns either ``None`` or exactly what the protobuf runtime would
+parse (``tests/test_wire.py`` checks it against upb, fuzzed). It returns ``None`` for every
+other kind, for anything it does not handle (a field given twice, groups, a malformed or
+truncated encoding, a step whose message fields are absent), and the caller then parses the
+bytes with the runtime, which also reports what is malformed.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+__all__ = ["StepRequest", "TensorView", "read_step_request"]
+
+_U64 = (1 << 64) - 1
+_U32 = (1 << 32) - 1
+
+
+class TensorView(NamedTuple):
+    """``gqa.v1.Tensor``'s fields: ``dtype`` (the enum's number), ``shape``, ``data`` (a view of
+    the request's bytes)."""
+
+    dtype: int
+    shape: tuple[int, ...]
+    data: memoryview
+
+
+class StepRequest(NamedTuple):
+    """``gqa.v1.BatchStep``'s fields, as ``service.batch_rpc.Session.step`` reads them."""
+
+    layer: int
+    ids: list[int]
+    query: TensorView
+    new_key: TensorView
+    new_value: TensorView
+
+
+class _Unhandled(Exception):
+    """Not for this reader: the caller parses with the protobuf runtime."""
+
+
+def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+    """(value, next position) of the base-128 varint at ``pos`` (at most 10 bytes, below ``end``)."""
+    value = shift = 0
+    while True:
+        if pos >= end or shift >= 70:
+            raise _Unhandled
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            if value >> 64:  # bits past 64: left to the runtime's judgement
+                raise _Unhandled
+            return value, pos
+        shift += 7
+
+
+def _fields(buf: memoryview, pos: int, end: int):
+    """(field number, wire type, value or (start, stop) of a length-delimited field)."""
+    while pos < end:
+        key, pos = _varint(buf, pos, end)
+        number, wire = key >> 3, key & 7
+        if not 0 < number < 1 << 29:  # field numbers are 1 .. 2^29 - 1
+            raise _Unhandled
+        if wire == 0:
+            value, pos = _varint(buf, pos, end)
+        elif wire == 2:
+            length, pos = _varint(buf, pos, end)
+            if length > end - pos:
+                raise _Unhandled
+            value, pos = (pos, pos + length), pos + length
+        elif wire == 1:
+            value, pos = None, pos + 8
+        elif wire == 5:
+            value, pos = None, pos + 4
+        else:  # groups (3, 4) and invalid types
+            raise _Unhandled
+        if pos > end:
+            raise _Unhandled
+        yield number, wire, value
+
+
+def _packed_varints(buf: memoryview, span: tuple[int, int]) -> list[int]:
+    pos, end = span
+    out = []
+    while pos < end:
+        value, pos = _varint(buf, pos, end)
+        out.append(value)
+    return out
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >> 63 else v
+
+
+def _enum32(v: int) -> int:
+    v &= _U32
+    return v - (1 << 32) if v >> 31 else v
+
+
+def _tensor(buf: memoryview, span: tuple[int, int]) -> TensorView:
+    dtype = 0
+    shape: list[int] = []
+    data = None
+    for number, wire, value in _fields(buf, *span):
+        if number == 1 and wire == 0:
+            dtype = _enum32(value)
+        elif number == 2 and wire == 2:
+            shape += [_signed64(x) for x in _packed_varints(buf, value)]
+        elif number == 2 and wire == 0:
+            shape.append(_signed64(value))
+        elif number == 3 and wire == 2:
+            if data is not None:
+                raise _Unhandled
+            data = buf[value[0] : value[1]]
+        elif number in (1, 2, 3):  # a known field with another wire type
+            raise _Unhandled
+    return TensorView(dtype, tuple(shape), data if data is not None else buf[0:0])
+
+
+def _step(buf: memoryview, span: tuple[int, int]) -> StepRequest:
+    layer = 0
+    ids: list[int] = []
+    tensors: dict[int, TensorView] = {}
+    for number, wire, value in _fields(buf, *span):
+        if number == 1 and wire == 0:
+            layer = value & _U32
+        elif number == 2 and wire == 2:
+            ids += _packed_varints(buf, value)
+        elif number == 2 and wire == 0:
+            ids.append(value)
+        elif number in (3, 4, 5) and wire == 2:
+            if number in tensors:  # the runtime would merge the two messages
+                raise _Unhandled
+            tensors[number] = _tensor(buf, value)
+        elif number in (1, 2, 3, 4, 5):
+            raise _Unhandled
+    if len(tensors) != 3:  # an absent tensor: the runtime's empty message, and its errors
+        raise _Unhandled
+    return StepRequest(layer, ids, tensors[3], tensors[4], tensors[5])
+
+
+def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
+    """``(request_id, step)`` when ``raw`` is a serialized ``BatchRequest`` whose kind is
+    ``step`` and this reader handles it; ``None`` otherwise (see the module docstring)."""
+    buf = memoryview(raw)
+    rid = 0
+    step_span = None
+    try:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number == 1 and wire == 0:
+                rid = value
+            elif number == 4 and wire == 2 and step_span is None:
+                step_span = value
+            elif number <= 7:  # another kind, the step twice, or a known field mistyped
+                return None
+        if step_span is None:
+            return None
+        return rid, _step(buf, step_span)
+    except _Unhandled:
+        return None

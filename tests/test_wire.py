@@ -1,0 +1,177 @@
+"""``service.wire``: whatever it reads from a request's bytes is what upb parses from them.
+
+Step requests built by upb, the same fields re-encoded by hand in shuffled order with unknown
+fields and unpacked repeated fields, truncations and byte flips of them, and other kinds: the
+reader returns ``None`` or exactly upb's values (and ``None`` where upb refuses the bytes).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from google.protobuf.message import DecodeError
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from service.api import gqa_pb2
+from service.wire import read_step_request
+
+U64 = st.integers(0, 2**64 - 1)
+TENSOR = st.tuples(
+    st.integers(-(2**31), 2**31 - 1),  # dtype: any enum number the wire can carry
+    st.lists(st.integers(-(2**63), 2**63 - 1), max_size=4),  # shape
+    st.binary(max_size=64),  # data
+)
+
+
+def _step_message(rid, layer, ids, tensors) -> gqa_pb2.BatchRequest:
+    step = gqa_pb2.BatchStep(layer=layer, ids=ids)
+    for field, (dtype, shape, data) in zip(("query", "new_key", "new_value"), tensors):
+        getattr(step, field).CopyFrom(gqa_pb2.Tensor(dtype=dtype, shape=shape, data=data))
+    return gqa_pb2.BatchRequest(request_id=rid, step=step)
+
+
+def _same_as_upb(raw: bytes) -> None:
+    """The reader's answer for ``raw`` is None, or upb's parse of it."""
+    got = read_step_request(raw)
+    try:
+        want = gqa_pb2.BatchRequest.FromString(raw)
+    except DecodeError:
+        assert got is None
+        return
+    if got is None:
+        return
+    rid, step = got
+    assert want.WhichOneof("kind") == "step"
+    assert rid == want.request_id
+    assert step.layer == want.step.layer
+    assert step.ids == list(want.step.ids)
+    for name in ("query", "new_key", "new_value"):
+        mine, theirs = getattr(step, name), getattr(want.step, name)
+        assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data), name
+
+
+# -- a small encoder, to write the same fields in other shapes ---------------------------------
+def _varint(n: int) -> bytes:
+    n &= 2**64 - 1
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _key(number: int, wire: int) -> bytes:
+    return _varint(number << 3 | wire)
+
+
+def _len(number: int, payload: bytes) -> bytes:
+    return _key(number, 2) + _varint(len(payload)) + payload
+
+
+def _unknown(rng: random.Random) -> bytes:
+    number = rng.randint(20, 1000)
+    return rng.choice(
+        [
+            _key(number, 0) + _varint(rng.getrandbits(40)),
+            _len(number, rng.randbytes(rng.randint(0, 9))),
+            _key(number, 1) + rng.randbytes(8),
+            _key(number, 5) + rng.randbytes(4),
+        ]
+    )
+
+
+def _shuffled(rng: random.Random, parts: list[bytes], unknown: bool) -> bytes:
+    if unknown:
+        parts = parts + [_unknown(rng) for _ in range(rng.randint(1, 3))]
+    rng.shuffle(parts)
+    return b"".join(parts)
+
+
+def _hand_encoded(rng: random.Random, rid, layer, ids, tensors) -> bytes:
+    tensor_bytes = []
+    for dtype, shape, data in tensors:
+        if rng.random() < 0.5:
+            shape_parts = [_len(2, b"".join(_varint(x) for x in shape))] if shape else []
+        else:  # unpacked: one field per dimension
+            shape_parts = [_key(2, 0) + _varint(x) for x in shape]
+        tensor_bytes.append(
+            _shuffled(rng, [_key(1, 0) + _varint(dtype), *shape_parts, _len(3, data)], rng.random() < 0.3)
+        )
+    if rng.random() < 0.5:
+        id_parts = [_len(2, b"".join(_varint(x) for x in ids))]
+    else:
+        id_parts = [_key(2, 0) + _varint(x) for x in ids]
+    step = _shuffled(
+        rng,
+        [_key(1, 0) + _varint(layer), *id_parts, *(_len(3 + i, t) for i, t in enumerate(tensor_bytes))],
+        rng.random() < 0.3,
+    )
+    return _shuffled(rng, [_key(1, 0) + _varint(rid), _len(4, step)], rng.random() < 0.3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=U64, layer=st.integers(0, 2**32 - 1), ids=st.lists(U64, max_size=6), tensors=st.tuples(TENSOR, TENSOR, TENSOR)
+)
+def test_step_requests_read_as_upb_parses_them(rid, layer, ids, tensors):
+    raw = _step_message(rid, layer, ids, tensors).SerializeToString()
+    got = read_step_request(raw)
+    assert got is not None  # the runtime's own encoding is always read here
+    _same_as_upb(raw)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=U64,
+    layer=U64,  # a uint32 field given a wider varint: both truncate
+    ids=st.lists(U64, max_size=6),
+    tensors=st.tuples(TENSOR, TENSOR, TENSOR),
+    seed=st.integers(0, 2**32),
+)
+def test_other_field_orders_unknown_fields_and_damage(rid, layer, ids, tensors, seed):
+    rng = random.Random(seed)
+    raw = _hand_encoded(rng, rid, layer, ids, tensors)
+    _same_as_upb(raw)
+    for _ in range(4):  # truncated, and a byte changed
+        _same_as_upb(raw[: rng.randrange(len(raw) + 1)])
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        _same_as_upb(bytes(flipped))
+
+
+@given(st.binary(max_size=200))
+def test_arbitrary_bytes(raw):
+    _same_as_upb(raw)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        gqa_pb2.BatchRequest(request_id=3, open=gqa_pb2.BatchOpen(num_query_heads=4)),
+        gqa_pb2.BatchRequest(request_id=3, remove=gqa_pb2.BatchRemove(ids=[1, 2])),
+        gqa_pb2.BatchRequest(request_id=3),
+        gqa_pb2.BatchRequest(request_id=3, step=gqa_pb2.BatchStep(layer=1, ids=[1])),  # tensors absent
+    ],
+    ids=["open", "remove", "no kind", "step without tensors"],
+)
+def test_everything_else_goes_to_the_runtime(request_):
+    assert read_step_request(request_.SerializeToString()) is None
+
+
+def test_a_step_given_twice_or_followed_by_another_kind_goes_to_the_runtime():
+    step = _step_message(1, 0, [5], [(1, [1, 2], b"ab")] * 3).SerializeToString()
+    opened = gqa_pb2.BatchRequest(open=gqa_pb2.BatchOpen(num_query_heads=4)).SerializeToString()
+    assert read_step_request(step) is not None
+    assert read_step_request(step + step) is None  # the runtime merges the two steps
+    assert read_step_request(step + opened) is None  # the last kind wins: open
+
+
+def test_tensor_data_is_a_view_of_the_request():
+    raw = _step_message(9, 2, [7, 8], [(1, [2, 1, 1], b"\x01\x02\x03\x04" * 2)] * 3).SerializeToString()
+    rid, step = read_step_request(raw)
+    assert rid == 9 and step.layer == 2 and step.ids == [7, 8]
+    assert isinstance(step.query.data, memoryview) and step.query.data.obj is raw
+    assert step.query.data.readonly and bytes(step.query.data) == b"\x01\x02\x03\x04" * 2
