@@ -6,14 +6,12 @@ Shapes use ``N = B * Hkv`` as the batch of the matrix products:
   a KV head sit together, so each cached key and value is read once for all of them (no
   ``repeat_interleave`` of K/V).
 - key segments: (N, D, s) views (keys *transposed*: the product ``q @ K^T`` is then a plain
-  row-major GEMM with the long sequence as its N dimension, measured ~1.8x faster on the CPU
-  than reading (s, D) keys through a transposed operand).
+  row-major GEMM with the long sequence as its N dimension; docs/design.md says why).
 - value segments: (N, s, D) views.
 
 ``attend_rows`` is the path for half-precision caches, whose keys are stored as rows (N, s, D):
-widening them to float32 for ``attend`` costs ~3x the time to read them (torch's bf16/fp16 ->
-float32 copy runs at ~7 elements/ns on two cores), so they go instead through torch's fused CPU
-attention kernel, which multiplies the half-precision operands with float32 accumulation.
+torch's fused CPU attention kernel, which multiplies the half-precision operands with float32
+accumulation, without widening the cache to float32 first (docs/design.md).
 
 Several segments stand for the pieces of a ring buffer (a wrapped window, sinks plus window);
 attention does not depend on the order of keys, so no segment is ever copied to make them
@@ -45,7 +43,7 @@ def attend(
     """Softmax(q K^T) V over the concatenation of the segments; (N, G, D) in ``q``'s dtype."""
     n, g, d = q.shape
     # Each product gets its own (contiguous) result: a strided ``out=`` slice makes torch
-    # split the batched product into per-matrix calls (measured ~3x slower at small S).
+    # split the batched product into per-matrix calls (docs/design.md).
     parts = []
     for keys in key_segments:
         if keys.dtype == q.dtype:

@@ -506,10 +506,9 @@ class Session:
         return True
 
     def _output_buffer(self, n: int) -> torch.Tensor:
-        """(n, Hq, D) rows the kernel writes the outputs into: one buffer the session keeps
-        (the reply copies it before the next message), since a fresh 1 MiB tensor per message
-        (64 float32 sequences at Hq=32, D=128) costs ~1 ms of page faults when glibc has handed
-        the last one back to the kernel."""
+        """(n, Hq, D) rows the kernel writes the outputs into: one buffer the session keeps (the
+        reply copies it before the next message), not a fresh tensor per message (page faults,
+        docs/design.md)."""
         s = self.shared
         if self._output is None or self._output.shape[0] < n:
             self._output = torch.empty((n, s.num_query_heads, s.head_dim), dtype=s.torch_dtype)

@@ -36,14 +36,9 @@
  * once and widened to float32 in registers. Two implementations of the block: AVX-512 (F, BW,
  * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
  * portable C (the specification the fast path is tested against). The file builds with no
- * -march flag. The AVX-512 block prefetches the next block: the D key channels are D separate
- * streams, more than the hardware prefetcher follows; into L2, not L1 (64 positions of float32
- * keys and values are 64 KiB, more than L1; into L1 even int8 blocks, 16 KiB, pushed out the
- * block being computed: measured 20-25% slower, hot and cold). bfloat16
- * is widened, not multiplied with vdpbf16ps: the widening block computes scores at ~27 GB/s
- * of keys per core from L1 (vdpbf16ps ~55 GB/s, with keys interleaved by channel pairs and the
- * weights rounded to bfloat16), above what DRAM gives two cores, so the step is bound by memory
- * either way (measured 2026-11-30, see the kernels branch report).
+ * -march flag. The AVX-512 block prefetches the next block into L2 (the D key channels are D
+ * separate streams, more than the hardware prefetcher follows); bfloat16 is widened to float32
+ * in registers. docs/design.md ("The C kernel") has the measurements behind both.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
  * fork), the calling thread working too. Parallel calls from several threads are serialized on
@@ -80,7 +75,7 @@
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
 #ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 1 /* measured against 2 and 4 (and, into L1, 8, 16, 32): 1 is as fast or faster */
+#define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
 #endif
 
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
