@@ -45,6 +45,7 @@ from .errors import (
 from .security import malformed_request
 from .tensors import from_proto
 from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
+from .wire import varint
 
 __all__ = ["serve", "SessionConfig", "NotFound"]
 
@@ -138,15 +139,6 @@ def _packed(message: gqa_pb2.Tensor, name: str, shape: tuple[int, ...], dtype: t
     return torch.frombuffer(data, dtype=dtype).view(shape)
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
 # Wire tags (field number << 3 | wire type 2, length-delimited) of the fields the step reply
 # encodes itself; tests/test_batch_rpc.py checks the bytes parse to the message built by upb.
 _TAG_TENSOR_SHAPE = b"\x12"  # Tensor.shape = 2 (packed)
@@ -161,20 +153,20 @@ def step_reply_bytes(rid: int, result: gqa_pb2.BatchStepResult, output: torch.Te
     runtime, the output field written here after it, the tensor's bytes copied once, straight
     from its memory into the reply (protobuf parsers take fields in any order)."""
     data = output.view(torch.uint8).reshape(-1).numpy() if output.numel() else b""
-    shape = b"".join(_varint(x) for x in output.shape)
+    shape = b"".join(varint(x) for x in output.shape)
     tensor_head = (
         b"\x08"  # Tensor.dtype = 1 (varint)
-        + _varint(TORCH_TO_DTYPE[output.dtype])
+        + varint(TORCH_TO_DTYPE[output.dtype])
         + _TAG_TENSOR_SHAPE
-        + _varint(len(shape))
+        + varint(len(shape))
         + shape
-        + (_TAG_TENSOR_DATA + _varint(len(data)) if len(data) else b"")  # proto3 omits empty bytes
+        + (_TAG_TENSOR_DATA + varint(len(data)) if len(data) else b"")  # proto3 omits empty bytes
     )
     tensor_len = len(tensor_head) + len(data)
     rest = result.SerializeToString()
-    output_field = _TAG_RESULT_OUTPUT + _varint(tensor_len) + tensor_head
+    output_field = _TAG_RESULT_OUTPUT + varint(tensor_len) + tensor_head
     step_len = len(rest) + len(output_field) + len(data)
-    head = (b"\x08" + _varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + _varint(step_len) + rest + output_field
+    head = (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(step_len) + rest + output_field
     return b"".join((head, data))
 
 

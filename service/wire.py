@@ -1,4 +1,5 @@
-"""The ``Batch`` stream's step requests read straight from their bytes, without copying tensors.
+"""The ``Batch`` stream's step requests read straight from their bytes, without copying tensors
+(and ``varint``, the encoding of an integer, for the replies ``service.batch_rpc`` encodes).
 
 The protobuf runtime copies a 64-sequence step request twice more than the transport already
 has (into its arena when it parses, and again on every read of a ``bytes`` field: 1.5 MiB each
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["StepRequest", "TensorView", "read_step_request"]
+__all__ = ["StepRequest", "TensorView", "read_step_request", "varint"]
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -40,6 +41,18 @@ class StepRequest(NamedTuple):
     query: TensorView
     new_key: TensorView
     new_value: TensorView
+
+
+def varint(n: int) -> bytes:
+    """``n`` as a protobuf base-128 varint (a negative ``n`` as its 64-bit two's complement, as
+    the runtime writes int32 and int64 fields)."""
+    n &= _U64
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
 
 
 class _Unhandled(Exception):

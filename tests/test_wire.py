@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api import gqa_pb2
-from service.wire import read_step_request
+from service.wire import read_step_request, varint
 
 U64 = st.integers(0, 2**64 - 1)
 TENSOR = st.tuples(
@@ -52,30 +52,20 @@ def _same_as_upb(raw: bytes) -> None:
         assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data), name
 
 
-# -- a small encoder, to write the same fields in other shapes ---------------------------------
-def _varint(n: int) -> bytes:
-    n &= 2**64 - 1
-    out = bytearray()
-    while n > 0x7F:
-        out.append((n & 0x7F) | 0x80)
-        n >>= 7
-    out.append(n)
-    return bytes(out)
-
-
+# -- the same fields written in other shapes (upb, parsing them, is the judge) ------------------
 def _key(number: int, wire: int) -> bytes:
-    return _varint(number << 3 | wire)
+    return varint(number << 3 | wire)
 
 
 def _len(number: int, payload: bytes) -> bytes:
-    return _key(number, 2) + _varint(len(payload)) + payload
+    return _key(number, 2) + varint(len(payload)) + payload
 
 
 def _unknown(rng: random.Random) -> bytes:
     number = rng.randint(20, 1000)
     return rng.choice(
         [
-            _key(number, 0) + _varint(rng.getrandbits(40)),
+            _key(number, 0) + varint(rng.getrandbits(40)),
             _len(number, rng.randbytes(rng.randint(0, 9))),
             _key(number, 1) + rng.randbytes(8),
             _key(number, 5) + rng.randbytes(4),
@@ -94,22 +84,22 @@ def _hand_encoded(rng: random.Random, rid, layer, ids, tensors) -> bytes:
     tensor_bytes = []
     for dtype, shape, data in tensors:
         if rng.random() < 0.5:
-            shape_parts = [_len(2, b"".join(_varint(x) for x in shape))] if shape else []
+            shape_parts = [_len(2, b"".join(varint(x) for x in shape))] if shape else []
         else:  # unpacked: one field per dimension
-            shape_parts = [_key(2, 0) + _varint(x) for x in shape]
+            shape_parts = [_key(2, 0) + varint(x) for x in shape]
         tensor_bytes.append(
-            _shuffled(rng, [_key(1, 0) + _varint(dtype), *shape_parts, _len(3, data)], rng.random() < 0.3)
+            _shuffled(rng, [_key(1, 0) + varint(dtype), *shape_parts, _len(3, data)], rng.random() < 0.3)
         )
     if rng.random() < 0.5:
-        id_parts = [_len(2, b"".join(_varint(x) for x in ids))]
+        id_parts = [_len(2, b"".join(varint(x) for x in ids))]
     else:
-        id_parts = [_key(2, 0) + _varint(x) for x in ids]
+        id_parts = [_key(2, 0) + varint(x) for x in ids]
     step = _shuffled(
         rng,
-        [_key(1, 0) + _varint(layer), *id_parts, *(_len(3 + i, t) for i, t in enumerate(tensor_bytes))],
+        [_key(1, 0) + varint(layer), *id_parts, *(_len(3 + i, t) for i, t in enumerate(tensor_bytes))],
         rng.random() < 0.3,
     )
-    return _shuffled(rng, [_key(1, 0) + _varint(rid), _len(4, step)], rng.random() < 0.3)
+    return _shuffled(rng, [_key(1, 0) + varint(rid), _len(4, step)], rng.random() < 0.3)
 
 
 @settings(max_examples=300, deadline=None)
