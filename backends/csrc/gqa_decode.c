@@ -116,7 +116,6 @@ typedef struct {
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
     float *q;         /* the head's query (G, D), float32, scaled, in key order */
-    float *part1;     /* a one-split head's partial (G, D + 2) */
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
@@ -696,8 +695,7 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
     float *p = mem + 2 * G + G * d;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
     return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
-                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T,
-                     .part1 = p + (TILE_G + 2) * TILE_T + G * d};
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T};
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
@@ -723,6 +721,7 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 }
 
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
+static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
 /* Asks for every line of a block at once (its D key rows and nt value rows are that many
  * separate streams): the misses then overlap instead of following one another. */
@@ -783,17 +782,34 @@ static void attend_item(void *ctx, int64_t item, int tid) {
         base += b - a;
     }
     /* a head's partials: in the thread's state when it has one split, else in the call's */
-    float *part = nsplit == 1 ? st.part1 : call->part + call->part_off[i] + local * G * (d + 2);
+    if (nsplit == 1) {
+        finish_head(call, i, h, &st);
+        return;
+    }
+    float *part = call->part + call->part_off[i] + local * G * (d + 2);
     for (int64_t g = 0; g < G; g++) {
         memcpy(part + g * (d + 2), st.acc + g * d, (size_t)d * sizeof(float));
         part[g * (d + 2) + d] = st.m[g];
         part[g * (d + 2) + d + 1] = st.l[g];
     }
-    if (nsplit == 1 || atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
-        merge_head(call, i, h, nsplit == 1 ? st.part1 : call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
+    if (atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
+        merge_head(call, i, h, call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
 }
 
 /* Merge of one (cache, head): every split's partial rescaled to the common max, in split order. */
+/* One output row (D floats, scratch: rotated in place for int8) to cache i's output at `at`. */
+static void store_row(const call_t *call, int64_t i, int64_t at, float *o) {
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t d = cc->d;
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+    if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
+#if GQA_HAVE_AVX512
+    else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
+#endif
+    else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
+    else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
+}
+
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid) {
     /* base: head h's partials (nsplit, G, D + 2) */
     const gqa_cache_t *cc = &call->caches[i];
@@ -816,15 +832,26 @@ static void merge_head(const call_t *call, int64_t i, int64_t h, const float *ba
             for (int64_t j = 0; j < d; j++) o[j] += w * pt[j];
         }
         const float inv = 1.0f / total;
-        const int64_t at = (h * G + gi) * d;
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
-        if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
-        if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
-#if GQA_HAVE_AVX512
-        else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
-#endif
-        else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
-        else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
+        store_row(call, i, (h * G + gi) * d, o);
+    }
+}
+
+/* A one-split head's output from its own state, in place: what merge_head computes for it (its
+ * one partial has weight expf(0) = 1, so o = (0 + acc) / l, bit for bit; NaN rows for l = 0, as
+ * there), without copying the partial out and back. */
+static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st) {
+    const gqa_cache_t *cc = &call->caches[i];
+    if (cc->status) return;
+    const int64_t G = cc->g, d = cc->d;
+    for (int64_t gi = 0; gi < G; gi++) {
+        float *o = st->acc + gi * d;
+        const float l = st->l[gi], inv = 1.0f / l;
+        if (l == 0.0f)
+            for (int64_t j = 0; j < d; j++) o[j] = 0.0f * inv;
+        else
+            for (int64_t j = 0; j < d; j++) o[j] = (0.0f + o[j]) * inv;
+        store_row(call, i, (h * G + gi) * d, o);
     }
 }
 
