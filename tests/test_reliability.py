@@ -53,6 +53,25 @@ class HeldBuild:
         monkeypatch.setattr(Engine, "build", build)
 
 
+class HeldStepMany:
+    """Holds every ``backends.batch.step_many`` call (a step computing on a worker) until
+    released; in place from ``install``, so a test's own set-up steps run freely."""
+
+    def __init__(self, monkeypatch):
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self._monkeypatch = monkeypatch
+        self._original = batch.step_many
+
+    def install(self) -> None:
+        self._monkeypatch.setattr(batch, "step_many", self)
+
+    def __call__(self, steps):
+        self.entered.set()
+        self.release.wait(30)
+        return self._original(steps)
+
+
 class RawCall:
     """A Decode RPC fed from a queue, so a test can stop sending, cancel, or never read."""
 
@@ -230,25 +249,17 @@ def test_6_drain_lets_a_step_in_flight_finish(monkeypatch):
     """Before: a step outlasting the grace period was cut, its client got UNAVAILABLE
     "Cancelling all calls". Bound: the step held 1 s past the grace (0.2 s) and the stop's own
     grace still reaches its client with status OK, then the stream ends UNAVAILABLE."""
-    release = threading.Event()
-    entered = threading.Event()
-    original = batch.step_many
-
-    def held(steps):
-        entered.set()
-        release.wait(30)
-        return original(steps)
-
+    held = HeldStepMany(monkeypatch)
     config = dataclasses.replace(BASE, grace_period_s=0.2, inline_step_bytes=0)  # the step on a worker
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address) as ch:
         session = Session(ch, open_message())
-        monkeypatch.setattr(batch, "step_many", held)
+        held.install()
         session.send(zeros_step(1))
-        assert entered.wait(10)
+        assert held.entered.wait(10)
         drain = asyncio.run_coroutine_threadsafe(srv.server.drain(), srv.loop)
         time.sleep(1.2 + config.grace_period_s)  # past the grace and past stop()'s 1 s
         assert not drain.done()
-        release.set()
+        held.release.set()
         reply = session.recv()
         assert reply.request_id == 1 and reply.step.status.code == 0
         with pytest.raises(grpc.RpcError) as info:
@@ -313,28 +324,20 @@ def test_9_read_ahead_is_bounded_in_bytes(monkeypatch):
     """Before: only messages were counted (8 by default, each up to 64 MiB). Bound: with
     --max-queued-bytes 64 KiB and a step held, the server buffers at most 64 KiB plus one
     message of the stream, and counts it (engine.read_ahead_bytes)."""
-    release = threading.Event()
-    entered = threading.Event()
-    original = batch.step_many
-
-    def held(steps):
-        entered.set()
-        release.wait(30)
-        return original(steps)
-
+    held = HeldStepMany(monkeypatch)
     config = dataclasses.replace(BASE, max_queued_bytes=64 << 10, max_queued_steps=1000, inline_step_bytes=0)
     with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
         shape = dict(b=1, hq=16, hkv=2, d=256)
         session = Session(ch, open_message(batch=1, hq=16, hkv=2, d=256))
-        monkeypatch.setattr(batch, "step_many", held)
+        held.install()
         message = zeros_step(1, **shape).ByteSize()  # about 20 KiB
         for rid in range(1, 41):
             session.send(zeros_step(rid, **shape))
-        assert entered.wait(10)
+        assert held.entered.wait(10)
         assert wait_until(lambda: srv.engine.read_ahead_bytes >= 64 << 10)
         time.sleep(0.5)  # the reader stays stopped however long we wait
         assert 64 << 10 <= srv.engine.read_ahead_bytes <= (64 << 10) + message
-        release.set()
+        held.release.set()
         replies = [session.recv() for _ in range(40)]
         assert [r.request_id for r in replies] == list(range(1, 41))
         session.close()
