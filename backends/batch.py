@@ -7,7 +7,7 @@ its batch-mates are computed. Each outcome is bit-identical to ``cache.step(...)
 
 This is the contract the server's batcher and the ``Batch`` RPC build on. Every CPU cache with
 the compiled kernel (dense float32 / bfloat16 / float16, and int8 once calibrated; any mix of
-encodings, shapes and policies) is computed in one native call (``native.Kernel.run``); a cache
+encodings, shapes and policies) is computed in one native call (``native.Kernel.run_each``); a cache
 class with its own batched step (``step_group``: the cuda backend's ``step_many_cuda``, one
 Triton launch per dtype and head shape) gets its slots; other caches (the torch fallback, int8
 during calibration) step one after the other in the same call, with the same contract.
@@ -71,7 +71,7 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
 
     Caches with a compiled step (``LayerCache._prepare_native``) are checked one by one (a
     refused step is refused alone), then computed together in one native call per library
-    (``native.Kernel.run`` over their descriptors): the work is split across the kernels' pool
+    (``native.Kernel.run_each`` over their own descriptors): the work is split across the kernels' pool
     in items of at most a fixed number of positions, so each output is bit-identical to the
     cache's ``step`` alone. A cache class with a batched step of its own (``step_group``: the
     cuda backend's one Triton launch) gets its slots handed to it. Other caches step one after

@@ -19,9 +19,9 @@ Where no compiler or no writable cache exists, ``load`` raises ``NativeUnavailab
 reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces that).
 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
-steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors given
-by address); ``gqa_set_threads`` / ``gqa_threads`` size the
-pool; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
+steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors
+given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_usable_isas(d)``;
+``gqa_hadamard_rows``.
 """
 
 from __future__ import annotations

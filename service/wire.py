@@ -59,7 +59,7 @@ class _Unhandled(Exception):
     """Not for this reader: the caller parses with the protobuf runtime."""
 
 
-def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
     """(value, next position) of the base-128 varint at ``pos`` (at most 10 bytes, below ``end``)."""
     value = shift = 0
     while True:
@@ -78,14 +78,14 @@ def _varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
 def _fields(buf: memoryview, pos: int, end: int):
     """(field number, wire type, value or (start, stop) of a length-delimited field)."""
     while pos < end:
-        key, pos = _varint(buf, pos, end)
+        key, pos = _read_varint(buf, pos, end)
         number, wire = key >> 3, key & 7
         if not 0 < number < 1 << 29:  # field numbers are 1 .. 2^29 - 1
             raise _Unhandled
         if wire == 0:
-            value, pos = _varint(buf, pos, end)
+            value, pos = _read_varint(buf, pos, end)
         elif wire == 2:
-            length, pos = _varint(buf, pos, end)
+            length, pos = _read_varint(buf, pos, end)
             if length > end - pos:
                 raise _Unhandled
             value, pos = (pos, pos + length), pos + length
@@ -104,7 +104,7 @@ def _packed_varints(buf: memoryview, span: tuple[int, int]) -> list[int]:
     pos, end = span
     out = []
     while pos < end:
-        value, pos = _varint(buf, pos, end)
+        value, pos = _read_varint(buf, pos, end)
         out.append(value)
     return out
 
