@@ -440,3 +440,25 @@ def test_batch_session_names_refusals_and_snapshots_like_decode_streams(client, 
         assert list(removed) == [99] and isinstance(removed[99], NotFound)
     with client.restore(snap) as stream:  # a sequence's snapshot opens a Decode stream too
         assert list(stream.opened.tokens_seen) == [2, 0] and stream.opened.sink_tokens == 2
+
+
+def test_the_client_package_imports_nothing_of_the_server_nor_torch():
+    """Statically, every module of gqa_client (the fresh-venv test checks it at run time)."""
+    import ast
+    import pathlib
+
+    import gqa_client
+
+    package = pathlib.Path(gqa_client.__file__).parent
+    sources = sorted(package.rglob("*.py"))
+    assert len(sources) > 5
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("service", "backends", "quant", "torch", "tests"), f"{path}: {name}"
