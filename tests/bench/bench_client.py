@@ -12,10 +12,11 @@ strict window of 64 tokens (full after the warm-up, so the server's work per ste
 - for information: the same with torch tensors, and the blocking ``Client`` (its requests cross
   a queue to gRPC's sending thread).
 
-Each round runs a block of steps of each kind in turn (the order alternating between rounds),
-and a round's figure is the ratio of the block medians: the server and the machine drift
-between rounds, not within one. Also shown: the client's own work per step, timed in process
-(building and serializing a request; parsing a reply and decoding its output).
+Each round gives every kind the same number of steps, in slices of 10 taken in turn (the order
+alternating between rounds), and a round's figure is the ratio of the kinds' medians: on a
+shared machine the load drifts within seconds, so the kinds are compared over the same
+seconds. Also shown: the client's own work per step, timed in process (building and
+serializing a request; parsing a reply and decoding its output).
 
 Target (issue 25), printed PASS/FAIL: the asyncio client's round trip <= 1.2x the bare call's
 (the median of the per-round ratios).
@@ -51,6 +52,7 @@ HQ, HKV, D, WINDOW = 32, 8, 128, 64
 METHOD = "/gqa.v1.AttentionService/Decode"
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 TARGET = 1.2
+SLICE = 10  # steps of one kind before the next kind's turn, within a round
 
 
 def sizes() -> tuple[int, int]:
@@ -187,8 +189,12 @@ def run(report) -> None:
         for r in range(rounds):
             status(f"round {r + 1}/{rounds}")
             order = list(kinds) if r % 2 == 0 else list(reversed(kinds))
-            for name in order:
-                medians[name].append(statistics.median(loop.run_until_complete(kinds[name].block(steps_per_block))))
+            times: dict[str, list[float]] = {name: [] for name in kinds}
+            for _ in range(max(1, steps_per_block // SLICE)):  # the kinds take turns in short slices
+                for name in order:
+                    times[name] += loop.run_until_complete(kinds[name].block(SLICE))
+            for name in kinds:
+                medians[name].append(statistics.median(times[name]))
         for kind in kinds.values():
             loop.run_until_complete(kind.stop())
     finally:

@@ -33,7 +33,7 @@ from .api import gqa_pb2, gqa_pb2_grpc
 from .client import DEFAULT_CHUNK_BYTES, add_prefill, policy_fields
 from .errors import CallFailed, GqaError, Refused, refusal
 from .snapshot import Snapshot, as_snapshot
-from .tensors import decode, dtype_name, encode
+from .tensors import decode, dtype_name, encode_into
 
 __all__ = ["BatchSession", "BatchStepOutput", "BatchRollbackOutput"]
 
@@ -136,10 +136,13 @@ class BatchSession:
 
     def _send(self, **kind) -> int:
         """Sends one request (``kind``: the oneof field and its message); its request id."""
+        return self._put(gqa_pb2.BatchRequest(request_id=self._rid + 1, **kind))
+
+    def _put(self, request: gqa_pb2.BatchRequest) -> int:
+        """Sends ``request``, numbered the next request id; that id."""
         if self.closed:
             raise CallFailed(grpc.StatusCode.CANCELLED, "the session is closed")
-        request = gqa_pb2.BatchRequest(request_id=self._rid + 1, **kind)
-        self._rid += 1
+        self._rid = request.request_id
         self._requests.put(request)
         return self._rid
 
@@ -186,15 +189,15 @@ class BatchSession:
         """One layer's token for the sequences ``ids``: query (N, Hq, D), new_key and new_value
         (N, Hkv, D), row i for ids[i]. Raises a ``Refused`` when the message as a whole is
         refused (a shape, a layer, a repeated id), ``TypeError`` for a tensor of another dtype."""
-        rid = self._send(
-            step=gqa_pb2.BatchStep(
-                layer=layer,
-                ids=list(ids),
-                query=encode(query, self.dtype, "query"),
-                new_key=encode(new_key, self.dtype, "new_key"),
-                new_value=encode(new_value, self.dtype, "new_value"),
-            )
-        )
+        # Built in place: a keyword-built BatchStep would be copied into the request, tensors and all.
+        request = gqa_pb2.BatchRequest(request_id=self._rid + 1)
+        step = request.step
+        step.layer = layer
+        step.ids.extend(ids)
+        encode_into(step.query, query, self.dtype, "query")
+        encode_into(step.new_key, new_key, self.dtype, "new_key")
+        encode_into(step.new_value, new_value, self.dtype, "new_value")
+        rid = self._put(request)
         r = self._recv(rid).step
         if r.status.code:
             raise refusal(r.status)

@@ -30,7 +30,7 @@ from ._version import __version__
 from .api import gqa_pb2, gqa_pb2_grpc
 from .errors import CallFailed, GqaError, refusal
 from .snapshot import Snapshot, as_snapshot
-from .tensors import decode, dtype_name, encode, is_torch
+from .tensors import decode, dtype_name, encode_into, is_torch
 
 __all__ = [
     "Client",
@@ -112,11 +112,9 @@ def policy_fields(policy: str, window: int, capacity: int | None, sink_tokens: i
 def add_prefill(target, prefill: Mapping[int, tuple[Any, Any]] | None, dtype: str) -> None:
     """Adds ``prefill`` (layer -> (keys, values), each (B, Hkv, n, D)) to a message's ``prefill``."""
     for layer, (key, value) in (prefill or {}).items():
-        target.prefill.add(
-            layer=layer,
-            key=encode(key, dtype, f"prefill[{layer}].key"),
-            value=encode(value, dtype, f"prefill[{layer}].value"),
-        )
+        cache = target.prefill.add(layer=layer)
+        encode_into(cache.key, key, dtype, f"prefill[{layer}].key")
+        encode_into(cache.value, value, dtype, f"prefill[{layer}].value")
 
 
 def open_message(
@@ -151,15 +149,13 @@ def open_message(
 
 
 def _step_request(rid: int, layer: int, query, new_key, new_value, dtype: str) -> gqa_pb2.DecodeRequest:
-    return gqa_pb2.DecodeRequest(
-        request_id=rid,
-        step=gqa_pb2.Step(
-            layer=layer,
-            query=encode(query, dtype, "query"),
-            new_key=encode(new_key, dtype, "new_key"),
-            new_value=encode(new_value, dtype, "new_value"),
-        ),
-    )
+    request = gqa_pb2.DecodeRequest(request_id=rid)
+    step = request.step
+    step.layer = layer
+    encode_into(step.query, query, dtype, "query")
+    encode_into(step.new_key, new_key, dtype, "new_key")
+    encode_into(step.new_value, new_value, dtype, "new_value")
+    return request
 
 
 def _rollback_request(rid: int, count: int, layer: int | None) -> gqa_pb2.DecodeRequest:
@@ -225,15 +221,16 @@ def _decode_step_request(
     if not hasattr(query, "dtype"):
         raise TypeError(f"query: expected a numpy array or a torch tensor, got {type(query).__name__}")
     name = dtype_name(dtype) if dtype is not None else _query_dtype(query)
-    return gqa_pb2.DecodeStepRequest(
-        query=encode(query, name, "query"),
-        new_key=encode(new_key, name, "new_key"),
-        new_value=encode(new_value, name, "new_value"),
-        key_cache=encode(key_cache, name, "key_cache"),
-        value_cache=encode(value_cache, name, "value_cache"),
+    request = gqa_pb2.DecodeStepRequest(
         num_query_heads=num_query_heads or (query.shape[1] if len(query.shape) == 3 else 0),
         num_kv_heads=num_kv_heads or (new_key.shape[1] if len(getattr(new_key, "shape", ())) == 3 else 0),
     )
+    encode_into(request.query, query, name, "query")
+    encode_into(request.new_key, new_key, name, "new_key")
+    encode_into(request.new_value, new_value, name, "new_value")
+    encode_into(request.key_cache, key_cache, name, "key_cache")
+    encode_into(request.value_cache, value_cache, name, "value_cache")
+    return request
 
 
 def _decode_step_result(response: gqa_pb2.DecodeStepResponse, query) -> DecodeStepResult:
