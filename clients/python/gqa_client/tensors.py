@@ -10,9 +10,10 @@ stream's numpy dtype, with one exception, because numpy has no bfloat16: for a `
 stream a numpy array must be ``float32``, and its values are rounded to bfloat16 (to nearest,
 ties to even, as ``torch.Tensor.to(torch.bfloat16)`` does) on the way out.
 
-Results come back of the query's kind: a torch tensor for a torch query (torch's dtype, so
-bfloat16 for a bfloat16 stream), a numpy array for a numpy query (``float32`` for a bfloat16
-stream; exact, every bfloat16 is a float32).
+Results come back of the query's kind, writable copies on the CPU: a torch tensor for a torch
+query (torch's dtype, so bfloat16 for a bfloat16 stream; a query on another device gets a CPU
+tensor back), a numpy array for a numpy query (``float32`` for a bfloat16 stream; exact, every
+bfloat16 is a float32).
 
 torch is never imported here: a torch tensor can only be passed by a caller that has imported
 torch, so ``sys.modules`` tells whether a value may be one.
