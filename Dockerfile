@@ -23,6 +23,9 @@ COPY pyproject.toml README.md ./
 COPY service ./service
 COPY backends ./backends
 COPY quant ./quant
+# The Python client, a distribution of its own (gqa-serve-client): the server's `demo` and `bench`
+# commands depend on it, and pip takes it from here in the same install as the server.
+COPY clients/python ./clients/python
 
 FROM build-base AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
@@ -37,13 +40,13 @@ RUN apt-get update \
 # torch first, from the CPU index, so that the project's exact pin is already satisfied by the
 # CPU build and pip never reaches for the multi-GB default (CUDA) wheel.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src \
+ && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src/clients/python /src \
  && python -m backends.native build /opt/venv/lib/gqa-kernels
 
 FROM build-base AS build-cuda
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
- && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" "/src[triton]"
+ && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src/clients/python "/src[triton]"
 
 # ---- runtime ---------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS runtime-base

@@ -9,8 +9,8 @@
 #   make bench  - install the bench extras, then run the benchmarks (bench-results/*.json, *.png)
 #   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
 #
-# Installs are layered, one stamp each: serving (the package alone; plus triton where an NVIDIA
-# GPU is visible), then the test or bench extras on top. TORCH_INDEX_URL=... installs torch from
+# Installs are layered, one stamp each: serving (the package and the Python client it needs for
+# `demo` and `bench`, clients/python; plus triton where an NVIDIA GPU is visible), then the test or bench extras on top. TORCH_INDEX_URL=... installs torch from
 # that index first (off this project's machines, PyTorch's CPU wheel index keeps pip from
 # pulling the multi-GB CUDA build; see README "Install").
 
@@ -32,9 +32,11 @@ $(VENV)/.created:
 	$(BIN)/pip install --quiet --upgrade pip
 	touch $@
 
-$(VENV)/.installed: pyproject.toml | $(VENV)/.created
+$(VENV)/.installed: pyproject.toml clients/python/pyproject.toml | $(VENV)/.created
 	@if [ -n "$(TORCH_INDEX_URL)" ]; then echo "torch from $(TORCH_INDEX_URL)"; $(PIP) --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"; fi
-	$(PIP) -e '.$(if $(GPU_EXTRAS),[$(GPU_EXTRAS)])'
+	@# The Python client is a distribution of its own (clients/python, gqa-serve-client), which the
+	@# server's demo and bench commands require: one pip call installs both, the client from here.
+	$(PIP) -e clients/python -e '.$(if $(GPU_EXTRAS),[$(GPU_EXTRAS)])'
 	@# the compiled decode kernels; without a C compiler every backend uses torch's slower kernels
 	$(BIN)/python -m backends.native build || echo "gqa-serve: the decode kernels did not build (above); every backend will use the torch kernels"
 	touch $@
@@ -80,7 +82,7 @@ bench: install-bench
 	$(BIN)/python -m tests.bench
 
 proto: install-test
-	$(BIN)/python proto/generate.py service/api
+	$(BIN)/python proto/generate.py
 
 gpu-check: install-test
 	bash tests/gpu_check.sh

@@ -1,8 +1,11 @@
-"""Generates the Python stubs of proto/gqa/v1 into service/api (run by `make proto`).
+"""Generates the Python stubs of proto/gqa/v1 (run by `make proto`) into both packages that
+carry a copy: the server's `service/api` and the Python client's `clients/python/gqa_client/api`
+(the client is a distribution of its own and imports nothing of the server).
 
 The stubs are committed; tests/test_proto.py regenerates them into a scratch folder and fails
-on any drift, so they are never edited by hand. grpc_tools writes `from gqa.v1 import gqa_pb2`;
-the import is made relative so the stubs live inside the `service.api` package.
+on any drift of either copy, so they are never edited by hand. grpc_tools writes
+`from gqa.v1 import gqa_pb2`; the import is made relative so the stubs live inside the `api`
+package of each.
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent
 PROTOS = ["gqa/v1/gqa.proto"]
+# Every committed copy of the stubs (each folder also holds a hand-written __init__.py).
+OUT_DIRS = [ROOT.parent / "service" / "api", ROOT.parent / "clients" / "python" / "gqa_client" / "api"]
 
 
 def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
@@ -51,6 +56,6 @@ def generate(out_dir: pathlib.Path) -> list[pathlib.Path]:
 
 
 if __name__ == "__main__":
-    out = pathlib.Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT.parent / "service" / "api"
-    for path in generate(out):
-        print(path)
+    for out in [pathlib.Path(arg) for arg in sys.argv[1:]] or OUT_DIRS:
+        for path in generate(out):
+            print(path)

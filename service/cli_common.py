@@ -82,7 +82,7 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
 def client_from_args(args: argparse.Namespace, client_class=None, **kwargs):
     """A ``Client`` (or ``client_class``, e.g. ``AsyncClient``) from the connection flags;
     ``ConfigError`` for an unreadable file."""
-    from .client import Client
+    from gqa_client import Client
 
     def read(path: str | None, flag: str) -> bytes | None:
         if not path:

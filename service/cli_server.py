@@ -137,7 +137,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .client import GqaError
+    from gqa_client import GqaError
+
     from .demo import run_demo
 
     if args.heads % args.kv_heads:

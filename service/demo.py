@@ -29,7 +29,7 @@ def _capacity(args: argparse.Namespace) -> int:
 
 
 def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
-    """Runs the demo on ``client`` (a ``service.client.Client``); returns the figures in us."""
+    """Runs the demo on ``client`` (a ``gqa_client.Client``); returns the figures in us."""
     generator = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
 

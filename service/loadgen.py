@@ -91,7 +91,7 @@ async def run_load(client, config: LoadConfig, *, progress=None) -> LoadResult:
     """Runs the load on an ``AsyncClient``; ``progress(done)`` is called as steps complete."""
     import torch
 
-    from .client import CallFailed, GqaError
+    from gqa_client import CallFailed, GqaError
 
     dtype = getattr(torch, config.dtype)
     generator = torch.Generator().manual_seed(config.seed)
@@ -311,8 +311,9 @@ def add_command(sub) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from gqa_client import GqaError
+
     from .cli_common import EXIT_FAILURE, fail
-    from .client import GqaError
     from .config import ConfigError
 
     if args.heads % args.kv_heads:
@@ -355,8 +356,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 async def _main(args: argparse.Namespace, config: LoadConfig) -> LoadResult:
+    from gqa_client import AsyncClient
+
     from .cli_common import client_from_args
-    from .client import AsyncClient
 
     async with client_from_args(args, client_class=AsyncClient) as client:
         bar = _progress(config, quiet=args.quiet)

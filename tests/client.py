@@ -27,7 +27,7 @@ def open_message(
     policy="strict",
     window=8,
     capacity=0,
-    sinks=0,
+    sink_tokens=0,
     dtype=torch.float32,
     backend="",
     prefill=None,
@@ -43,7 +43,7 @@ def open_message(
         policy=POLICY_ENUMS[policy],
         window=window,
         capacity=capacity,
-        sink_tokens=sinks,
+        sink_tokens=sink_tokens,
     )
     for layer, (k, v) in (prefill or {}).items():
         msg.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import pathlib
 
@@ -9,6 +10,17 @@ import pytest
 import torch
 
 DATA = pathlib.Path(__file__).parent / "data"
+
+
+def pytest_configure(config):
+    # The Python client is a distribution of its own (clients/python); the server's CLI and many
+    # tests use it. Say how to get it rather than failing each of them on an import.
+    if importlib.util.find_spec("gqa_client") is None:
+        raise pytest.UsageError(
+            "gqa_client is not importable: install the Python client (pip install -e clients/python; "
+            "make does) or put clients/python on PYTHONPATH"
+        )
+
 
 # Tolerances are data: (atol, rtol) of an output against the float64 oracle run on the same
 # (already rounded) inputs. Half types are bounded by rounding the output to 8 / 11 bits.

@@ -32,7 +32,7 @@ POLICIES = [
     dict(policy="none", capacity=40),
     dict(policy="strict", window=5),
     dict(policy="greedy", window=4, capacity=9),
-    dict(policy="sink", window=5, sinks=2),
+    dict(policy="sink", window=5, sink_tokens=2),
 ]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 HEADS = [(4, 2, 8), (8, 8, 16), (6, 2, 4)]
@@ -80,7 +80,7 @@ def _script(i: int):
         d,
         dtype,
         EvictionPolicy.create(
-            pol["policy"], window=pol.get("window", 0), capacity=pol.get("capacity", 0), sinks=pol.get("sinks", 0)
+            pol["policy"], window=pol.get("window", 0), capacity=pol.get("capacity", 0), sinks=pol.get("sink_tokens", 0)
         ),
     )
     return msg, spec, layers, prefill, steps

@@ -13,7 +13,7 @@ from tests.bench.common import Report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cpu", "int8", "step_many"])
+@pytest.mark.parametrize("name", ["cpu", "int8", "step_many", "client"])
 def test_bench_module_runs_in_smoke_mode(name, monkeypatch, capsys):
     if name == "cpu":
         pytest.importorskip("onnxruntime", reason="the 'bench' extra (ONNX Runtime) is not installed")

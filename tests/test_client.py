@@ -1,5 +1,6 @@
-"""The Python client (service/client.py) against a real in-process server: every call, a
-snapshot larger than gRPC's default 4 MiB limit, the typed refusals, token and asyncio."""
+"""The Python client (clients/python, ``gqa_client``) against a real in-process server: every
+call, a snapshot larger than gRPC's default 4 MiB limit, the typed refusals, token and asyncio,
+the defaults, one dtype rule for every call."""
 
 from __future__ import annotations
 
@@ -11,18 +12,21 @@ import numpy as np
 import pytest
 import torch
 
-from service.api import gqa_pb2, gqa_pb2_grpc
-from service.client import (
+from gqa_client import (
+    DEFAULT_CAPACITY,
     AsyncClient,
     CacheFull,
     CallFailed,
     Client,
     InexactRollback,
     InvalidArgument,
+    NotFound,
     Refused,
     Snapshot,
     open_message,
 )
+from gqa_client.api import gqa_pb2, gqa_pb2_grpc
+from gqa_client.tensors import bfloat16_bits, from_bfloat16_bits
 from service.config import ServerConfig
 from service.server import ServerThread
 from tests.conftest import assert_close_to_oracle
@@ -76,8 +80,12 @@ def test_decode_step_infers_heads_and_sends_an_empty_cache(client):
     empty = torch.empty(1, HKV, 0, D)
     result = client.decode_step(q, k, v, empty, empty)
     assert isinstance(result.output, torch.Tensor)
-    as_float64 = client.decode_step(*(t.double().numpy() for t in (q, k, v, empty, empty)))  # sent as float32
-    np.testing.assert_array_equal(as_float64.output, result.output.numpy())
+    as_numpy = client.decode_step(*(t.numpy() for t in (q, k, v, empty, empty)))
+    np.testing.assert_array_equal(as_numpy.output, result.output.numpy())
+    with pytest.raises(TypeError, match=r"query: a numpy float64 .*float32, float16 or bfloat16"):
+        client.decode_step(*(t.double().numpy() for t in (q, k, v, empty, empty)))
+    with pytest.raises(TypeError, match=r"new_value: a torch float16 tensor, but the stream's dtype is float32"):
+        client.decode_step(q, k, v.half(), empty, empty)
     assert result.new_key_cache.shape == (1, HKV, 1, D)
     assert_close_to_oracle(result.output, attention_ref(q, k[:, :, None], v[:, :, None], HQ, HKV), torch.float32)
 
@@ -249,7 +257,7 @@ def test_open_message_helper_builds_prefill():
         policy="sink",
         window=4,
         sink_tokens=2,
-        prefill={1: (np.zeros((1, HKV, 3, D)), np.zeros((1, HKV, 3, D)))},
+        prefill={1: (np.zeros((1, HKV, 3, D), np.float32), np.zeros((1, HKV, 3, D), np.float32))},
     )
     assert message.dtype == gqa_pb2.DTYPE_BFLOAT16 and message.policy == gqa_pb2.EVICTION_POLICY_SINK
     assert message.prefill[0].layer == 1 and list(message.prefill[0].key.shape) == [1, HKV, 3, D]
@@ -318,3 +326,139 @@ def test_client_batch_session_carries_the_token_and_matches_a_decode_stream():
                 for (q, k, v), out in zip(steps, outputs):
                     alone = stream.step(0, q[row : row + 1], k[row : row + 1], v[row : row + 1]).output
                     assert torch.equal(alone[0], out[row])
+
+
+def test_every_default_opens_a_valid_stream_and_sequence(client):
+    """No policy arguments: a ``none`` stream (and Batch sequence) of ``DEFAULT_CAPACITY`` tokens."""
+    g = torch.Generator().manual_seed(10)
+    q, k, v = rnd(g, 1, HQ, D), rnd(g, 1, HKV, D), rnd(g, 1, HKV, D)
+    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D) as stream:
+        assert stream.opened.policy == gqa_pb2.EVICTION_POLICY_NONE and stream.opened.capacity == DEFAULT_CAPACITY
+        assert stream.dtype == "float32" and stream.step(0, q, k, v).tokens_seen == 1
+    with client.batch(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D) as session:
+        added = session.add(1)
+        assert added.policy == gqa_pb2.EVICTION_POLICY_NONE and added.capacity == DEFAULT_CAPACITY
+        assert session.step(0, [1], q, k, v).tokens_seen == [1]
+    with pytest.raises(ValueError, match="policy: 'lru' is not one of none, strict, greedy, sink"):
+        client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, policy="lru")
+
+
+def test_a_tensor_of_another_dtype_is_refused_before_anything_is_sent(client):
+    g = torch.Generator().manual_seed(11)
+    q, k, v = rnd(g, 1, HQ, D), rnd(g, 1, HKV, D), rnd(g, 1, HKV, D)
+    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2) as stream:
+        with pytest.raises(TypeError, match=r"^query: a torch float16 tensor, but the stream's dtype is float32"):
+            stream.step(0, q.half(), k, v)
+        with pytest.raises(TypeError, match=r"^new_key: a numpy float64 array, but the stream's dtype is float32"):
+            stream.step(0, q.numpy(), k.double().numpy(), v.numpy())
+        with pytest.raises(TypeError, match=r"^new_value: expected a numpy array or a torch tensor, got list"):
+            stream.step(0, q, k, v.tolist())
+        assert stream.step(1, q, k, v).tokens_seen == 1  # nothing reached the server
+    with client.open(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="bfloat16") as stream:
+        with pytest.raises(TypeError, match=r"^query: a torch float32 tensor, but the stream's dtype is bfloat16"):
+            stream.step(0, q, k.bfloat16(), v.bfloat16())
+        with pytest.raises(TypeError, match=r"^query: a numpy float16 array, .* bfloat16, which numpy lacks"):
+            stream.step(0, q.half().numpy(), k.numpy(), v.numpy())
+        assert stream.step(0, q.bfloat16(), k.bfloat16(), v.bfloat16()).tokens_seen == 1
+    with pytest.raises(TypeError, match=r"^prefill\[0\]\.value: a torch float32 tensor, .* float16"):
+        open_message(
+            num_query_heads=HQ,
+            num_kv_heads=HKV,
+            head_dim=D,
+            dtype=torch.float16,
+            prefill={0: (torch.zeros(1, HKV, 2, D, dtype=torch.float16), torch.zeros(1, HKV, 2, D))},
+        )
+    with client.batch(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype=np.float16) as session:
+        assert session.dtype == "float16"
+        with pytest.raises(TypeError, match=r"^prefill\[0\]\.key: a numpy float32 array, .* float16"):
+            session.add(1, prefill={0: (k[:, :, None].numpy(), v[:, :, None].half().numpy())})
+        session.add(1)
+        with pytest.raises(TypeError, match=r"^new_value: a torch bfloat16 tensor, .* float16"):
+            session.step(0, [1], q.half(), k.half(), v.bfloat16())
+        assert session.step(0, [1], q.half(), k.half(), v.half()).tokens_seen == [1]
+
+
+def test_numpy_float32_on_a_bfloat16_stream_is_rounded_as_torch_rounds():
+    """The dtype rule's one exception: numpy has no bfloat16, so float32 arrays travel rounded to
+    nearest (ties to even) and bfloat16 results come back as float32, exactly."""
+    g = torch.Generator().manual_seed(12)
+    values = torch.cat(
+        [
+            torch.randn(4096, generator=g) * 10.0 ** torch.randint(-40, 39, (4096,), generator=g),
+            torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 3.4e38, -3.4e38, 1e-45]),
+            # exact ties between two bfloat16 neighbours (both parities) and one ulp past them
+            torch.tensor([0x3F808000, 0x3F818000, 0x3F808001, 0x3F817FFF], dtype=torch.int32).view(torch.float32),
+        ]
+    )
+    expected = values.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    got = bfloat16_bits(values.numpy())
+    nan = np.isnan(values.numpy())
+    assert nan.sum() == 1 and got[nan] == [0x7FC0]  # torch's NaN bits differ by code path; any NaN is one
+    np.testing.assert_array_equal(got[~nan], expected[~nan])
+    back = from_bfloat16_bits(got)
+    assert back.dtype == np.float32
+    np.testing.assert_array_equal(back, values.to(torch.bfloat16).float().numpy())
+
+
+def test_numpy_and_torch_callers_get_the_same_bfloat16_results(client):
+    g = torch.Generator().manual_seed(13)
+    steps = [(rnd(g, 1, HQ, D), rnd(g, 1, HKV, D), rnd(g, 1, HKV, D)) for _ in range(3)]
+    kw = dict(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, dtype="bfloat16", policy="strict", window=2)
+    with client.open(**kw) as as_numpy, client.open(**kw) as as_torch:
+        for q, k, v in steps:
+            n = as_numpy.step(0, q.numpy(), k.numpy(), v.numpy()).output
+            t = as_torch.step(0, q.bfloat16(), k.bfloat16(), v.bfloat16()).output
+            assert isinstance(n, np.ndarray) and n.dtype == np.float32 and t.dtype == torch.bfloat16
+            np.testing.assert_array_equal(n, t.float().numpy())
+
+
+def test_batch_session_names_refusals_and_snapshots_like_decode_streams(client, tmp_path):
+    g = torch.Generator().manual_seed(14)
+    q, k, v = rnd(g, 2, HQ, D), rnd(g, 2, HKV, D), rnd(g, 2, HKV, D)
+    with client.batch(num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=2) as session:
+        added = session.add(1, policy="sink", window=3, sink_tokens=2)
+        assert added.sink_tokens == 2 and added.capacity == 5
+        with pytest.raises(InvalidArgument) as in_use:
+            session.add(1, policy="strict", window=2)
+        assert in_use.value.id == 1 and isinstance(in_use.value, Refused)
+        with pytest.raises(NotFound) as missing:
+            session.snapshot(9)
+        assert missing.value.id == 9 and missing.value.code == grpc.StatusCode.NOT_FOUND
+        session.add(2, policy="none", capacity=8)
+        out = session.step(0, [1, 2], q.numpy(), k.numpy(), v.numpy())
+        assert isinstance(out.output, np.ndarray) and out.output.shape == (2, HQ, D)
+        out = session.step(0, [1, 3], q, k, v)
+        assert list(out.refusals) == [3] and isinstance(out.refusals[3], NotFound) and out.refusals[3].id == 3
+        rolled = session.rollback([2, 3], [1, 1], layer=0)
+        assert rolled.tokens_seen == [[0, 0], [0, 0]] and list(rolled.refusals) == [3]
+        snap = session.snapshot(1)
+        assert isinstance(snap, Snapshot) and snap.tokens_seen == [2, 0]
+        snap.save(tmp_path / "one.gqasnap")
+        for sid, source in ((10, snap), (11, snap.to_bytes()), (12, tmp_path / "one.gqasnap"), (13, snap.chunks)):
+            assert list(session.restore(sid, source).tokens_seen) == [2, 0]
+        removed = session.remove([10, 11, 99])
+        assert list(removed) == [99] and isinstance(removed[99], NotFound)
+    with client.restore(snap) as stream:  # a sequence's snapshot opens a Decode stream too
+        assert list(stream.opened.tokens_seen) == [2, 0] and stream.opened.sink_tokens == 2
+
+
+def test_the_client_package_imports_nothing_of_the_server_nor_torch():
+    """Statically, every module of gqa_client (the fresh-venv test checks it at run time)."""
+    import ast
+    import pathlib
+
+    import gqa_client
+
+    package = pathlib.Path(gqa_client.__file__).parent
+    sources = sorted(package.rglob("*.py"))
+    assert len(sources) > 5
+    for path in sources:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("service", "backends", "quant", "torch", "tests"), f"{path}: {name}"

@@ -20,7 +20,7 @@ POLICIES = {
     "none": dict(policy="none", capacity=80),
     "strict": dict(policy="strict", window=9),
     "greedy": dict(policy="greedy", window=7, capacity=12),
-    "sink": dict(policy="sink", window=6, sinks=3),
+    "sink": dict(policy="sink", window=6, sink_tokens=3),
 }
 # Relative L2 error of the outputs of a stream against float64 on the original data (the
 # quantization budget of tests/test_int8_backend.py, here only as a sanity bound).
@@ -42,7 +42,7 @@ def test_int8_stream_over_the_wire(channel, policy):
     session = Session(channel, open_message(batch=B, hq=HQ, hkv=HKV, d=D, backend="int8", prefill={0: (pk, pv)}, **cfg))
     assert session.opened.backend == "int8"
     pol = EvictionPolicy.create(
-        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sink_tokens", 0)
     )
     local = Int8Backend().create_cache(CacheSpec(B, HQ, HKV, D, torch.float32, pol))
     assert session.opened.bytes_reserved == local.nbytes
@@ -61,7 +61,7 @@ def test_int8_stream_over_the_wire(channel, policy):
         out = session.output(resp)
         # Exactly what the backend computes in process, and within budget of float64.
         assert torch.equal(out, local.step(q, k, v).output)
-        pos = attended_positions(policy, len(keys), cfg.get("window", 0), cfg.get("sinks", 0))
+        pos = attended_positions(policy, len(keys), cfg.get("window", 0), cfg.get("sink_tokens", 0))
         refs.append(
             torch.as_tensor(
                 attention_ref(

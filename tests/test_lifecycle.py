@@ -30,13 +30,13 @@ POLICIES = {
     "none": dict(policy="none", capacity=200),
     "strict": dict(policy="strict", window=6),
     "greedy": dict(policy="greedy", window=6, capacity=11),
-    "sink": dict(policy="sink", window=6, sinks=2),
+    "sink": dict(policy="sink", window=6, sink_tokens=2),
 }
 
 
 def make_policy(cfg) -> EvictionPolicy:
     return EvictionPolicy.create(
-        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sink_tokens", 0)
     )
 
 
@@ -77,7 +77,7 @@ def test_random_rollbacks_match_the_oracle(policy_name):
         keys.append(k_)
         values.append(v)
         out = cache.step(q, k_, v).output
-        pos = attended_positions(policy_name, len(keys), cfg.get("window", 0), cfg.get("sinks", 0))
+        pos = attended_positions(policy_name, len(keys), cfg.get("window", 0), cfg.get("sink_tokens", 0))
         ref = attention_ref(
             q.double(),
             torch.stack([keys[p] for p in pos], 2).double(),

@@ -135,7 +135,7 @@ POLICY_CASES = {
     "none": dict(policy="none", capacity=64),
     "strict": dict(policy="strict", window=9),
     "greedy": dict(policy="greedy", window=7, capacity=12),
-    "sink": dict(policy="sink", window=6, sinks=3),
+    "sink": dict(policy="sink", window=6, sink_tokens=3),
 }
 
 
@@ -162,7 +162,7 @@ def test_stream_matches_oracle(channel, policy):
         resp = session.step(layer, q, k, v)
         out = session.output(resp)
         t = len(history[layer][0])
-        pos = attended_positions(policy, t, window, cfg.get("sinks", 0))
+        pos = attended_positions(policy, t, window, cfg.get("sink_tokens", 0))
         keys = torch.stack([history[layer][0][p] for p in pos], 2)
         values = torch.stack([history[layer][1][p] for p in pos], 2)
         assert_close_to_oracle(out, attention_ref(q.double(), keys.double(), values.double(), hq, hkv), torch.float32)
@@ -181,7 +181,7 @@ def _policy(cfg):
     from backends.policy import EvictionPolicy
 
     return EvictionPolicy.create(
-        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sinks", 0)
+        cfg["policy"], window=cfg.get("window", 0), capacity=cfg.get("capacity", 0), sinks=cfg.get("sink_tokens", 0)
     )
 
 

@@ -1,19 +1,9 @@
-"""The Python client of gqa.v1: ``Client`` (blocking) and ``AsyncClient`` (asyncio).
+"""``Client`` (blocking) and ``AsyncClient`` (asyncio): ``Decode`` streams, the stateless
+``DecodeStep``, server information and health, over one channel with TLS and a token.
 
-    from service.client import Client
-
-    with Client("127.0.0.1:50051") as client:
-        with client.open(num_query_heads=32, num_kv_heads=8, head_dim=128, num_layers=2,
-                         policy="greedy", window=256) as stream:
-            result = stream.step(0, query, new_key, new_value)   # torch tensors or numpy arrays
-            result.output, result.tokens_seen, result.compute_ns
-            snap = stream.snapshot()                              # a Snapshot; .save(path)
-        with client.restore(snap) as again:                       # or Snapshot.load(path)
-            ...
-
-Shapes: ``query`` (B, Hq, D), ``new_key`` and ``new_value`` (B, Hkv, D); inputs are cast to the
-stream's dtype and outputs come back as the query's kind (a numpy array for a numpy query,
-float32 where numpy has no such dtype, i.e. bfloat16).
+Shapes: a step's ``query`` is (B, Hq, D), ``new_key`` and ``new_value`` (B, Hkv, D). Tensors are
+numpy arrays or torch tensors of the stream's dtype (``gqa_client.tensors`` has the rule and its
+one exception); results come back of the query's kind.
 
 Errors: a step, rollback or snapshot the server refuses in-band raises a ``Refused`` subclass
 (``InvalidArgument``, ``CacheFull``, ``InexactRollback``, ``ServerFault``) and the stream stays
@@ -35,32 +25,25 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
-import numpy as np
-import torch
 
-from . import __version__
+from ._version import __version__
 from .api import gqa_pb2, gqa_pb2_grpc
-from .tensors import from_proto, to_proto
-from .vocab import DTYPE_TO_TORCH, TORCH_TO_DTYPE
-from .vocab import NAME_TO_DTYPE as DTYPES
-from .vocab import POLICY_ENUMS as POLICIES
+from .errors import CallFailed, GqaError, refusal
+from .snapshot import Snapshot, as_snapshot
+from .tensors import decode, dtype_name, encode_into, is_torch
 
 __all__ = [
     "Client",
     "AsyncClient",
     "DecodeStream",
     "AsyncDecodeStream",
-    "Snapshot",
     "StepResult",
     "RollbackResult",
     "DecodeStepResult",
-    "GqaError",
-    "Refused",
-    "InvalidArgument",
-    "CacheFull",
-    "InexactRollback",
-    "ServerFault",
-    "CallFailed",
+    "open_message",
+    "channel_options",
+    "POLICIES",
+    "DEFAULT_CAPACITY",
     "DEFAULT_CHUNK_BYTES",
     "DEFAULT_MESSAGE_BYTES",
 ]
@@ -69,57 +52,15 @@ DEFAULT_MESSAGE_BYTES = 64 << 20
 """The channel's message limit, both ways: the server's default ``--max-message-bytes``."""
 DEFAULT_CHUNK_BYTES = 4 << 20
 """Largest snapshot message asked for by default: gRPC's default receive limit everywhere."""
-
-
-# -- errors --------------------------------------------------------------------------------------
-class GqaError(Exception):
-    """Anything this client raises about a call; ``code`` is a ``grpc.StatusCode``."""
-
-    def __init__(self, code: grpc.StatusCode, message: str):
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
-
-
-class Refused(GqaError):
-    """Refused in-band: the stream is still open and its caches are exactly as before."""
-
-
-class InvalidArgument(Refused):
-    """A step's shape, dtype or byte length, or a layer out of range."""
-
-
-class CacheFull(Refused):
-    """No room left under policy ``none`` (RESOURCE_EXHAUSTED)."""
-
-
-class InexactRollback(Refused):
-    """The rollback would need evicted tokens back (FAILED_PRECONDITION); the message says how
-    far back an exact rollback is possible."""
-
-
-class ServerFault(Refused):
-    """A fault in the server while computing this request (INTERNAL)."""
-
-
-class CallFailed(GqaError):
-    """The RPC ended with a gRPC status (a refused open, the server draining, a lost connection,
-    the idle timeout...). For a ``Decode`` stream, the stream and its caches are gone."""
-
-    @classmethod
-    def from_rpc(cls, error: grpc.RpcError) -> "CallFailed":
-        code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
-        details = error.details() if hasattr(error, "details") else str(error)
-        return cls(code or grpc.StatusCode.UNKNOWN, details or "")
-
-
-_CODES = {c.value[0]: c for c in grpc.StatusCode}
-_REFUSALS = {3: InvalidArgument, 8: CacheFull, 9: InexactRollback, 13: ServerFault}
-
-
-def _refusal(status: gqa_pb2.Status) -> Refused:
-    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
-    return _REFUSALS.get(status.code, Refused)(code, status.message)
+DEFAULT_CAPACITY = 4096
+"""Tokens per layer a ``none`` stream (the default policy) keeps when no ``capacity`` is given."""
+POLICIES: dict[str, int] = {
+    "none": gqa_pb2.EVICTION_POLICY_NONE,
+    "strict": gqa_pb2.EVICTION_POLICY_STRICT,
+    "greedy": gqa_pb2.EVICTION_POLICY_GREEDY,
+    "sink": gqa_pb2.EVICTION_POLICY_SINK,
+}
+"""Eviction policy name -> wire enum (docs/eviction.md)."""
 
 
 # -- results -------------------------------------------------------------------------------------
@@ -136,153 +77,46 @@ class StepResult:
     evicted: bool
     evicted_tokens: int
     compute_ns: int
-    """The server's compute time for this step (append plus attention)."""
+    """The server's compute time for this step (append plus attention), in nanoseconds."""
     rollback_reach: int
 
 
 @dataclasses.dataclass
 class RollbackResult:
+    """Per layer: tokens seen after the rollback, and how far back the next one can still go."""
+
     tokens_seen: list[int]
     rollback_reach: list[int]
 
 
 @dataclasses.dataclass
 class DecodeStepResult:
+    """``output`` (B, Hq, D) and the caches with the new token appended (B, Hkv, S + 1, D)."""
+
     output: Any
     new_key_cache: Any
     new_value_cache: Any
 
 
-# -- tensors -------------------------------------------------------------------------------------
-def _torch_dtype(dtype) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if isinstance(dtype, int):
-        return DTYPE_TO_TORCH[dtype]
-    return DTYPE_TO_TORCH[DTYPES[str(dtype)]]
-
-
-def _as_torch(value, dtype: torch.dtype | None, name: str) -> torch.Tensor:
-    if isinstance(value, torch.Tensor):
-        tensor = value.detach()
-    elif isinstance(value, np.ndarray):
-        tensor = torch.from_numpy(np.ascontiguousarray(value))
-    else:
-        try:
-            tensor = torch.as_tensor(value, dtype=dtype or torch.float32)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise TypeError(f"{name}: expected a torch tensor, numpy array or nested list ({exc})") from None
-    if dtype is not None and tensor.dtype != dtype:
-        tensor = tensor.to(dtype)
-    return tensor
-
-
-def _tensor(value, dtype, name: str) -> gqa_pb2.Tensor:
-    return to_proto(_as_torch(value, dtype, name))
-
-
-def _like(message: gqa_pb2.Tensor, template, name: str):
-    tensor = from_proto(message, name)
-    if isinstance(template, np.ndarray):
-        return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
-    return tensor
-
-
-def _read_bytes(value: bytes | str | os.PathLike | None) -> bytes | None:
-    if value is None or isinstance(value, bytes):
-        return value
-    return pathlib.Path(value).read_bytes()
-
-
-# -- snapshots -----------------------------------------------------------------------------------
-_MAGIC = b"GQASNAP1"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n & 0x7F, n >> 7
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-class Snapshot:
-    """A stream's complete state as the server sent it: ``SnapshotChunk`` messages in order.
-
-    ``to_bytes`` / ``save`` write the 8 bytes ``GQASNAP1`` and then every chunk as a
-    length-delimited message (a varint length, then the bytes: Java's ``writeDelimitedTo``,
-    Go's ``protodelim``), so any language can read it back. Restoring takes the chunks as they
-    are; the server checks their CRC-32.
-    """
-
-    def __init__(self, chunks: Sequence[gqa_pb2.SnapshotChunk]):
-        if not chunks or not chunks[-1].last:
-            raise ValueError("a snapshot needs its chunks up to the one with `last` set")
-        self.chunks = list(chunks)
-
-    @property
-    def config(self) -> gqa_pb2.OpenStream:
-        return self.chunks[0].config
-
-    @property
-    def tokens_seen(self) -> list[int]:
-        return list(self.chunks[0].tokens_seen)
-
-    def to_bytes(self) -> bytes:
-        parts = [_MAGIC]
-        for chunk in self.chunks:
-            data = chunk.SerializeToString()
-            parts += [_varint(len(data)), data]
-        return b"".join(parts)
-
-    @classmethod
-    def from_bytes(cls, data: bytes) -> "Snapshot":
-        view = memoryview(data)
-        if bytes(view[:8]) != _MAGIC:
-            raise ValueError("not a gqa-serve snapshot (it does not start with GQASNAP1)")
-        chunks, pos = [], 8
-        while pos < len(view):
-            size = shift = 0
-            while True:
-                if pos >= len(view):
-                    raise ValueError("truncated snapshot")
-                byte = view[pos]
-                pos += 1
-                size |= (byte & 0x7F) << shift
-                shift += 7
-                if not byte & 0x80:
-                    break
-            if pos + size > len(view):
-                raise ValueError("truncated snapshot")
-            chunks.append(gqa_pb2.SnapshotChunk.FromString(bytes(view[pos : pos + size])))
-            pos += size
-        return cls(chunks)
-
-    def save(self, path: str | os.PathLike) -> None:
-        pathlib.Path(path).write_bytes(self.to_bytes())
-
-    @classmethod
-    def load(cls, path: str | os.PathLike) -> "Snapshot":
-        return cls.from_bytes(pathlib.Path(path).read_bytes())
-
-    def __len__(self) -> int:
-        return len(self.chunks)
-
-
-def _as_snapshot(snapshot) -> Snapshot:
-    if isinstance(snapshot, Snapshot):
-        return snapshot
-    if isinstance(snapshot, (bytes, bytearray, memoryview)):
-        return Snapshot.from_bytes(bytes(snapshot))
-    if isinstance(snapshot, (str, os.PathLike)):
-        return Snapshot.load(snapshot)
-    return Snapshot(list(snapshot))
-
-
 # -- requests and replies (shared by both flavours) --------------------------------------------
+def policy_fields(policy: str, window: int, capacity: int | None, sink_tokens: int) -> dict[str, int]:
+    """The policy's wire fields; ``capacity=None`` is ``DEFAULT_CAPACITY`` for ``none`` and the
+    server's default (the window) for ``greedy``. ``ValueError`` for an unknown policy name."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
+    if capacity is None:
+        capacity = DEFAULT_CAPACITY if policy == "none" else 0
+    return dict(policy=POLICIES[policy], window=window, capacity=capacity, sink_tokens=sink_tokens)
+
+
+def add_prefill(target, prefill: Mapping[int, tuple[Any, Any]] | None, dtype: str) -> None:
+    """Adds ``prefill`` (layer -> (keys, values), each (B, Hkv, n, D)) to a message's ``prefill``."""
+    for layer, (key, value) in (prefill or {}).items():
+        cache = target.prefill.add(layer=layer)
+        encode_into(cache.key, key, dtype, f"prefill[{layer}].key")
+        encode_into(cache.value, value, dtype, f"prefill[{layer}].value")
+
+
 def open_message(
     *,
     num_query_heads: int,
@@ -291,47 +125,37 @@ def open_message(
     num_layers: int = 1,
     batch_size: int = 1,
     dtype="float32",
-    policy="none",
+    policy: str = "none",
     window: int = 0,
-    capacity: int = 0,
+    capacity: int | None = None,
     sink_tokens: int = 0,
     backend: str = "",
     prefill: Mapping[int, tuple[Any, Any]] | None = None,
 ) -> gqa_pb2.OpenStream:
-    """An ``OpenStream``; ``prefill`` maps a layer to its (key, value), each (B, Hkv, n, D)."""
-    torch_dtype = _torch_dtype(dtype)
+    """An ``OpenStream`` (the arguments of ``Client.open``)."""
+    name = dtype_name(dtype)
     message = gqa_pb2.OpenStream(
         backend=backend,
-        dtype=TORCH_TO_DTYPE[torch_dtype],
+        dtype=gqa_pb2.DType.Value(f"DTYPE_{name.upper()}"),
         batch_size=batch_size,
         num_query_heads=num_query_heads,
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         num_layers=num_layers,
-        policy=POLICIES[policy] if isinstance(policy, str) else policy,
-        window=window,
-        capacity=capacity,
-        sink_tokens=sink_tokens,
+        **policy_fields(policy, window, capacity, sink_tokens),
     )
-    for layer, (key, value) in (prefill or {}).items():
-        message.prefill.add(
-            layer=layer,
-            key=_tensor(key, torch_dtype, f"prefill[{layer}].key"),
-            value=_tensor(value, torch_dtype, f"prefill[{layer}].value"),
-        )
+    add_prefill(message, prefill, name)
     return message
 
 
-def _step_request(rid: int, layer: int, query, new_key, new_value, dtype) -> gqa_pb2.DecodeRequest:
-    return gqa_pb2.DecodeRequest(
-        request_id=rid,
-        step=gqa_pb2.Step(
-            layer=layer,
-            query=_tensor(query, dtype, "query"),
-            new_key=_tensor(new_key, dtype, "new_key"),
-            new_value=_tensor(new_value, dtype, "new_value"),
-        ),
-    )
+def _step_request(rid: int, layer: int, query, new_key, new_value, dtype: str) -> gqa_pb2.DecodeRequest:
+    request = gqa_pb2.DecodeRequest(request_id=rid)
+    step = request.step
+    step.layer = layer
+    encode_into(step.query, query, dtype, "query")
+    encode_into(step.new_key, new_key, dtype, "new_key")
+    encode_into(step.new_value, new_value, dtype, "new_value")
+    return request
 
 
 def _rollback_request(rid: int, count: int, layer: int | None) -> gqa_pb2.DecodeRequest:
@@ -339,14 +163,18 @@ def _rollback_request(rid: int, count: int, layer: int | None) -> gqa_pb2.Decode
     return gqa_pb2.DecodeRequest(request_id=rid, rollback=rollback)
 
 
+def _snapshot_request(rid: int, max_chunk_bytes: int) -> gqa_pb2.DecodeRequest:
+    return gqa_pb2.DecodeRequest(request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes))
+
+
 def _step_result(response: gqa_pb2.DecodeResponse, query) -> StepResult:
     if response.WhichOneof("kind") == "error":
-        raise _refusal(response.error)
+        raise refusal(response.error)
     step = response.step
     if step.status.code:
-        raise _refusal(step.status)
+        raise refusal(step.status)
     return StepResult(
-        output=_like(step.output, query, "output"),
+        output=decode(step.output, query, "output"),
         layer=step.layer,
         tokens_seen=step.tokens_seen,
         resident=step.resident,
@@ -361,44 +189,87 @@ def _step_result(response: gqa_pb2.DecodeResponse, query) -> StepResult:
 
 def _rollback_result(response: gqa_pb2.DecodeResponse) -> RollbackResult:
     if response.WhichOneof("kind") == "error":
-        raise _refusal(response.error)
+        raise refusal(response.error)
     result = response.rollback
     if result.status.code:
-        raise _refusal(result.status)
+        raise refusal(result.status)
     return RollbackResult(list(result.tokens_seen), list(result.rollback_reach))
 
 
 def _snapshot_chunk(response: gqa_pb2.DecodeResponse) -> gqa_pb2.SnapshotChunk:
     if response.WhichOneof("kind") == "error":
-        raise _refusal(response.error)
+        raise refusal(response.error)
     if response.WhichOneof("kind") != "snapshot":
         raise GqaError(grpc.StatusCode.INTERNAL, f"expected a snapshot chunk, got {response.WhichOneof('kind')}")
     return response.snapshot
 
 
-def _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads):
-    q = _as_torch(query, None, "query")
-    if q.dtype not in TORCH_TO_DTYPE or q.dtype == torch.int8:  # e.g. numpy's float64 default
-        q = q.to(torch.float32)
-    dtype = q.dtype
-    k = _as_torch(new_key, dtype, "new_key")
-    return gqa_pb2.DecodeStepRequest(
-        query=to_proto(q),
-        new_key=to_proto(k),
-        new_value=_tensor(new_value, dtype, "new_value"),
-        key_cache=_tensor(key_cache, dtype, "key_cache"),
-        value_cache=_tensor(value_cache, dtype, "value_cache"),
-        num_query_heads=num_query_heads or (q.shape[1] if q.dim() == 3 else 0),
-        num_kv_heads=num_kv_heads or (k.shape[1] if k.dim() == 3 else 0),
+def _query_dtype(query) -> str:
+    """The dtype a stateless step travels in: the query's own (float32 for float32 numpy data
+    headed for a bfloat16 call must be asked for with ``dtype``)."""
+    dtype = query.dtype
+    try:
+        return dtype_name(dtype)
+    except ValueError:
+        kind = "torch" if is_torch(query) else "numpy"
+        raise TypeError(f"query: a {kind} {dtype} tensor; a step travels as float32, float16 or bfloat16") from None
+
+
+def _decode_step_request(
+    query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads, dtype
+) -> gqa_pb2.DecodeStepRequest:
+    if not hasattr(query, "dtype"):
+        raise TypeError(f"query: expected a numpy array or a torch tensor, got {type(query).__name__}")
+    name = dtype_name(dtype) if dtype is not None else _query_dtype(query)
+    request = gqa_pb2.DecodeStepRequest(
+        num_query_heads=num_query_heads or (query.shape[1] if len(query.shape) == 3 else 0),
+        num_kv_heads=num_kv_heads or (new_key.shape[1] if len(getattr(new_key, "shape", ())) == 3 else 0),
     )
+    encode_into(request.query, query, name, "query")
+    encode_into(request.new_key, new_key, name, "new_key")
+    encode_into(request.new_value, new_value, name, "new_value")
+    encode_into(request.key_cache, key_cache, name, "key_cache")
+    encode_into(request.value_cache, value_cache, name, "value_cache")
+    return request
 
 
 def _decode_step_result(response: gqa_pb2.DecodeStepResponse, query) -> DecodeStepResult:
     return DecodeStepResult(
-        _like(response.output, query, "output"),
-        _like(response.new_key_cache, query, "new_key_cache"),
-        _like(response.new_value_cache, query, "new_value_cache"),
+        decode(response.output, query, "output"),
+        decode(response.new_key_cache, query, "new_key_cache"),
+        decode(response.new_value_cache, query, "new_value_cache"),
     )
+
+
+# grpc.health.v1 by hand (HealthCheckRequest {string service = 1}, HealthCheckResponse {enum
+# status = 1}): two fields are not worth a dependency on grpcio-health-checking.
+_HEALTH_METHOD = "/grpc.health.v1.Health/Check"
+_SERVING_STATUS = ("UNKNOWN", "SERVING", "NOT_SERVING", "SERVICE_UNKNOWN")
+
+
+def _health_request(service: str) -> bytes:
+    data = service.encode()
+    if not data:
+        return b""
+    size, n = bytearray(), len(data)
+    while True:
+        byte, n = n & 0x7F, n >> 7
+        size.append(byte | (0x80 if n else 0))
+        if not n:
+            return b"\x0a" + bytes(size) + data
+
+
+def _health_status(reply: bytes) -> str:
+    status = 0
+    if reply[:1] == b"\x08":  # field 1, varint; a status under 128 is one byte
+        status = reply[1] if len(reply) > 1 else 0
+    return _SERVING_STATUS[status] if status < len(_SERVING_STATUS) else str(status)
+
+
+def _read_bytes(value: bytes | str | os.PathLike | None) -> bytes | None:
+    if value is None or isinstance(value, bytes):
+        return value
+    return pathlib.Path(value).read_bytes()
 
 
 def _credentials(tls: bool, root_certificates, certificate_chain, private_key):
@@ -451,6 +322,7 @@ class _Base:
         else:
             self.channel = self._grpc.secure_channel(address, self._credentials, options=self._options)
         self.stub = gqa_pb2_grpc.AttentionServiceStub(self.channel)
+        self._health = self.channel.unary_unary(_HEALTH_METHOD)
 
 
 # -- blocking flavour ----------------------------------------------------------------------------
@@ -460,7 +332,9 @@ _END = object()
 class DecodeStream:
     """One ``Decode`` stream: each call sends one request and waits for its reply.
 
-    Use as a context manager, or call ``close`` (which frees the server's caches).
+    ``opened`` is the server's ``StreamOpened`` (stream id, backend, policy, capacity, bytes
+    reserved, tokens seen); ``dtype`` the stream's dtype name. Use as a context manager, or call
+    ``close`` (which frees the server's caches).
     """
 
     def __init__(self, stub: gqa_pb2_grpc.AttentionServiceStub, first: Sequence[gqa_pb2.DecodeRequest], metadata=None):
@@ -475,7 +349,7 @@ class DecodeStream:
         except BaseException:
             self._requests.put(_END)
             raise
-        self.dtype = DTYPE_TO_TORCH[self.opened.dtype]
+        self.dtype: str = dtype_name(self.opened.dtype)
 
     def _next(self) -> gqa_pb2.DecodeResponse:
         try:
@@ -487,12 +361,10 @@ class DecodeStream:
             self._closed = True
             raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the stream") from None
 
-    def _send(self, build) -> int:
+    def _send(self, request: gqa_pb2.DecodeRequest) -> None:
         if self._closed:
             raise CallFailed(grpc.StatusCode.CANCELLED, "the stream is closed")
-        self._rid += 1
-        self._requests.put(build(self._rid))
-        return self._rid
+        self._requests.put(request)
 
     def _reply(self, rid: int) -> gqa_pb2.DecodeResponse:
         response = self._next()
@@ -501,22 +373,25 @@ class DecodeStream:
         return response
 
     def step(self, layer: int, query, new_key, new_value) -> StepResult:
-        """Appends one token to ``layer`` and attends: query (B, Hq, D), new key/value (B, Hkv, D)."""
-        rid = self._send(lambda rid: _step_request(rid, layer, query, new_key, new_value, self.dtype))
+        """Appends one token to ``layer`` and attends: query (B, Hq, D), new key/value (B, Hkv, D).
+        ``TypeError`` (nothing sent) for a tensor not of the stream's dtype."""
+        rid = self._rid + 1
+        request = _step_request(rid, layer, query, new_key, new_value, self.dtype)
+        self._send(request)
+        self._rid = rid
         return _step_result(self._reply(rid), query)
 
     def rollback(self, count: int, layer: int | None = None) -> RollbackResult:
         """Drops the last ``count`` tokens of ``layer`` (of every layer when None)."""
-        rid = self._send(lambda rid: _rollback_request(rid, count, layer))
-        return _rollback_result(self._reply(rid))
+        self._rid += 1
+        self._send(_rollback_request(self._rid, count, layer))
+        return _rollback_result(self._reply(self._rid))
 
     def snapshot(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Snapshot:
         """The stream's state, in messages of at most ``max_chunk_bytes`` each."""
-        rid = self._send(
-            lambda rid: gqa_pb2.DecodeRequest(
-                request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)
-            )
-        )
+        self._rid += 1
+        rid = self._rid
+        self._send(_snapshot_request(rid, max_chunk_bytes))
         chunks = [_snapshot_chunk(self._reply(rid))]
         while not chunks[-1].last:
             chunks.append(_snapshot_chunk(self._reply(rid)))
@@ -559,7 +434,7 @@ class Client(_Base):
     ``token`` is sent as ``authorization: Bearer <token>`` on every call. ``max_message_bytes``
     sets both message limits of the channel; ``options`` adds or overrides channel options
     (e.g. ``("grpc.lb_policy_name", "round_robin")`` with a ``dns:///`` address). ``timeout``
-    is the deadline of unary calls (never of ``Decode`` streams).
+    is the deadline of unary calls, in seconds (never of ``Decode`` streams or ``Batch`` sessions).
     """
 
     def _unary(self, method, request):
@@ -580,18 +455,26 @@ class Client(_Base):
 
     def health(self, service: str = "") -> str:
         """``SERVING`` or ``NOT_SERVING`` (``""``: the server; ``gqa.v1.AttentionService``)."""
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-        response = self._unary(
-            health_pb2_grpc.HealthStub(self.channel).Check, health_pb2.HealthCheckRequest(service=service)
-        )
-        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        return _health_status(self._unary(self._health, _health_request(service)))
 
     def decode_step(
-        self, query, new_key, new_value, key_cache, value_cache, *, num_query_heads: int = 0, num_kv_heads: int = 0
+        self,
+        query,
+        new_key,
+        new_value,
+        key_cache,
+        value_cache,
+        *,
+        num_query_heads: int = 0,
+        num_kv_heads: int = 0,
+        dtype=None,
     ) -> DecodeStepResult:
-        """The stateless operation; head counts default to the shapes' (query and new_key dim 1)."""
-        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads)
+        """The stateless operation: query (B, Hq, D), new key/value (B, Hkv, D), caches
+        (B, Hkv, S, D). Head counts default to the shapes' (query and new_key dim 1); ``dtype``
+        to the query's, and every tensor must have it."""
+        request = _decode_step_request(
+            query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads, dtype
+        )
         return _decode_step_result(self._unary(self.stub.DecodeStep, request), query)
 
     def open(
@@ -603,16 +486,22 @@ class Client(_Base):
         num_layers: int = 1,
         batch_size: int = 1,
         dtype="float32",
-        policy="none",
+        policy: str = "none",
         window: int = 0,
-        capacity: int = 0,
+        capacity: int | None = None,
         sink_tokens: int = 0,
         backend: str = "",
-        prefill=None,
+        prefill: Mapping[int, tuple[Any, Any]] | None = None,
     ) -> DecodeStream:
-        """Opens a ``Decode`` stream (``CallFailed`` if the server refuses it). ``policy`` is
-        ``none`` (needs ``capacity``), ``strict``, ``greedy`` or ``sink`` (need ``window``);
-        see docs/eviction.md."""
+        """Opens a ``Decode`` stream (``CallFailed`` if the server refuses it).
+
+        ``policy`` (docs/eviction.md): ``none`` keeps every token up to ``capacity`` (default
+        ``DEFAULT_CAPACITY``); ``strict`` keeps the last ``window``; ``greedy`` attends the last
+        ``window`` and keeps up to ``capacity`` (default: the window); ``sink`` keeps the first
+        ``sink_tokens`` and the last ``window``. ``dtype`` is a name, a torch or a numpy dtype;
+        ``backend`` ``""`` is the server's default. ``prefill`` maps a layer to its (keys,
+        values), each (B, Hkv, n, D) of the stream's dtype.
+        """
         message = open_message(
             num_query_heads=num_query_heads,
             num_kv_heads=num_kv_heads,
@@ -633,8 +522,8 @@ class Client(_Base):
         return DecodeStream(self.stub, [gqa_pb2.DecodeRequest(request_id=0, open=message)], self.metadata)
 
     def restore(self, snapshot: Snapshot | bytes | str | os.PathLike) -> DecodeStream:
-        """Reopens a stream from a ``Snapshot``, its bytes or a file, on this server."""
-        chunks = _as_snapshot(snapshot).chunks
+        """Reopens a stream from a ``Snapshot``, its bytes, a file or its chunks, on this server."""
+        chunks = as_snapshot(snapshot).chunks
         return DecodeStream(self.stub, [gqa_pb2.DecodeRequest(request_id=0, restore=c) for c in chunks], self.metadata)
 
     def batch(
@@ -648,9 +537,8 @@ class Client(_Base):
         backend: str = "",
     ):
         """Opens a ``Batch`` session (many sequences per message) on this client's channel, with
-        its token; see ``service.client_batch.BatchSession`` for add, step, remove, rollback and
-        snapshot."""
-        from .client_batch import BatchSession
+        its token: a ``gqa_client.BatchSession``."""
+        from .batch import BatchSession
 
         return BatchSession(
             self.stub,
@@ -677,12 +565,12 @@ class Client(_Base):
 class AsyncDecodeStream:
     """``DecodeStream`` for asyncio: the same methods, awaited."""
 
-    def __init__(self, call, dtype: torch.dtype | None = None):
+    def __init__(self, call):
         self._call = call
         self._rid = 0
         self._closed = False
         self.opened: gqa_pb2.StreamOpened | None = None
-        self.dtype = dtype
+        self.dtype: str | None = None
 
     async def _start(self, first: Sequence[gqa_pb2.DecodeRequest]) -> "AsyncDecodeStream":
         try:
@@ -695,7 +583,7 @@ class AsyncDecodeStream:
         except BaseException:
             self._call.cancel()
             raise
-        self.dtype = DTYPE_TO_TORCH[self.opened.dtype]
+        self.dtype = dtype_name(self.opened.dtype)
         return self
 
     async def _next(self) -> gqa_pb2.DecodeResponse:
@@ -713,19 +601,17 @@ class AsyncDecodeStream:
             )
         return response
 
-    async def _send(self, request_for) -> int:
+    async def _send(self, request: gqa_pb2.DecodeRequest) -> None:
         if self._closed:
             raise CallFailed(grpc.StatusCode.CANCELLED, "the stream is closed")
-        self._rid += 1
         try:
-            await self._call.write(request_for(self._rid))
+            await self._call.write(request)
         except grpc.RpcError as exc:
             self._closed = True
             raise CallFailed.from_rpc(exc) from None
         except grpc.aio.UsageError:  # the RPC already ended; its status tells why
             self._closed = True
             raise CallFailed(await self._call.code(), await self._call.details() or "the stream ended") from None
-        return self._rid
 
     async def _reply(self, rid: int) -> gqa_pb2.DecodeResponse:
         response = await self._next()
@@ -734,19 +620,21 @@ class AsyncDecodeStream:
         return response
 
     async def step(self, layer: int, query, new_key, new_value) -> StepResult:
-        rid = await self._send(lambda rid: _step_request(rid, layer, query, new_key, new_value, self.dtype))
+        rid = self._rid + 1
+        request = _step_request(rid, layer, query, new_key, new_value, self.dtype)
+        await self._send(request)
+        self._rid = rid
         return _step_result(await self._reply(rid), query)
 
     async def rollback(self, count: int, layer: int | None = None) -> RollbackResult:
-        rid = await self._send(lambda rid: _rollback_request(rid, count, layer))
-        return _rollback_result(await self._reply(rid))
+        self._rid += 1
+        await self._send(_rollback_request(self._rid, count, layer))
+        return _rollback_result(await self._reply(self._rid))
 
     async def snapshot(self, max_chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Snapshot:
-        rid = await self._send(
-            lambda rid: gqa_pb2.DecodeRequest(
-                request_id=rid, snapshot=gqa_pb2.SnapshotRequest(max_chunk_bytes=max_chunk_bytes)
-            )
-        )
+        self._rid += 1
+        rid = self._rid
+        await self._send(_snapshot_request(rid, max_chunk_bytes))
         chunks = [_snapshot_chunk(await self._reply(rid))]
         while not chunks[-1].last:
             chunks.append(_snapshot_chunk(await self._reply(rid)))
@@ -789,25 +677,76 @@ class AsyncClient(_Base):
         except grpc.RpcError as exc:
             raise CallFailed.from_rpc(exc) from None
 
+    async def wait_ready(self, timeout: float = 10.0) -> None:
+        import asyncio
+
+        try:
+            await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            raise CallFailed(grpc.StatusCode.UNAVAILABLE, f"no server at {self.address} after {timeout:g} s") from None
+
     async def server_info(self) -> gqa_pb2.GetServerInfoResponse:
         return await self._unary(self.stub.GetServerInfo, gqa_pb2.GetServerInfoRequest())
 
+    async def health(self, service: str = "") -> str:
+        return _health_status(await self._unary(self._health, _health_request(service)))
+
     async def decode_step(
-        self, query, new_key, new_value, key_cache, value_cache, *, num_query_heads: int = 0, num_kv_heads: int = 0
+        self,
+        query,
+        new_key,
+        new_value,
+        key_cache,
+        value_cache,
+        *,
+        num_query_heads: int = 0,
+        num_kv_heads: int = 0,
+        dtype=None,
     ) -> DecodeStepResult:
-        request = _decode_step_request(query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads)
+        request = _decode_step_request(
+            query, new_key, new_value, key_cache, value_cache, num_query_heads, num_kv_heads, dtype
+        )
         return _decode_step_result(await self._unary(self.stub.DecodeStep, request), query)
 
-    async def open(self, **kwargs) -> AsyncDecodeStream:
+    async def open(
+        self,
+        *,
+        num_query_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_layers: int = 1,
+        batch_size: int = 1,
+        dtype="float32",
+        policy: str = "none",
+        window: int = 0,
+        capacity: int | None = None,
+        sink_tokens: int = 0,
+        backend: str = "",
+        prefill: Mapping[int, tuple[Any, Any]] | None = None,
+    ) -> AsyncDecodeStream:
         """As ``Client.open``."""
-        return await self.open_message(open_message(**kwargs))
+        message = open_message(
+            num_query_heads=num_query_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            num_layers=num_layers,
+            batch_size=batch_size,
+            dtype=dtype,
+            policy=policy,
+            window=window,
+            capacity=capacity,
+            sink_tokens=sink_tokens,
+            backend=backend,
+            prefill=prefill,
+        )
+        return await self.open_message(message)
 
     async def open_message(self, message: gqa_pb2.OpenStream) -> AsyncDecodeStream:
         call = self.stub.Decode(metadata=self.metadata)
         return await AsyncDecodeStream(call)._start([gqa_pb2.DecodeRequest(request_id=0, open=message)])
 
     async def restore(self, snapshot: Snapshot | bytes | str | os.PathLike) -> AsyncDecodeStream:
-        chunks = _as_snapshot(snapshot).chunks
+        chunks = as_snapshot(snapshot).chunks
         call = self.stub.Decode(metadata=self.metadata)
         return await AsyncDecodeStream(call)._start([gqa_pb2.DecodeRequest(request_id=0, restore=c) for c in chunks])
 
