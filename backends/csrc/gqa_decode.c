@@ -1233,11 +1233,25 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     float *wbuf = carve(&at, (size_t)wneed * sizeof(float));
     call.done = carve(&at, (size_t)heads * sizeof(atomic_int));
     for (int64_t x = 0; x < heads; x++) atomic_init(&call.done[x], 0);
-    /* From here on a cache fails alone (its status): an int8 scale out of range before its
-     * write, or an injected failure after it, which restores the row. */
+    /* From here on a cache fails alone (its status; its output then is not stored): an int8
+     * scale out of range before its write, or an injected failure after it, which restores
+     * the row. */
     for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
         call.deferred[i] = 0;
+        if (cc->flags & FLAG_FAIL_AFTER_WRITE) { /* tests: a failure after the write */
+            if (cc->write_row >= 0) {
+                if (cc->enc == ENC_INT8) {
+                    cc->status = int8_write(cc, wbuf);
+                    if (!cc->status) int8_swap_row(cc, 1);
+                } else {
+                    write_row(cc, 0);
+                    write_row(cc, 1);
+                }
+            }
+            if (!cc->status) cc->status = -EIO;
+            continue;
+        }
         if (cc->write_row >= 0) {
             if (cc->enc == ENC_INT8) {
                 cc->status = int8_write(cc, wbuf);
@@ -1251,16 +1265,6 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         }
     }
     pool_run(attend_item, &call, items, threads); /* and the merges */
-    for (int64_t i = 0; i < ncaches; i++) {
-        gqa_cache_t *cc = &caches[i];
-        if ((cc->flags & FLAG_FAIL_AFTER_WRITE) && !cc->status) { /* tests: a failure after the write */
-            if (cc->write_row >= 0) {
-                if (cc->enc == ENC_INT8) int8_swap_row(cc, 1);
-                else write_row(cc, 1);
-            }
-            cc->status = -EIO;
-        }
-    }
     arena_trim(ARENA_CALL);
     return 0;
 }
