@@ -63,6 +63,18 @@ __all__ = [
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gqa_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
+# GQA_KERNEL_SANITIZE=1 (tests only: tests/test_sanitizers.py): the library built with
+# AddressSanitizer and UndefinedBehaviorSanitizer, under its own name; a process loading it needs
+# the ASan runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)).
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
+
+
+def _cflags() -> tuple[str, ...]:
+    if os.environ.get("GQA_KERNEL_SANITIZE") == "1":
+        return ("-O1",) + CFLAGS[1:] + SANITIZE_FLAGS
+    return CFLAGS
+
+
 LIBS = ("-lm",)
 # implementation choice passed to the kernel (the C enum)
 ISA = {"auto": 0, "portable": 1, "avx512": 2}
@@ -119,9 +131,11 @@ def cache_dir() -> Path:
 def _library_name() -> str:
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update(" ".join(CFLAGS + LIBS).encode())
+    flags = _cflags()
+    key.update(" ".join(flags + LIBS).encode())
     key.update(f"{sys.platform}-{platform.machine()}".encode())
-    return f"gqa_decode-{key.hexdigest()[:16]}.so"
+    kind = "-sanitize" if flags != CFLAGS else ""
+    return f"gqa_decode{kind}-{key.hexdigest()[:16]}.so"
 
 
 def build(directory: Path | None = None) -> Path:
@@ -147,7 +161,7 @@ def build(directory: Path | None = None) -> Path:
     except OSError as exc:
         raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
     try:
-        cmd = [compiler, *CFLAGS, "-o", tmp, str(SOURCE), *LIBS]
+        cmd = [compiler, *_cflags(), "-o", tmp, str(SOURCE), *LIBS]
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         except (OSError, subprocess.TimeoutExpired) as exc:
