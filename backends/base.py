@@ -385,6 +385,8 @@ class LayerCache(abc.ABC):
         unchanged)."""
         if status == -errno.ENOSPC:
             return CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
+        if status == -errno.EDOM:
+            return InputValueError("a non-finite input value (or a key beyond float16's range); nothing was written")
         return RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
 
     # Tests set it to make the native step fail after its write (the kernel restores the row).

@@ -275,7 +275,8 @@ class Kernel:
     # results: address of n x rcols int64 (``RESULT_COLUMNS_ALL``, the first rcols >= 6), status:
     # address of n int32. Row i: status 0 and its numbers after the step (T incremented), or a
     # refusal with nothing written and zero numbers: -EAGAIN (the cache's own Python path, e.g.
-    # int8 calibration), -ENOSPC (policy none, full), -ERANGE (an int8 scale beyond float16),
+    # int8 calibration), -ENOSPC (policy none, full), -EDOM (int8: a non-finite input or a key
+    # beyond float16's range), -ERANGE (an int8 scale beyond float16),
     # -EIO (an injected failure after the write, restored), -EINVAL (address 0). A nonzero
     # return refuses the whole call (nothing written): ``raise_for``.
 

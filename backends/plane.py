@@ -16,7 +16,6 @@ stepped by ``step`` too, one by one through their public step, with the same con
 from __future__ import annotations
 
 import errno
-import math
 import time
 from typing import NamedTuple
 
@@ -43,9 +42,6 @@ class StepBatch(NamedTuple):
     compute_ns: int
 
 
-_NO_CACHE = 0  # an address the library refuses with -EINVAL (a row Python steps instead)
-
-
 class CacheSet:
     """The caches of many sequences of ONE shape (Hq, Hkv, D, dtype, batch size 1, one backend),
     one column per layer, rows addressed by slot (small ints, reused after remove). Keeps, per
@@ -63,7 +59,6 @@ class CacheSet:
         self._addrs = np.zeros((num_layers, 0), dtype=np.uint64)
         self._kernel = None  # the library of the set's native caches
         self._shape = None  # (Hq, Hkv, D, dtype) of the first cache added
-        self._value_check = False  # the caches refuse non-finite input (int8): checked per call
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -80,8 +75,6 @@ class CacheSet:
                 self._shape = shape
             elif shape != self._shape:
                 raise ValueError(f"add: a cache of shape {shape}, the set's is {self._shape}")
-            if type(cache).check_tensors is not LayerCache.check_tensors:
-                self._value_check = True
             kernel = cache._native if cache._state is not None else None
             if kernel is not None:
                 if self._kernel is None:
@@ -141,10 +134,6 @@ class CacheSet:
             return StepBatch(fields, refused, 0)
         addrs = self._addrs[layer][slots]
         if self._kernel is not None:
-            if self._value_check:
-                bad = _bad_rows(query, new_key, new_value, n)
-                if bad is not None:
-                    addrs[bad] = _NO_CACHE
             status = np.empty(n, dtype=np.int32)
             base = np.array([query.data_ptr(), new_key.data_ptr(), new_value.data_ptr(), out.data_ptr()], np.uint64)
             stride = np.array(
@@ -170,7 +159,9 @@ class CacheSet:
 
     def _refused_row(self, layer, slot, i, status, query, new_key, new_value, out, fields, refused) -> None:
         cache = self._caches[slot][layer]
-        if status in (-errno.EAGAIN, -errno.EINVAL):  # the Python path, or a row to check there
+        # the Python path (-EAGAIN), or a row whose input the cache's checks name (-EDOM: an int8
+        # row's non-finite value; -EINVAL)
+        if status in (-errno.EAGAIN, -errno.EDOM, -errno.EINVAL):
             self._python_row(layer, slot, i, query, new_key, new_value, out, fields, refused)
         else:
             refused[i] = cache.step_error(status)
@@ -211,24 +202,3 @@ def _address(state) -> int:
     import ctypes  # noqa: PLC0415
 
     return ctypes.addressof(state)
-
-
-def _bad_rows(query, new_key, new_value, n) -> np.ndarray | None:
-    """Rows with a value the int8 cache's checks refuse (non-finite, or a key beyond float16's
-    range): None when there is none (one reduction per tensor), else their indices; those rows
-    go through the cache's own checks, which name what is wrong."""
-    from .int8_storage import FLOAT16_MAX  # noqa: PLC0415
-
-    limits = ((query, math.inf), (new_key, FLOAT16_MAX), (new_value, math.inf))
-    if all(_within(*t.aminmax(), limit) for t, limit in limits):
-        return None
-    ok = np.ones(n, dtype=bool)
-    for t, limit in limits:
-        lo, hi = t.view(n, -1).aminmax(dim=1)
-        ok &= (torch.isfinite(lo) & torch.isfinite(hi) & (-lo <= limit) & (hi <= limit)).numpy()
-    return np.flatnonzero(~ok)
-
-
-def _within(lo: torch.Tensor, hi: torch.Tensor, limit: float) -> bool:
-    lo, hi = float(lo), float(hi)
-    return math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit

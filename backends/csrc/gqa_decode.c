@@ -1409,12 +1409,30 @@ int64_t gqa_rollback_reach(const gqa_cache_t *cc) {
     return ((t - cc->c - 1) % g + g) % g;
 }
 
+/* Whether the n elements at p (encoding enc) are finite and within +-limit. */
+static int within(int enc, const void *p, int64_t n, float limit) {
+    for (int64_t i = 0; i < n; i++) {
+        const float x = load_elem(enc, p, i);
+        if (!(fabsf(x) <= limit)) return 0; /* NaN fails too */
+    }
+    return 1;
+}
+
+/* int8: the row's query and value finite, its key finite and within float16's range (outlier
+ * channels are stored as float16), as backends/int8_storage.check_values requires. */
+static int int8_values_ok(const gqa_cache_t *x) {
+    const int64_t nd = x->n * x->d;
+    return within(x->io, x->q, nd * x->g, INFINITY) && within(x->io, x->new_k, nd, 65504.0f) &&
+           within(x->io, x->new_v, nd, INFINITY);
+}
+
 /* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
  * caches), planned from its state. The row's query, new key, new value and output: io[4 * i
  * + 0..3] when io is given (pointers), else base[j] + i * stride[j] (bytes) for j = q, k, v,
  * out. Per row: status[i] = 0 (results[i * rcols ..] = the first rcols R_* numbers after the
  * step, T incremented), or the refusal with nothing written and results zero: -EAGAIN (the
- * caller's own path: T below python_below), -ENOSPC (policy none, full), -ERANGE (int8 scale),
+ * caller's own path: T below python_below), -ENOSPC (policy none, full), -EDOM (int8: a
+ * non-finite input, or a key beyond float16's range), -ERANGE (int8 scale),
  * -EIO (injected failure), -EINVAL (no cache). Returns 0, or a negative errno for the whole
  * call (nothing written, no status). */
 int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const void *const *base,
@@ -1455,6 +1473,11 @@ int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const
             x->new_k = (const char *)base[1] + i * stride[1];
             x->new_v = (const char *)base[2] + i * stride[2];
             x->out = (char *)base[3] + i * stride[3];
+        }
+        if (x->enc == ENC_INT8 && !int8_values_ok(x)) { /* nothing written: the caller names the value */
+            status[i] = -EDOM;
+            memset(res, 0, (size_t)rcols * sizeof(int64_t));
+            continue;
         }
         row_of[m++] = i;
     }
