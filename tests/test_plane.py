@@ -279,3 +279,28 @@ def test_a_library_whose_layout_differs_is_refused(monkeypatch):
     monkeypatch.setattr(native, "layout_mirror", lambda: shifted)
     with pytest.raises(native.NativeUnavailable, match=name.replace("(", r"\(").replace(")", r"\)")):
         native.Kernel(kernel.path)
+
+
+def test_cacheset_outputs_do_not_depend_on_the_thread_count():
+    """Long and short caches in one call (enough work for the pool, several splits): the same
+    bits on one thread and on the whole pool."""
+    gen = torch.Generator().manual_seed(4)
+    lengths = [1500, 3, 700, 1200]
+    keys, values = torch.randn(1, HKV, 1500, D, generator=gen), torch.randn(1, HKV, 1500, D, generator=gen)
+    q, k, v = torch.randn(4, HQ, D, generator=gen), torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D)
+    outs = []
+    pool = native.threads()
+    try:
+        for threads in (1, max(2, pool)):
+            native.set_threads(threads)
+            cset = CacheSet(1)
+            for s in lengths:
+                cache = _make("cpu", torch.float32, "native", EvictionPolicy.none(2000))
+                cache.prefill(keys[:, :, :s], values[:, :, :s])
+                cset.add([cache])
+            out = torch.empty(4, HQ, D)
+            assert not cset.step(0, np.arange(4), q, k, v, out).refused
+            outs.append(out)
+    finally:
+        native.set_threads(pool)
+    assert torch.equal(outs[0], outs[1])
