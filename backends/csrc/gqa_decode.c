@@ -1411,11 +1411,17 @@ int64_t gqa_rollback_reach(const gqa_cache_t *cc) {
 
 /* Whether the n elements at p (encoding enc) are finite and within +-limit. */
 static int within(int enc, const void *p, int64_t n, float limit) {
-    for (int64_t i = 0; i < n; i++) {
-        const float x = load_elem(enc, p, i);
-        if (!(fabsf(x) <= limit)) return 0; /* NaN fails too */
+    int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
+    if (enc == ENC_F32) {
+        const float *f = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(f[i]) <= limit;
+    } else if (enc == ENC_BF16) {
+        const uint16_t *h = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(bf16_to_float(h[i])) <= limit;
+    } else {
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(load_elem(enc, p, i)) <= limit;
     }
-    return 1;
+    return ok;
 }
 
 /* int8: the row's query and value finite, its key finite and within float16's range (outlier
@@ -1527,9 +1533,59 @@ int64_t gqa_layout(int64_t *out, int64_t n) {
  * symmetric, so this is also H x. A fast Walsh-Hadamard transform, d log(block) adds, and no
  * threads: torch's matrix product here would start its thread pool, whose idle spinning then
  * competes with the attention kernel for the cores. */
+#if GQA_HAVE_AVX512
+/* The same transform 16 lanes at a time (block a multiple of 16), the same additions and
+ * subtractions in the same order, so bit for bit the scalar loop's result. Stages of span
+ * len < 16 are within a register: lane j takes its partner j ^ len by a permutation, the lower
+ * lane of a pair keeps a + b, the upper one a - b. */
+AVX512 static void hadamard_rows_avx512(float *x, int64_t rows, int64_t d, int64_t block, float norm) {
+    __m512i perm[4];
+    __mmask16 upper[4];
+    for (int s = 0; s < 4; s++) {
+        int idx[16];
+        unsigned m = 0;
+        for (int j = 0; j < 16; j++) {
+            idx[j] = j ^ (1 << s);
+            if (j & (1 << s)) m |= 1u << j;
+        }
+        perm[s] = _mm512_loadu_si512(idx);
+        upper[s] = (__mmask16)m;
+    }
+    const __m512 vn = _mm512_set1_ps(norm);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        for (int64_t b0 = 0; b0 < d; b0 += block) {
+            float *y = row + b0;
+            for (int64_t j = 0; j < block; j += 16) {
+                __m512 v = _mm512_loadu_ps(y + j);
+                for (int s = 0; s < 4; s++) {
+                    const __m512 p = _mm512_permutexvar_ps(perm[s], v);
+                    v = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
+                }
+                _mm512_storeu_ps(y + j, v);
+            }
+            for (int64_t len = 16; len < block; len <<= 1)
+                for (int64_t i = 0; i < block; i += 2 * len)
+                    for (int64_t j = i; j < i + len; j += 16) {
+                        const __m512 a = _mm512_loadu_ps(y + j), b = _mm512_loadu_ps(y + j + len);
+                        _mm512_storeu_ps(y + j, _mm512_add_ps(a, b));
+                        _mm512_storeu_ps(y + j + len, _mm512_sub_ps(a, b));
+                    }
+            for (int64_t j = 0; j < block; j += 16) _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(y + j), vn));
+        }
+    }
+}
+#endif
+
 int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
     if (rows < 0 || d < 1 || block < 1 || (block & (block - 1)) || d % block) return -EINVAL;
     const float norm = 1.0f / sqrtf((float)block);
+#if GQA_HAVE_AVX512
+    if (block % 16 == 0 && gqa_avx512_usable()) {
+        hadamard_rows_avx512(x, rows, d, block, norm);
+        return 0;
+    }
+#endif
     for (int64_t r = 0; r < rows; r++) {
         float *row = x + r * d;
         for (int64_t b0 = 0; b0 < d; b0 += block) {
