@@ -730,6 +730,12 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
     (void)wide;
 #endif
     const int64_t *order = cc->order ? cc->order + h * d : NULL;
+    if (order && cc->io == ENC_F32) { /* int8 with float32 tensors: a plain gather */
+        const float *q = (const float *)cc->q + h * G * d;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < d; j++) qf[g * d + j] = q[g * d + order[j]] * cc->qscale;
+        return;
+    }
     for (int64_t g = 0; g < G; g++)
         for (int64_t j = 0; j < d; j++)
             qf[g * d + j] = load_elem(cc->io, cc->q, (h * G + g) * d + (order ? order[j] : j)) * cc->qscale;
