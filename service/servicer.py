@@ -24,16 +24,12 @@ import time
 import grpc
 import torch
 
-from backends import registry
-from backends.reference import gqa_decode_step
-from backends.validation import check_cache_tensors, check_heads, check_step_tensors
-
 from . import __version__, batch_rpc, snapshot
 from .api import gqa_pb2, gqa_pb2_grpc
-from .batcher import classify_step_error
 from .config import ServerConfig
-from .engine import Admission, Engine, StepReport, Stream
-from .errors import Internal, InvalidArgument, ServiceError
+from .engine import Admission, Engine, Stream
+from .errors import InvalidArgument, ServiceError
+from .report import StepReport, classify_step_error
 from .session import EOF, StreamClosed, StreamSession
 from .tensors import from_proto, to_proto
 from .vocab import (
@@ -115,18 +111,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         """Returns once no Decode RPC is running (drain waits for steps in flight)."""
         await self._no_sessions.wait()
 
-    async def _compute(self, cost_bytes: int, fn, *args):
-        """Small work inline (a thread hop costs more); the rest on the compute pool."""
-        if cost_bytes < self.config.inline_step_bytes:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
     # -- DecodeStep -------------------------------------------------------------------------
     async def DecodeStep(self, request, context):
         try:
             args = _stateless_args(request)
             cost = len(request.key_cache.data) + len(request.value_cache.data)
-            result = await self._compute(cost, _stateless_step, *args)
+            result = await self.engine.offload(cost, self.engine.stateless_step, *args)
             return gqa_pb2.DecodeStepResponse(
                 output=to_proto(result["output"]),
                 new_key_cache=to_proto(result["new_key_cache"]),
@@ -142,7 +132,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         """Every backend's capabilities or reasons, probed once per process and off the event
         loop: probing imports optional modules (bitsandbytes, triton), which takes seconds."""
         if self._backend_infos is None:
-            self._backend_infos = await asyncio.get_running_loop().run_in_executor(self.pool, registry.describe)
+            self._backend_infos = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.engine.describe_backends
+            )
         return self._backend_infos
 
     async def GetServerInfo(self, request, context):
@@ -183,7 +175,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
     # -- Batch (service.batch_rpc) -----------------------------------------------------------
     async def Batch(self, request_iterator, context):
-        await batch_rpc.serve(self.engine, self.config, self.pool, context)
+        await batch_rpc.serve(self.engine, self.config, context)
 
     # Batch reads its requests as bytes (step messages without copying their tensors; see
     # service.wire); the status interceptor gives it no deserializer.
@@ -278,19 +270,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
     async def _build(self, admission: Admission, prefill=None, layers_of=None) -> Stream:
-        """Builds an admitted stream on the pool (never on the event loop: allocation and
-        zero-fill cost time proportional to its size). Whatever ends the wait (the RPC
-        cancelled included) releases the admission at once."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.pool, self._build_sync, admission, prefill, layers_of)
-        except BaseException:
-            self.engine.abandon(admission)
-            raise
-
-    def _build_sync(self, admission: Admission, prefill, layers_of) -> Stream:
-        restore = layers_of() if layers_of is not None else None
-        return self.engine.build(admission, prefill, restore)
+        return await self.engine.build_async(admission, prefill, layers_of)
 
     async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
         with self.engine.counting_open_refusals():
@@ -321,14 +301,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             config = self._stream_config(first.restore.config)
         admission = self.engine.admit(config)
         try:
-            # A snapshot holds at most the resident rows (and the int8 calibration rows), so at
-            # most about the reservation; a chunk's fields cost up to snapshot._OVERHEAD.
-            limit = 2 * admission.need + (1 << 20)
             chunks = [first.restore]
             received = first.restore.ByteSize()
             while not chunks[-1].last:
-                if len(chunks) > snapshot.MAX_CHUNKS or received > limit + len(chunks) * snapshot._OVERHEAD:
-                    raise InvalidArgument("restore: the snapshot is larger than the stream it restores could hold")
+                snapshot.check_size(admission.need, len(chunks), received)
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     raise InvalidArgument("restore: the stream ended before the chunk with `last` set")
@@ -387,7 +363,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             yield self._rollback(stream, request.rollback, rid)
         elif kind == "snapshot":
             try:
-                chunks = await self._compute(
+                chunks = await self.engine.offload(
                     stream.bytes_in_use(),
                     snapshot.encode,
                     stream,
@@ -427,7 +403,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 reply=_StepReply(rid, layer, shape.out_shape, shape.dtype),
             )
         except ServiceError as exc:
-            self.engine.observer.step_refused(stream, exc.code)
+            self.engine.observer.steps_refused(stream.labels, exc.code)
             return _refusal(rid, layer, exc)
         return await future
 
@@ -526,20 +502,5 @@ def _stateless_args(request) -> tuple:
             if size == 0 and axis != "S":
                 raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
     hq, hkv = int(request.num_query_heads), int(request.num_kv_heads)
-    try:
-        check_heads(hq, hkv)
-        check_step_tensors(query, new_key, new_value, hq, hkv)
-        check_cache_tensors(key_cache, value_cache, query, hkv)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(str(exc)) from None
+    Engine.check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
     return query, new_key, new_value, key_cache, value_cache, hq, hkv
-
-
-def _stateless_step(*args):
-    try:
-        return gqa_decode_step(*args)
-    except ServiceError:
-        raise
-    except Exception:  # validated already: what is raised here is a fault, not the caller's
-        log.exception("DecodeStep failed")
-        raise Internal("internal error") from None

@@ -1,11 +1,13 @@
-"""The ``Batch`` stream's step requests read straight from their bytes, without copying tensors
-(and ``varint``, the encoding of an integer, for the replies ``service.batch_rpc`` encodes).
+"""Step requests (``Batch`` and ``Decode``) read straight from their bytes, without copying
+tensors; and ``varint``/``packed_varints``, the encodings the replies ``service.batch_rpc`` and
+``service.servicer`` write themselves use.
 
 The protobuf runtime copies a 64-sequence step request twice more than the transport already
 has (into its arena when it parses, and again on every read of a ``bytes`` field: 1.5 MiB each
 for float32 at Hq=32, Hkv=8, D=128). ``read_step_request`` reads a serialized ``BatchRequest``
 whose ``kind`` is ``step`` itself and hands out the tensors' data as ``memoryview`` slices of
-the request's bytes (read-only; they keep the bytes alive).
+the request's bytes (read-only; they keep the bytes alive), and its ids as one numpy array
+(decoded vectorized); ``read_decode_step`` does the same for a ``DecodeRequest``'s ``step``.
 
 Contract: for any input it returns either ``None`` or exactly what the protobuf runtime would
 parse (``tests/test_wire.py`` checks it against upb, fuzzed). It returns ``None`` for every
@@ -18,7 +20,17 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["StepRequest", "TensorView", "read_step_request", "varint"]
+import numpy as np
+
+__all__ = [
+    "StepRequest",
+    "DecodeStep",
+    "TensorView",
+    "read_step_request",
+    "read_decode_step",
+    "varint",
+    "packed_varints",
+]
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -37,7 +49,16 @@ class StepRequest(NamedTuple):
     """``gqa.v1.BatchStep``'s fields, as ``service.batch_rpc.Session.step`` reads them."""
 
     layer: int
-    ids: list[int]
+    ids: np.ndarray  # uint64 (n,)
+    query: TensorView
+    new_key: TensorView
+    new_value: TensorView
+
+
+class DecodeStep(NamedTuple):
+    """``gqa.v1.Step``'s fields (a ``Decode`` stream's step)."""
+
+    layer: int
     query: TensorView
     new_key: TensorView
     new_value: TensorView
@@ -53,6 +74,30 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+def packed_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The rows of ``values`` (uint64 or non-negative int64, (k, n)) as protobuf varints,
+    vectorized: ``(data, lengths)``, the k rows' encodings one after another and each row's
+    byte count (k,)."""
+    v = np.ascontiguousarray(values).astype(np.uint64, copy=False)
+    k = v.shape[0]
+    if v.size == 0:
+        return b"", np.zeros(k, dtype=np.int64)
+    if int(v.max()) < 0x80:  # one byte each
+        return v.astype(np.uint8).tobytes(), np.full(k, v.shape[1], dtype=np.int64)
+    flat = v.reshape(-1)
+    nbytes = np.ones(flat.shape, dtype=np.int64)
+    rest = flat >> np.uint64(7)
+    while rest.any():
+        nbytes += rest > 0
+        rest >>= np.uint64(7)
+    width = int(nbytes.max())
+    column = np.arange(width)
+    groups = ((flat[:, None] >> (column.astype(np.uint64) * np.uint64(7))[None, :]) & np.uint64(0x7F)).astype(np.uint8)
+    groups[column[None, :] < (nbytes[:, None] - 1)] |= 0x80
+    data = groups[column[None, :] < nbytes[:, None]].tobytes()
+    return data, nbytes.reshape(v.shape).sum(axis=1)
 
 
 class _Unhandled(Exception):
@@ -109,6 +154,32 @@ def _packed_varints(buf: memoryview, span: tuple[int, int]) -> list[int]:
     return out
 
 
+_EMPTY_IDS = np.zeros(0, dtype=np.uint64)
+
+
+def _packed_uint64(buf: memoryview, span: tuple[int, int]) -> np.ndarray:
+    """A packed run of uint64 varints, decoded vectorized (``_Unhandled`` where the scalar
+    reader would raise: truncated, over 10 bytes, bits past 64)."""
+    b = np.frombuffer(buf[span[0] : span[1]], dtype=np.uint8)
+    if not len(b):
+        return _EMPTY_IDS
+    last = b < 0x80
+    if last.all():
+        return b.astype(np.uint64)
+    if not last[-1]:
+        raise _Unhandled
+    ends = np.flatnonzero(last)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 10 or (b[ends[lengths == 10]] > 1).any():
+        raise _Unhandled
+    within = np.arange(len(b)) - np.repeat(starts, lengths)
+    parts = (b & 0x7F).astype(np.uint64) << (within.astype(np.uint64) * np.uint64(7))
+    return np.bitwise_or.reduceat(parts, starts)
+
+
 def _signed64(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
@@ -140,15 +211,15 @@ def _tensor(buf: memoryview, span: tuple[int, int]) -> TensorView:
 
 def _step(buf: memoryview, span: tuple[int, int]) -> StepRequest:
     layer = 0
-    ids: list[int] = []
+    ids: list[np.ndarray] = []
     tensors: dict[int, TensorView] = {}
     for number, wire, value in _fields(buf, *span):
         if number == 1 and wire == 0:
             layer = value & _U32
         elif number == 2 and wire == 2:
-            ids += _packed_varints(buf, value)
+            ids.append(_packed_uint64(buf, value))
         elif number == 2 and wire == 0:
-            ids.append(value)
+            ids.append(np.array([value], dtype=np.uint64))
         elif number in (3, 4, 5) and wire == 2:
             if number in tensors:  # the runtime would merge the two messages
                 raise _Unhandled
@@ -157,7 +228,46 @@ def _step(buf: memoryview, span: tuple[int, int]) -> StepRequest:
             raise _Unhandled
     if len(tensors) != 3:  # an absent tensor: the runtime's empty message, and its errors
         raise _Unhandled
-    return StepRequest(layer, ids, tensors[3], tensors[4], tensors[5])
+    all_ids = ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else _EMPTY_IDS
+    return StepRequest(layer, all_ids, tensors[3], tensors[4], tensors[5])
+
+
+def _decode_step(buf: memoryview, span: tuple[int, int]) -> DecodeStep:
+    layer = 0
+    tensors: dict[int, TensorView] = {}
+    for number, wire, value in _fields(buf, *span):
+        if number == 1 and wire == 0:
+            layer = value & _U32
+        elif number in (2, 3, 4) and wire == 2:
+            if number in tensors:
+                raise _Unhandled
+            tensors[number] = _tensor(buf, value)
+        elif number in (1, 2, 3, 4):
+            raise _Unhandled
+    if len(tensors) != 3:
+        raise _Unhandled
+    return DecodeStep(layer, tensors[2], tensors[3], tensors[4])
+
+
+def read_decode_step(raw: bytes) -> tuple[int, DecodeStep] | None:
+    """``(request_id, step)`` when ``raw`` is a serialized ``DecodeRequest`` whose kind is
+    ``step`` and this reader handles it; ``None`` otherwise (as ``read_step_request``)."""
+    buf = memoryview(raw)
+    rid = 0
+    step_span = None
+    try:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number == 1 and wire == 0:
+                rid = value
+            elif number == 3 and wire == 2 and step_span is None:
+                step_span = value
+            elif number <= 6:  # another kind, the step twice, or a known field mistyped
+                return None
+        if step_span is None:
+            return None
+        return rid, _decode_step(buf, step_span)
+    except _Unhandled:
+        return None
 
 
 def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
