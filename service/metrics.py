@@ -207,6 +207,9 @@ class MetricsRecorder(EngineObserver):
             self.open_refusals.labels(reason)
         self._series: dict[tuple[str, str, str], _StreamSeries] = {}
         self._series_lock = threading.Lock()
+        # (backend, dtype) -> bound child: a message's counts do no label lookup
+        self._batch_children: dict[tuple[str, str], object] = {}
+        self._message_children: dict[tuple[str, str], object] = {}
         self._engine: Engine | None = None
         registry.register(_EngineStateCollector(self))
 
@@ -287,10 +290,16 @@ class MetricsRecorder(EngineObserver):
         self.steps.labels(*labels, code.lower()).inc(n)
 
     def batch_done(self, backend: str, dtype: str, size: int) -> None:
-        self.batch_size.labels(backend, dtype).observe(size)
+        child = self._batch_children.get((backend, dtype))
+        if child is None:
+            child = self._batch_children[backend, dtype] = self.batch_size.labels(backend, dtype)
+        child.observe(size)
 
     def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
-        self.batch_message_sequences.labels(backend, dtype).observe(sequences)
+        child = self._message_children.get((backend, dtype))
+        if child is None:
+            child = self._message_children[backend, dtype] = self.batch_message_sequences.labels(backend, dtype)
+        child.observe(sequences)
 
 
 def _cuda_memory() -> list[tuple[str, int, int]]:

@@ -76,25 +76,33 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+_SEVEN = np.uint64(7)
+_LOW7 = np.uint64(0x7F)
+
+
 def packed_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
     """The rows of ``values`` (uint64 or non-negative int64, (k, n)) as protobuf varints,
     vectorized: ``(data, lengths)``, the k rows' encodings one after another and each row's
-    byte count (k,)."""
+    byte count (k,). A handful of numpy calls whatever n is; rows whose values all take the
+    same number of bytes (the common case: T, L and positions of similar size) need no mask."""
     v = np.ascontiguousarray(values).astype(np.uint64, copy=False)
     k = v.shape[0]
     if v.size == 0:
         return b"", np.zeros(k, dtype=np.int64)
-    if int(v.max()) < 0x80:  # one byte each
+    top = int(v.max())
+    if top < 0x80:  # one byte each
         return v.astype(np.uint8).tobytes(), np.full(k, v.shape[1], dtype=np.int64)
-    flat = v.reshape(-1)
-    nbytes = np.ones(flat.shape, dtype=np.int64)
-    rest = flat >> np.uint64(7)
-    while rest.any():
-        nbytes += rest > 0
-        rest >>= np.uint64(7)
-    width = int(nbytes.max())
+    width = (top.bit_length() + 6) // 7
+    flat = v.reshape(-1, 1)
+    groups = ((flat >> (np.arange(width, dtype=np.uint64) * _SEVEN)) & _LOW7).astype(np.uint8)
+    if int(v.min()) >> (7 * (width - 1)):  # every value takes ``width`` bytes
+        groups[:, :-1] |= 0x80
+        return groups.tobytes(), np.full(k, v.shape[1] * width, dtype=np.int64)
+    # bytes per value: 1 + how many 7-bit thresholds it reaches
+    nbytes = np.ones(flat.shape[0], dtype=np.int64)
+    for i in range(1, width):
+        nbytes += flat[:, 0] >= np.uint64(1 << (7 * i))
     column = np.arange(width)
-    groups = ((flat[:, None] >> (column.astype(np.uint64) * np.uint64(7))[None, :]) & np.uint64(0x7F)).astype(np.uint8)
     groups[column[None, :] < (nbytes[:, None] - 1)] |= 0x80
     data = groups[column[None, :] < nbytes[:, None]].tobytes()
     return data, nbytes.reshape(v.shape).sum(axis=1)
