@@ -40,7 +40,7 @@ from .vocab import (
     TORCH_DTYPES,
     TORCH_TO_DTYPE,
 )
-from .wire import read_decode_step, varint
+from .wire import DecodeStepLayout, read_decode_step, varint
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
@@ -66,7 +66,7 @@ class _StepShape:
     """What a stream's step tensors must be, as the integers the wire carries: checked with
     integer comparisons, no tensor built on the event loop."""
 
-    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers")
+    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers", "layout")
 
     def __init__(self, stream: Stream):
         c = stream.config
@@ -78,6 +78,8 @@ class _StepShape:
         self.kv_bytes = c.batch_size * c.num_kv_heads * c.head_dim * itemsize
         self.out_shape = self.q_shape
         self.layers = c.num_layers
+        # The stream's step requests as the runtimes encode them: read by checking prefixes
+        self.layout = DecodeStepLayout(self.dtype, self.q_shape, self.kv_shape, self.q_bytes, self.kv_bytes)
 
     def matches(self, step) -> bool:
         q, k, v = step.query, step.new_key, step.new_value
@@ -233,7 +235,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 raw = await session.next()
                 if raw is EOF:
                     break
-                fast = read_decode_step(raw)  # the hot path: read from the bytes, no generator
+                # the hot path: read from the bytes (the stream's layout, else field by field)
+                fast = shape.layout.read(raw) or read_decode_step(raw)
                 if fast is not None:
                     response = await self._step(stream, shape, fast[1], fast[0])
                     session.begin_write()

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api import gqa_pb2
-from service.wire import packed_varints, read_decode_step, read_step_request, varint
+from service.wire import DecodeStepLayout, packed_varints, read_decode_step, read_step_request, varint
 
 U64 = st.integers(0, 2**64 - 1)
 TENSOR = st.tuples(
@@ -265,3 +265,49 @@ def test_packed_varints_are_the_scalar_encoding_row_by_row(rows):
     want = [b"".join(varint(int(x)) for x in row) for row in values]
     assert data == b"".join(want)
     assert lengths.tolist() == [len(w) for w in want]
+
+
+# -- a Decode stream's step layout (its constant prefixes) ------------------------------------------
+SHAPE = st.lists(st.integers(0, 300), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=U64,
+    layer=st.integers(0, 2**32 - 1),
+    dtype=st.integers(0, 5),
+    shapes=st.tuples(SHAPE, SHAPE),
+    sizes=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    same=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_a_stream_layout_reads_what_upb_parses(rid, layer, dtype, shapes, sizes, same, seed):
+    """Messages built by upb for the layout's own dtype and shapes (``same``) or for others, and
+    their truncations, byte flips and unknown fields: ``read`` is None or upb's values."""
+    rng = random.Random(seed)
+    q_shape, kv_shape = shapes
+    q_bytes, kv_bytes = sizes
+    layout = DecodeStepLayout(dtype, tuple(q_shape), tuple(kv_shape), q_bytes, kv_bytes)
+    if same:
+        tensors = ((dtype, q_shape, rng.randbytes(q_bytes)), *[(dtype, kv_shape, rng.randbytes(kv_bytes))] * 2)
+    else:
+        tensors = tuple((rng.randint(0, 5), rng.choice(shapes), rng.randbytes(rng.randint(0, 40))) for _ in range(3))
+    raw = _decode_message(rid, layer, tensors).SerializeToString()
+    if same and q_bytes and kv_bytes:
+        assert layout.read(raw) is not None  # the runtime's own encoding of this stream's steps
+    variants = [raw, raw + _unknown(rng)]
+    for _ in range(4):
+        variants.append(raw[: rng.randrange(len(raw) + 1)])
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        variants.append(bytes(flipped))
+    for data in variants:
+        got = layout.read(data)
+        if got is None:
+            continue
+        want = gqa_pb2.DecodeRequest.FromString(data)  # never raises where read answered
+        rid_, step = got
+        assert want.WhichOneof("kind") == "step" and rid_ == want.request_id and step.layer == want.step.layer
+        for name in ("query", "new_key", "new_value"):
+            mine, theirs = getattr(step, name), getattr(want.step, name)
+            assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data)
