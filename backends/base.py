@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import abc
 import ctypes
+import errno
 import math
 import os
 from dataclasses import dataclass
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import torch
 
@@ -32,7 +33,6 @@ __all__ = [
     "CacheSpec",
     "DenseRingCache",
     "LayerCache",
-    "NativeStep",
     "StepOutcome",
     "merge_runs",
     "row_runs",
@@ -98,15 +98,6 @@ class CacheSpec:
         return (self.batch_size, self.num_kv_heads, self.capacity, self.head_dim)
 
 
-class NativeStep(NamedTuple):
-    """A step prepared for the native library (``LayerCache._prepare_native``)."""
-
-    desc: object  # native.CacheDesc, the cache's own
-    output: torch.Tensor  # (B, Hq, D) in the stream dtype, written by the call
-    plan: tuple  # the step's arithmetic (``LayerCache._plan``), for ``_commit_plan``
-    keep: tuple  # tensors the call reads (contiguous copies of the inputs where needed)
-
-
 @dataclass(slots=True)
 class StepOutcome:
     """What one step did: the output and the cache's bookkeeping after it. A record the step
@@ -164,7 +155,26 @@ class LayerCache(abc.ABC):
     def __init__(self, spec: CacheSpec):
         self.spec = spec
         self.policy = spec.policy
-        self.tokens_seen = 0
+        self._t = 0
+
+    # -- T: the library's state for a cache with the compiled step, else this object's ----------
+    # ``_state`` is the cache's ``native.CacheDesc`` (set by ``_attach_native``): its ``t`` is T,
+    # which the native step advances; Python writes it for rollback, prefill and restore.
+    _state = None
+
+    @property
+    def tokens_seen(self) -> int:
+        """T: tokens this layer has seen (positions 0 .. T-1)."""
+        state = self._state
+        return self._t if state is None else state.t
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        state = self._state
+        if state is None:
+            self._t = value
+        else:
+            state.t = value
 
     # -- storage, the subclass's ---------------------------------------------------------
     @property
@@ -234,6 +244,12 @@ class LayerCache(abc.ABC):
     def check_step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
         """Raises ``InputTypeError``/``InputValueError`` (a ``TypeError``/``ValueError``) for
         tensors this cache cannot take, ``CacheFullError`` when policy none has no room."""
+        self.check_tensors(query, new_key, new_value)
+        if not self.policy.has_room(self.tokens_seen):
+            raise CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
+
+    def check_tensors(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> None:
+        """``check_step`` without the room check (the native step checks room itself)."""
         s = self.spec
         shapes = self.__dict__.get("_step_shapes")
         if shapes is None:
@@ -262,8 +278,6 @@ class LayerCache(abc.ABC):
             and new_value.is_cpu
         ):
             self._check_step_slow(query, new_key, new_value)
-        if not self.policy.has_room(self.tokens_seen):
-            raise CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
 
     def _check_step_slow(self, query, new_key, new_value) -> None:
         s = self.spec
@@ -285,15 +299,15 @@ class LayerCache(abc.ABC):
 
     def step(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> StepOutcome:
         """Appends one token and attends to what the policy says; atomic."""
+        if self._state is not None:  # the compiled step: one native call plans, writes and attends
+            outcome = self._step_native(query, new_key, new_value)
+            if outcome is not None:
+                return outcome
+        return self._step_python(query, new_key, new_value)
+
+    def _step_python(self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> StepOutcome:
         self.check_step(query, new_key, new_value)
         t = self.tokens_seen
-        prepared = self._prepare_native(query, new_key, new_value)
-        if prepared is not None:  # the whole step in one native call (see native_step_done)
-            desc = prepared.desc
-            self._native.run_one(ctypes.addressof(desc))
-            if desc.status:
-                self.native_step_done(desc.status)
-            return self._commit_plan(t, prepared.output, prepared.plan)
         row = self.row_of(t)
         saved = self._save_rows(row, row + 1)
         try:
@@ -305,19 +319,90 @@ class LayerCache(abc.ABC):
             raise
         return self._commit(t, output, attended)
 
-    # -- the native step: one call writes the row, attends and writes the output -----------
-    # A cache with a compiled step sets ``_native`` (a ``native.Kernel``) and overrides
-    # ``_prepare_native``; ``step`` and ``batch.step_many`` run the prepared descriptors.
+    # -- the native step: one ``gqa_step`` call plans, writes the row, attends, writes the output --
+    # A cache with a compiled step calls ``_attach_native`` with its descriptor (storage, shape,
+    # policy); the public step, ``batch.step_many`` and ``plane.CacheSet.step`` all run it
+    # through ``native.Kernel.step``.
     _native = None
 
-    def _prepare_native(
-        self, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor, out: torch.Tensor | None = None
-    ):
-        """After ``check_step``: this step as a ``NativeStep`` (the cache's own descriptor filled
-        in, the output tensor the call writes (``out`` when given: contiguous, the query's shape
-        and dtype, checked by the caller), the step's ``_plan``, the tensors the call reads, kept
-        alive), or None when this step takes the Python path. Writes nothing."""
-        return None
+    def _attach_native(self, kernel, desc) -> None:
+        """Makes ``desc`` (a ``native.CacheDesc`` with storage and shape filled in) this cache's
+        state: the policy and T written into it, and the buffers of a one-row ``gqa_step``."""
+        from . import native  # noqa: PLC0415 (native imports torch only; base is imported first)
+
+        p = self.policy
+        desc.policy = native.POLICY[p.kind.value]
+        desc.window, desc.sinks, desc.t = p.window, p.sinks, self._t
+        if self.__dict__.get("_fail_flag"):
+            desc.flags |= native.FLAG_FAIL_AFTER_WRITE
+        self._native = kernel
+        self._state = desc
+        io = (ctypes.c_void_p * 4)()
+        results = (ctypes.c_int64 * len(native.RESULT_COLUMNS_ALL))()
+        status = ctypes.c_int32()
+        addr = (ctypes.c_void_p * 1)(ctypes.addressof(desc))
+        # (kernel.step, the descriptor's address array, io and its address, results and their
+        # address, status and its address): what ``_step_native`` passes, computed once
+        self._one = (
+            kernel.step,
+            ctypes.addressof(addr),
+            io,
+            ctypes.addressof(io),
+            results,
+            ctypes.addressof(results),
+            status,
+            ctypes.addressof(status),
+            addr,
+        )
+        s = self.spec
+        self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+
+    def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
+        """The public step in one ``gqa_step`` call; None when this step takes the Python path
+        (``python_below``: the int8 cache's calibration)."""
+        self.check_tensors(query, new_key, new_value)
+        _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
+        fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
+        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+        if out is None:
+            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
+        io[0] = q.data_ptr()
+        io[1] = k.data_ptr()
+        io[2] = v.data_ptr()
+        io[3] = out.data_ptr()
+        rc = fn(addrs, 1, io_at, None, None, res_at, 7, status_at, 0, 0)
+        if rc:
+            self._native.raise_for(rc)
+        if status.value:
+            if status.value == -errno.EAGAIN:
+                return None
+            raise self.step_error(status.value)
+        r = res[:7]
+        return StepOutcome(out, r[0], r[1], r[2], r[3], r[4], self.row_bytes, 0, r[6])
+
+    def step_error(self, status: int) -> Exception:
+        """The exception for a row the native step refused with ``status`` (-errno; the cache
+        unchanged)."""
+        if status == -errno.ENOSPC:
+            return CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
+        return RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
+
+    # Tests set it to make the native step fail after its write (the kernel restores the row).
+    @property
+    def _fail_after_write(self) -> bool:
+        return bool(self.__dict__.get("_fail_flag"))
+
+    @_fail_after_write.setter
+    def _fail_after_write(self, value: bool) -> None:
+        from . import native  # noqa: PLC0415
+
+        self.__dict__["_fail_flag"] = bool(value)
+        state = self._state
+        if state is not None:
+            if value:
+                state.flags |= native.FLAG_FAIL_AFTER_WRITE
+            else:
+                state.flags &= ~native.FLAG_FAIL_AFTER_WRITE
 
     def _plan(self, t: int) -> tuple:
         """The arithmetic of the step from T = t: ``(runs, write_row, attended, resident,
@@ -348,17 +433,6 @@ class LayerCache(abc.ABC):
             resident[-1].stop - 1,
             p.evicted_by_step(t),
         )
-
-    @staticmethod
-    def native_step_done(status: int) -> None:
-        """Raises for a descriptor whose step the kernel did not complete (its row restored)."""
-        if status:
-            raise RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
-
-    def _commit_plan(self, t: int, output: torch.Tensor, plan: tuple) -> StepOutcome:
-        """``_commit`` from the step's ``_plan``."""
-        self.tokens_seen = t + 1
-        return StepOutcome(output, t + 1, plan[3], plan[4], plan[5], plan[6], self.row_bytes, 0, plan[2])
 
     def _commit(self, t: int, output: torch.Tensor, attended: tuple[range, ...] | None = None) -> StepOutcome:
         """The bookkeeping of a step from T = t whose row is written and output computed."""

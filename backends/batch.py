@@ -7,7 +7,7 @@ its batch-mates are computed. Each outcome is bit-identical to ``cache.step(...)
 
 This is the contract the server's batcher and the ``Batch`` RPC build on. Every CPU cache with
 the compiled kernel (dense float32 / bfloat16 / float16, and int8 once calibrated; any mix of
-encodings, shapes and policies) is computed in one native call (``native.Kernel.run_each``); a cache
+encodings, shapes and policies) is computed in one native call (``native.Kernel.step``); a cache
 class with its own batched step (``step_group``: the cuda backend's ``step_many_cuda``, one
 Triton launch per dtype and head shape) gets its slots; other caches (the torch fallback, int8
 during calibration) step one after the other in the same call, with the same contract.
@@ -16,6 +16,7 @@ during calibration) step one after the other in the same call, with the same con
 from __future__ import annotations
 
 import ctypes
+import errno
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -69,18 +70,20 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     The caches must be distinct objects (``ValueError`` for the whole call otherwise, before
     anything is written): two steps of one cache in one batch would have no defined order.
 
-    Caches with a compiled step (``LayerCache._prepare_native``) are checked one by one (a
-    refused step is refused alone), then computed together in one native call per library
-    (``native.Kernel.run_each`` over their own descriptors): the work is split across the kernels' pool
-    in items of at most a fixed number of positions, so each output is bit-identical to the
-    cache's ``step`` alone. A cache class with a batched step of its own (``step_group``: the
-    cuda backend's one Triton launch) gets its slots handed to it. Other caches step one after
-    the other. The GIL is released during the native call.
+    Caches with a compiled step (``LayerCache._state``) have their tensors checked one by one (a
+    refused step is refused alone), then are computed together in one ``gqa_step`` call per
+    library, which plans each step from the cache's state, writes its row, attends and writes
+    its output; a row it refuses (policy none full, an int8 scale out of range) is refused
+    alone, a row it hands back (int8 calibration) steps in Python. The work is split across the
+    kernels' pool in items of at most a fixed number of positions, so each output is
+    bit-identical to the cache's ``step`` alone. A cache class with a batched step of its own
+    (``step_group``: the cuda backend's one Triton launch) gets its slots handed to it. Other
+    caches step one after the other. The GIL is released during the native call.
     """
     if len({id(s.cache) for s in steps}) != len(steps):
         raise ValueError("step_many: a cache appears twice in one batch")
     results: list[StepOutcome | Exception | None] = [None] * len(steps)
-    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, t, prepared)]
+    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, out, q, k, v)]
     kernels = {}
     by_class: dict = {}  # a cache class's own batched step (``step_group``, e.g. cuda) -> slots
     for i, s in enumerate(steps):
@@ -95,45 +98,57 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
         if step_group is not None:
             by_class.setdefault(step_group, []).append(i)
             continue
-        kernel = getattr(cache, "_native", None)
-        if kernel is not None:
+        if cache._state is not None:
             try:
-                cache.check_step(q, k, v)
-                prepared = cache._prepare_native(q, k, v, out)
+                cache.check_tensors(q, k, v)
             except Exception as exc:
                 results[i] = exc
                 continue
-            if prepared is not None:
-                members = groups.get(id(kernel))
-                if members is None:
-                    members = groups[id(kernel)] = []
-                    kernels[id(kernel)] = kernel
-                members.append((i, cache, cache.tokens_seen, prepared))
-                continue
-        # no compiled step, or this step takes the Python path (e.g. int8 calibration)
-        try:
-            results[i] = _into(out, cache.step(q, k, v))
-        except Exception as exc:  # refused alone; the cache restored itself
-            results[i] = exc
+            kernel = cache._native
+            members = groups.get(id(kernel))
+            if members is None:
+                members = groups[id(kernel)] = []
+                kernels[id(kernel)] = kernel
+            if out is None:
+                out = torch.empty_like(cache._out_like)
+            members.append((i, cache, out, q.contiguous(), k.contiguous(), v.contiguous()))
+            continue
+        _step_python(cache, s, results, i)
     for key, members in groups.items():
+        n = len(members)
+        addrs = (ctypes.c_void_p * n)(*[ctypes.addressof(m[1]._state) for m in members])
+        io = (ctypes.c_void_p * (4 * n))(
+            *[p for m in members for p in (m[3].data_ptr(), m[4].data_ptr(), m[5].data_ptr(), m[2].data_ptr())]
+        )
+        res = (ctypes.c_int64 * (7 * n))()
+        status = (ctypes.c_int32 * n)()
+        kernel = kernels[key]
         try:
-            if len(members) == 1:  # a batch of one (the server's inline step)
-                kernels[key].run_one(ctypes.addressof(members[0][3].desc))
-            else:  # each cache's own descriptor, by address: the library gathers them
-                kernels[key].run_each([ctypes.addressof(m[3].desc) for m in members])
+            rc = kernel.step(addrs, n, io, None, None, res, 7, status, 0, 0)
+            if rc:
+                kernel.raise_for(rc)
         except Exception as exc:  # the whole call refused: nothing was written
             for i, *_ in members:
                 results[i] = exc
             continue
-        for i, cache, t, prepared in members:
-            try:
-                status = prepared.desc.status
-                if status:
-                    cache.native_step_done(status)
-                results[i] = cache._commit_plan(t, prepared.output, prepared.plan)
-            except Exception as exc:
-                results[i] = exc
+        for j, (i, cache, out, *_) in enumerate(members):
+            st = status[j]
+            if st == 0:
+                r = res[7 * j : 7 * j + 7]
+                results[i] = StepOutcome(out, r[0], r[1], r[2], r[3], r[4], cache.row_bytes, 0, r[6])
+            elif st == -errno.EAGAIN:  # this cache's step takes the Python path now
+                _step_python(cache, steps[i], results, i)
+            else:
+                results[i] = cache.step_error(st)
     for step_group, slots in by_class.items():
         for i, result in zip(slots, step_group([steps[i] for i in slots])):
             results[i] = result if isinstance(result, Exception) else _into(steps[i].out, result)
     return results  # type: ignore[return-value]
+
+
+def _step_python(cache: LayerCache, s: BatchStep, results: list, i: int) -> None:
+    """A step without the compiled path (torch fallback, int8 calibration), into slot ``i``."""
+    try:
+        results[i] = _into(s.out, cache._step_python(s.query, s.new_key, s.new_value))
+    except Exception as exc:  # refused alone; the cache restored itself
+        results[i] = exc

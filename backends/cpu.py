@@ -28,7 +28,7 @@ import torch
 
 from . import native
 from .attention import attend, attend_rows
-from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, NativeStep, scaled_query
+from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, scaled_query
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 
@@ -75,15 +75,13 @@ class DenseCache(DenseRingCache):
                 raise native.NativeUnavailable(
                     f"cpu: kernel {kernel!r} does not run here at head_dim {d} (this CPU: {', '.join(self._native.isas(d))})"
                 )
-            self._desc = self._make_desc(isa)
+            self._attach_native(self._native, self._make_desc(isa))
 
     def _make_desc(self, isa: str) -> native.CacheDesc:
         s = self.spec
         n = s.batch_size * s.num_kv_heads
         enc = native.DTYPE_ENC[s.dtype]
         self._saved = torch.empty((2, n, s.head_dim), dtype=s.dtype)
-        # the output's shape and dtype: torch.empty_like of it costs half of torch.empty's parsing
-        self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
         x = native.CacheDesc()
         x.enc = x.io = enc
         x.flags = native.ISA[isa] << native.FLAG_ISA_SHIFT
@@ -92,27 +90,6 @@ class DenseCache(DenseRingCache):
         x.qscale = 1.0 / math.sqrt(s.head_dim)
         x.k, x.v, x.saved = self._k.data_ptr(), self._v.data_ptr(), self._saved.data_ptr()
         return x
-
-    # Tests set it to make the native step fail after its write (the kernel restores the row).
-    _fail_after_write = False
-
-    def _prepare_native(self, query, new_key, new_value, out=None):
-        if self._native is None:
-            return None
-        t = self.tokens_seen
-        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
-        if out is None:
-            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
-        x = self._desc
-        plan = self._plan(t)
-        x.set_runs(plan[0])
-        x.write_row = plan[1]
-        x.q, x.new_k, x.new_v, x.out = q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr()
-        if self._fail_after_write:
-            x.flags |= native.FLAG_FAIL_AFTER_WRITE
-        elif x.flags & native.FLAG_FAIL_AFTER_WRITE:
-            x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
-        return NativeStep(x, out, plan, (q, k, v))
 
     def _attend(self, query, runs):
         s = self.spec

@@ -30,7 +30,7 @@ kernel (``backends/csrc/gqa_decode.c``) receives the order and does the same.
 
 The step. During calibration (fewer than ``CALIBRATION_TOKENS`` keys seen, with outlier
 channels) the step runs in Python. After it, with a "native" kernel, the whole step is one
-native call (``_prepare_native``): the new key reordered and quantized, its outlier channels in
+native call (``gqa_step``): the new key reordered and quantized, its outlier channels in
 float16, the value rotated and quantized (the same codes as ``quant.quantize_int8``, bit for
 bit), the codes written into the ring with the overwritten bytes saved (restored on failure),
 the attention, and the output rotated back in the stream dtype.
@@ -68,7 +68,7 @@ import torch
 import quant.int8 as quant_int8
 
 from . import native
-from .base import Backend, CacheSpec, Capabilities, LayerCache, NativeStep, scaled_query
+from .base import Backend, CacheSpec, Capabilities, LayerCache, scaled_query
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, choose_key_channels, chooses_again, key_outlier_count
 from .int8_codes import STATE_ENCODING, check_quantized, join_rows, rows_from_state, state_from_rows
@@ -149,8 +149,36 @@ class Int8Cache(Int8Storage):
                     f"(this CPU: {', '.join(self._native.isas(spec.head_dim))})"
                 )
         self.kernel = kernel
-        self._desc = None
         super().__init__(spec, scale_dtype, rotate, key_outliers)
+        if self._native is not None:
+            self._attach_native(self._native, self._make_desc())
+            self._sync_native()
+
+    # -- what the native step needs to know of the Python side ---------------------------------
+    # While the outlier channels are being chosen (the calibration keys kept), steps below
+    # CALIBRATION_TOKENS take the Python path: the descriptor's python_below says so to the
+    # library; its key order follows every new choice.
+    @property
+    def _calibration(self):
+        return self.__dict__.get("_calibration_keys")
+
+    @_calibration.setter
+    def _calibration(self, value) -> None:
+        self.__dict__["_calibration_keys"] = value
+        self._sync_native()
+
+    def _set_key_channels(self, order: torch.Tensor) -> None:
+        super()._set_key_channels(order)
+        self._sync_native()
+
+    def _sync_native(self) -> None:
+        state = self._state
+        if state is None:
+            return
+        state.python_below = CALIBRATION_TOKENS if self._calibration is not None else 0
+        order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
+        self._order_kept = order  # the descriptor points into it
+        state.order = order.data_ptr()
 
     @property
     def calibrated(self) -> bool:
@@ -213,13 +241,6 @@ class Int8Cache(Int8Storage):
             self._set_key_channels(order)
             self._calibration = cal
         self._write_codes(start, Int8Rows(*rows))
-
-    # -- checks: non-finite input is refused before anything is written ---------------------
-    def check_step(self, query, new_key, new_value):
-        super().check_step(query, new_key, new_value)
-        check_values("query", query)
-        check_values("new_key", new_key, FLOAT16_MAX)
-        check_values("new_value", new_value)
 
     # -- raw codes, for bit-exact snapshots ------------------------------------------------------
     def export_quantized(self) -> Int8Rows:
@@ -293,8 +314,6 @@ class Int8Cache(Int8Storage):
             raise ValueError(f"restore: int8 state incomplete or mistyped ({exc})") from None
 
     # -- the whole step in one native call (after calibration) -----------------------------------
-    _fail_after_write = False  # tests: the native step fails after its write
-
     def _make_desc(self) -> native.CacheDesc:
         s = self.spec
         n, d, o = s.batch_size * s.num_kv_heads, s.head_dim, self.outliers
@@ -315,42 +334,18 @@ class Int8Cache(Int8Storage):
         x.saved = self._saved_row.data_ptr()
         return x
 
-    def _prepare_native(self, query, new_key, new_value, out=None):
-        t = self.tokens_seen
-        if self._native is None or (self._calibration is not None and t < CALIBRATION_TOKENS):
-            return None  # calibration: the Python path chooses the outlier channels
-        s = self.spec
-        x = self._desc
-        if x is None:
-            x = self._desc = self._make_desc()
-            self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
-        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
-        order = self._key_order if self._key_order.is_contiguous() else self._key_order.contiguous()
-        if out is None:
-            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
-        plan = self._plan(t)
-        x.set_runs(plan[0])
-        x.write_row = plan[1]
-        x.q, x.order, x.new_k, x.new_v, x.out = (
-            q.data_ptr(),
-            order.data_ptr(),
-            k.data_ptr(),
-            v.data_ptr(),
-            out.data_ptr(),
-        )
-        if self._fail_after_write:
-            x.flags |= native.FLAG_FAIL_AFTER_WRITE
-        elif x.flags & native.FLAG_FAIL_AFTER_WRITE:
-            x.flags &= ~native.FLAG_FAIL_AFTER_WRITE
-        return NativeStep(x, out, plan, (q, k, v, order))
+    def check_tensors(self, query, new_key, new_value):
+        super().check_tensors(query, new_key, new_value)
+        check_values("query", query)
+        check_values("new_key", new_key, FLOAT16_MAX)
+        check_values("new_value", new_value)
 
-    @staticmethod
-    def native_step_done(status: int) -> None:
+    def step_error(self, status: int) -> Exception:
         if status == -errno.ERANGE:
-            raise InputValueError(
+            return InputValueError(
                 "value: a row's absmax needs a scale beyond float16's range; use float32 scales (nothing was written)"
             )
-        LayerCache.native_step_done(status)
+        return super().step_error(status)
 
     # -- attention ------------------------------------------------------------------------------
     def _attend(self, query, runs):

@@ -48,7 +48,12 @@ __all__ = [
     "Int8Kernel",
     "Kernel",
     "NativeUnavailable",
+    "POLICY",
+    "RESULT_COLUMNS",
+    "RESULT_COLUMNS_ALL",
     "available",
+    "check_layout",
+    "layout_mirror",
     "build",
     "cache_dir",
     "load",
@@ -70,6 +75,11 @@ FLAG_ROTATE = 4  # int8: values stored Hadamard-rotated (the step rotates the ne
 FLAG_RECIPROCAL = 8  # int8, float32 scales: codes = round(x * (127 / absmax)), bitsandbytes' rounding
 MAX_RUNS = 4
 FLAG_ISA_SHIFT = 4  # flags bits 4-5: a cache's own ISA (0: the call's)
+# a descriptor's policy (the C enum), as backends.policy.PolicyKind values
+POLICY = {"none": 0, "strict": 1, "greedy": 2, "sink": 3}
+# gqa_step's result columns (the C enum): the numbers after a row's step
+RESULT_COLUMNS = ("tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach")
+RESULT_COLUMNS_ALL = RESULT_COLUMNS + ("attended", "write_row")
 
 
 _threads = os.cpu_count() or 1
@@ -183,6 +193,13 @@ class CacheDesc(ctypes.Structure):
         ("new_v", ctypes.c_void_p),
         ("saved", ctypes.c_void_p),
         ("out", ctypes.c_void_p),
+        # the cache's state, planned from by gqa_step (the library's once the cache exists)
+        ("policy", ctypes.c_int32),
+        ("reserved", ctypes.c_int32),
+        ("window", ctypes.c_int64),
+        ("sinks", ctypes.c_int64),
+        ("t", ctypes.c_int64),
+        ("python_below", ctypes.c_int64),
     ]
 
     def set_runs(self, runs) -> None:
@@ -219,10 +236,47 @@ class Kernel:
         lib.gqa_threads.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
+        lib.gqa_layout.argtypes = [p, i64]
+        lib.gqa_layout.restype = i64
+        lib.gqa_step.argtypes = [p, i64, p, p, p, p, i64, p, i32, i32]
+        lib.gqa_step.restype = i32
+        lib.gqa_plan.argtypes = [p, p]
+        lib.gqa_plan.restype = i32
+        lib.gqa_rollback_reach.argtypes = [p]
+        lib.gqa_rollback_reach.restype = i64
+        mismatch = check_layout(library_layout(lib))
+        if mismatch:
+            raise NativeUnavailable(f"the native kernel at {path} does not match backends/native.py: {mismatch}")
         self._lib = lib
         self._run = lib.gqa_run
         self._run_ptrs = lib.gqa_run_ptrs
+        self.step = lib.gqa_step
         lib.gqa_set_threads(_threads)
+
+    # ``step``: the C function ``gqa_step`` itself (ctypes, the GIL released while it runs):
+    #   step(caches, n, io, base, stride, results, rcols, status, threads, isa) -> 0 or -errno
+    # caches: address of n descriptor addresses (distinct caches); io: address of n x 4 pointers
+    # (row i's query, new key, new value, output) or None, then base: address of 4 pointers and
+    # stride: address of 4 int64 byte strides (row i's tensor at base[j] + i * stride[j]);
+    # results: address of n x rcols int64 (``RESULT_COLUMNS_ALL``, the first rcols >= 6), status:
+    # address of n int32. Row i: status 0 and its numbers after the step (T incremented), or a
+    # refusal with nothing written and zero numbers: -EAGAIN (the cache's own Python path, e.g.
+    # int8 calibration), -ENOSPC (policy none, full), -ERANGE (an int8 scale beyond float16),
+    # -EIO (an injected failure after the write, restored), -EINVAL (address 0). A nonzero
+    # return refuses the whole call (nothing written): ``raise_for``.
+
+    def plan(self, desc: CacheDesc) -> tuple[int, list[int], list[tuple[int, int]]]:
+        """The plan of ``desc``'s next step without taking it (tests: the C twin of
+        ``backends.policy``): (status, the ``RESULT_COLUMNS_ALL`` numbers, the runs)."""
+        out = (ctypes.c_int64 * (len(RESULT_COLUMNS_ALL) + 1 + 2 * MAX_RUNS))()
+        rc = self._lib.gqa_plan(ctypes.addressof(desc), ctypes.addressof(out))
+        k = len(RESULT_COLUMNS_ALL)
+        runs = [(out[k + 1 + 2 * r], out[k + 2 + 2 * r]) for r in range(out[k])] if not rc else []
+        return rc, list(out[:k]) if not rc else [], runs
+
+    def rollback_reach(self, desc: CacheDesc) -> int:
+        """``policy.rollback_reach(T)`` computed by the library from ``desc``'s state."""
+        return self._lib.gqa_rollback_reach(ctypes.addressof(desc))
 
     def isas(self, head_dim: int) -> list[str]:
         """The implementations that run on this CPU at ``head_dim``, the fastest last."""
@@ -342,6 +396,47 @@ class Kernel:
 Int8Kernel = Kernel  # the name of the int8-only library this one replaced
 
 
+def layout_mirror() -> list[tuple[str, int]]:
+    """What this module assumes of the library, in ``gqa_layout``'s order: the descriptor's size,
+    its fields' offsets, then the enums' values."""
+    fields = [("sizeof(gqa_cache_t)", ctypes.sizeof(CacheDesc))]
+    fields += [(f"offsetof({name})", getattr(CacheDesc, name).offset) for name, _ in CacheDesc._fields_]
+    fields.append(("MAX_RUNS", MAX_RUNS))
+    fields += [(f"ISA_{k.upper()}", v) for k, v in ISA.items()]
+    fields += [(f"ENC_{k.upper()}", v) for k, v in ENC.items()]
+    fields += [
+        ("FLAG_HALF_SCALES", FLAG_HALF_SCALES),
+        ("FLAG_FAIL_AFTER_WRITE", FLAG_FAIL_AFTER_WRITE),
+        ("FLAG_ROTATE", FLAG_ROTATE),
+        ("FLAG_RECIPROCAL", FLAG_RECIPROCAL),
+        ("FLAG_ISA_SHIFT", FLAG_ISA_SHIFT),
+    ]
+    fields += [(f"POLICY_{k.upper()}", v) for k, v in POLICY.items()]
+    fields += [(f"result column {name}", i) for i, name in enumerate(RESULT_COLUMNS_ALL)]
+    fields.append(("result columns", len(RESULT_COLUMNS_ALL)))
+    return fields
+
+
+def library_layout(lib) -> list[int]:
+    """The numbers ``gqa_layout`` of a loaded library reports."""
+    count = lib.gqa_layout(None, 0)
+    out = (ctypes.c_int64 * count)()
+    lib.gqa_layout(ctypes.addressof(out), count)
+    return list(out)
+
+
+def check_layout(reported: list[int], mirror: list[tuple[str, int]] | None = None) -> str:
+    """'' when the library's layout (``library_layout``) is this module's (``layout_mirror``),
+    else what differs first."""
+    mirror = layout_mirror() if mirror is None else mirror
+    if len(reported) != len(mirror):
+        return f"the library reports {len(reported)} layout numbers, backends/native.py expects {len(mirror)}"
+    for (name, want), got in zip(mirror, reported):
+        if want != got:
+            return f"{name} is {got} in the library, {want} in backends/native.py"
+    return ""
+
+
 @functools.cache
 def load() -> Kernel:
     """The kernel, built if needed; ``NativeUnavailable`` says why not (the result is cached)."""
@@ -349,6 +444,8 @@ def load() -> Kernel:
         raise NativeUnavailable("disabled by GQA_NATIVE=0")
     try:
         return Kernel(build())
+    except AttributeError as exc:  # a library without an entry point this module calls
+        raise NativeUnavailable(f"the native kernel lacks an entry point ({exc})") from None
     except OSError as exc:  # dlopen failed
         raise NativeUnavailable(f"cannot load the native kernel ({exc})") from None
 

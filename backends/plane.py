@@ -1,72 +1,123 @@
-"""The step plane: the caches of many sequences of one shape, stepped n at a time (issue #23).
+"""The step plane: the caches of many sequences of one shape, stepped a layer at a time in one
+native call with no Python per sequence (issue #23; the contract: PLANE-API.md).
 
-STAND-IN: this module implements the interface of /work/wt/PLANE-API.md over today's
-``backends.batch.step_many`` (one ``BatchStep`` per row, Python per row) so the service can be
-written against it; the real ``CacheSet`` (one native call over an array of handles) replaces
-it at merge. Its contract is the real one's.
+A ``CacheSet`` keeps, per layer, a numpy array of its caches' native descriptor addresses
+indexed by slot. ``CacheSet.step`` gathers the rows' addresses by the slots array, points the
+library at the packed query / new key / new value / output tensors (row i at base + i * row
+bytes) and calls ``gqa_step`` once: the library plans each row's step from its cache's state
+(``backends/policy.py``'s arithmetic in C), writes the new token, attends, writes row i of
+``out`` and row i of ``fields`` and sets row i's status. Python then looks only at the rows
+the library refused (nonzero status), if any.
+
+Caches without the compiled step (the torch fallback, int8 while it calibrates, cuda) are
+stepped by ``step`` too, one by one through their public step, with the same contract.
 """
 
 from __future__ import annotations
 
+import errno
+import math
 import time
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from .base import LayerCache, StepOutcome
-from .batch import BatchStep, step_many
+from .base import LayerCache
+from .errors import InputValueError
 
-__all__ = ["FIELDS", "StepBatch", "CacheSet"]
+__all__ = ["FIELDS", "CacheSet", "StepBatch"]
 
 FIELDS = ("tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach")
 
 
 class StepBatch(NamedTuple):
-    """One ``CacheSet.step``'s results: ``fields`` int64 (n, 6), FIELDS after each row's step (a
-    refused row all 0); ``refused`` row -> the exception that row's step raised (empty when every
-    row succeeded; a refused row's cache is unchanged and its ``out`` row left as it was);
-    ``compute_ns`` the computation's wall time."""
+    """What ``CacheSet.step`` did. ``fields``: int64 (n, 6), ``FIELDS`` after each row's step (a
+    refused row all 0). ``refused``: row -> the exception that row's step raised (the backends'
+    typed errors: ``CacheFullError``, ``InputTypeError``/``InputValueError``, anything else is
+    internal); its cache unchanged and its ``out`` row left as it was. ``compute_ns``: wall time
+    of the computation (the native call and any Python steps)."""
 
     fields: np.ndarray
     refused: dict[int, Exception]
     compute_ns: int
 
 
+_NO_CACHE = 0  # an address the library refuses with -EINVAL (a row Python steps instead)
+
+
 class CacheSet:
-    """The caches of many sequences of ONE shape, one column per layer, rows addressed by slot
-    (small ints, reused after ``remove``). Not thread-safe: one owner; ``step`` may run on a
-    worker thread while the owner does nothing else with the set."""
+    """The caches of many sequences of ONE shape (Hq, Hkv, D, dtype, batch size 1, one backend),
+    one column per layer, rows addressed by slot (small ints, reused after remove). Keeps, per
+    layer, an array of the caches' native descriptor addresses so that a step of n sequences is
+    one native call. Not thread-safe: one owner; ``step`` may run on a worker thread while the
+    owner does nothing else with the set."""
 
     def __init__(self, num_layers: int):
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ValueError(f"num_layers must be a positive int, got {num_layers!r}")
         self.num_layers = num_layers
-        self._rows: list[list[LayerCache] | None] = []
+        self._caches: list[list[LayerCache] | None] = []
         self._free: list[int] = []
+        # per layer: (capacity,) uint64 descriptor addresses by slot (0: no compiled step)
+        self._addrs = np.zeros((num_layers, 0), dtype=np.uint64)
+        self._kernel = None  # the library of the set's native caches
+        self._shape = None  # (Hq, Hkv, D, dtype) of the first cache added
+        self._value_check = False  # the caches refuse non-finite input (int8): checked per call
 
+    # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
-        """A sequence's caches (``caches[i]`` is layer i's) -> its slot."""
+        """Adds one sequence's caches (``caches[i]`` is layer i's); returns its slot.
+        ``ValueError`` for a list of the wrong length or a cache of another shape."""
         if len(caches) != self.num_layers:
             raise ValueError(f"add: {len(caches)} caches for a set of {self.num_layers} layers")
+        for cache in caches:
+            s = cache.spec
+            shape = (s.num_query_heads, s.num_kv_heads, s.head_dim, s.dtype)
+            if s.batch_size != 1:
+                raise ValueError(f"add: batch_size {s.batch_size}; a set's sequences have batch size 1")
+            if self._shape is None:
+                self._shape = shape
+            elif shape != self._shape:
+                raise ValueError(f"add: a cache of shape {shape}, the set's is {self._shape}")
+            if type(cache).check_tensors is not LayerCache.check_tensors:
+                self._value_check = True
+            kernel = cache._native if cache._state is not None else None
+            if kernel is not None:
+                if self._kernel is None:
+                    self._kernel = kernel
+                elif kernel is not self._kernel:
+                    raise ValueError("add: a cache of another native library")
         if self._free:
             slot = self._free.pop()
-            self._rows[slot] = list(caches)
         else:
-            slot = len(self._rows)
-            self._rows.append(list(caches))
+            slot = len(self._caches)
+            self._caches.append(None)
+            if slot >= self._addrs.shape[1]:
+                grown = np.zeros((self.num_layers, max(8, 2 * self._addrs.shape[1])), dtype=np.uint64)
+                grown[:, : self._addrs.shape[1]] = self._addrs
+                self._addrs = grown
+        self._caches[slot] = list(caches)
+        for layer, cache in enumerate(caches):
+            state = cache._state
+            self._addrs[layer, slot] = 0 if state is None else _address(state)
         return slot
 
     def remove(self, slot: int) -> None:
-        if self._rows[slot] is None:
-            raise KeyError(slot)
-        self._rows[slot] = None
+        """Forgets a slot's caches (the slot is reused by a later ``add``); ``KeyError`` if not live."""
+        if not 0 <= slot < len(self._caches) or self._caches[slot] is None:
+            raise KeyError(f"slot {slot} is not in the set")
+        self._caches[slot] = None
+        self._addrs[:, slot] = 0
         self._free.append(slot)
 
     def caches(self, slot: int) -> list[LayerCache]:
-        row = self._rows[slot]
-        if row is None:
-            raise KeyError(slot)
-        return row
+        caches = self._caches[slot] if 0 <= slot < len(self._caches) else None
+        if caches is None:
+            raise KeyError(f"slot {slot} is not in the set")
+        return caches
 
+    # -- the step ---------------------------------------------------------------------------
     def step(
         self,
         layer: int,
@@ -76,30 +127,108 @@ class CacheSet:
         new_value: torch.Tensor,
         out: torch.Tensor,
     ) -> StepBatch:
-        """Row i steps ``caches(slots[i])[layer]`` with ``query[i:i+1]``, ``new_key[i:i+1]``,
-        ``new_value[i:i+1]`` into ``out[i:i+1]``; bit-identical to that cache's ``step``."""
+        """One step of layer ``layer`` for the sequences at ``slots`` (int64 (n,), distinct, live:
+        the caller checked). query (n, Hq, D), new_key and new_value (n, Hkv, D), out (n, Hq, D):
+        contiguous CPU tensors of the set's dtype (``ValueError`` otherwise, nothing written).
+        Row i's step is bit-identical to ``caches(slots[i])[layer].step(query[i:i+1], ...)``;
+        its output goes to ``out[i]``."""
         n = len(slots)
-        fields = np.zeros((n, len(FIELDS)), dtype=np.int64)
+        self._check(query, new_key, new_value, out, n)
+        fields = np.zeros((n, 6), dtype=np.int64)
         refused: dict[int, Exception] = {}
+        start = time.perf_counter_ns()
         if n == 0:
             return StepBatch(fields, refused, 0)
-        rows = self._rows
-        caches = [rows[s][layer] for s in slots.tolist()]
-        q, k, v, o = query.split(1), new_key.split(1), new_value.split(1), out.split(1)
-        steps = [BatchStep(c, q[i], k[i], v[i], o[i]) for i, c in enumerate(caches)]
-        t0 = time.perf_counter_ns()
-        outcomes = step_many(steps)
-        compute_ns = time.perf_counter_ns() - t0
-        for i, (cache, r) in enumerate(zip(caches, outcomes)):
-            if isinstance(r, StepOutcome):
-                fields[i] = (
-                    r.tokens_seen,
-                    r.resident,
-                    r.first_position,
-                    r.last_position,
-                    r.evicted_tokens,
-                    cache.policy.rollback_reach(r.tokens_seen),
+        addrs = self._addrs[layer][slots]
+        if self._kernel is not None:
+            if self._value_check:
+                bad = _bad_rows(query, new_key, new_value, n)
+                if bad is not None:
+                    addrs[bad] = _NO_CACHE
+            status = np.empty(n, dtype=np.int32)
+            base = np.array([query.data_ptr(), new_key.data_ptr(), new_value.data_ptr(), out.data_ptr()], np.uint64)
+            stride = np.array(
+                [query[0].nbytes, new_key[0].nbytes, new_value[0].nbytes, out[0].nbytes],
+                dtype=np.int64,
+            )
+            kernel = self._kernel
+            rc = kernel.step(
+                addrs.ctypes.data, n, None, base.ctypes.data, stride.ctypes.data, fields.ctypes.data, 6,
+                status.ctypes.data, 0, 0,
+            )  # fmt: skip
+            if rc:
+                kernel.raise_for(rc)
+            rows = np.flatnonzero(status)
+            if len(rows):
+                for i in rows.tolist():
+                    self._refused_row(layer, int(slots[i]), i, int(status[i]), query, new_key, new_value, out, fields,
+                                      refused)  # fmt: skip
+        else:
+            for i in range(n):
+                self._python_row(layer, int(slots[i]), i, query, new_key, new_value, out, fields, refused)
+        return StepBatch(fields, refused, time.perf_counter_ns() - start)
+
+    def _refused_row(self, layer, slot, i, status, query, new_key, new_value, out, fields, refused) -> None:
+        cache = self._caches[slot][layer]
+        if status in (-errno.EAGAIN, -errno.EINVAL):  # the Python path, or a row to check there
+            self._python_row(layer, slot, i, query, new_key, new_value, out, fields, refused)
+        else:
+            refused[i] = cache.step_error(status)
+
+    def _python_row(self, layer, slot, i, query, new_key, new_value, out, fields, refused) -> None:
+        cache = self._caches[slot][layer]
+        try:
+            o = cache._step_python(query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1])
+        except Exception as exc:  # refused alone; the cache restored itself
+            refused[i] = exc
+            return
+        out[i : i + 1].copy_(o.output)
+        t = o.tokens_seen
+        fields[i] = (t, o.resident, o.first_position, o.last_position, o.evicted_tokens, cache.policy.rollback_reach(t))
+
+    def _check(self, query, new_key, new_value, out, n) -> None:
+        if self._shape is None:
+            if n:
+                raise ValueError("step: the set is empty")
+            return
+        hq, hkv, d, dtype = self._shape
+        for name, t, heads in (("query", query, hq), ("new_key", new_key, hkv), ("new_value", new_value, hkv),
+                               ("out", out, hq)):  # fmt: skip
+            if (
+                type(t) is not torch.Tensor
+                or t.shape != (n, heads, d)
+                or t.dtype is not dtype
+                or not t.is_cpu
+                or not t.is_contiguous()
+            ):
+                raise InputValueError(
+                    f"{name}: expected a contiguous CPU tensor ({n}, {heads}, {d}) of {str(dtype)[6:]}, "
+                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                 )
-            else:
-                refused[i] = r
-        return StepBatch(fields, refused, compute_ns)
+
+
+def _address(state) -> int:
+    import ctypes  # noqa: PLC0415
+
+    return ctypes.addressof(state)
+
+
+def _bad_rows(query, new_key, new_value, n) -> np.ndarray | None:
+    """Rows with a value the int8 cache's checks refuse (non-finite, or a key beyond float16's
+    range): None when there is none (one reduction per tensor), else their indices; those rows
+    go through the cache's own checks, which name what is wrong."""
+    from .int8_storage import FLOAT16_MAX  # noqa: PLC0415
+
+    limits = ((query, math.inf), (new_key, FLOAT16_MAX), (new_value, math.inf))
+    if all(_within(*t.aminmax(), limit) for t, limit in limits):
+        return None
+    ok = np.ones(n, dtype=bool)
+    for t, limit in limits:
+        lo, hi = t.view(n, -1).aminmax(dim=1)
+        ok &= (torch.isfinite(lo) & torch.isfinite(hi) & (-lo <= limit) & (hi <= limit)).numpy()
+    return np.flatnonzero(~ok)
+
+
+def _within(lo: torch.Tensor, hi: torch.Tensor, limit: float) -> bool:
+    lo, hi = float(lo), float(hi)
+    return math.isfinite(lo) and math.isfinite(hi) and -lo <= limit and hi <= limit

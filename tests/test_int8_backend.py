@@ -662,7 +662,7 @@ def test_native_step_stores_and_outputs_what_the_python_step_does(dtype, scale_d
     spec = CacheSpec(1, 8, 2, 64, dtype, EvictionPolicy.sink(40, 3))
     native_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
     python_cache = Int8Backend(scale_dtype=scale_dtype).create_cache(spec)
-    monkeypatch.setattr(python_cache, "_prepare_native", lambda *a: None)
+    monkeypatch.setattr(python_cache, "_step_native", lambda *a: None)  # None: the Python path
     gen = torch.Generator().manual_seed(5)
     for step in range(70):  # past calibration, around the wrapped window
         q, k, v = (torch.randn(1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))

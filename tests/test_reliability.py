@@ -219,8 +219,11 @@ def test_4_a_value_error_inside_a_backend_is_internal(monkeypatch):
         def broken(*args, **kwargs):
             raise ValueError("an internal shape bug")
 
-        # the compute of either path: the compiled step's preparation, or torch's attention
-        monkeypatch.setattr(cache, "_prepare_native", broken)
+        class BrokenKernel:  # the compiled step's library entry
+            step = staticmethod(broken)
+
+        # the compute of either path: the compiled step, or torch's attention
+        monkeypatch.setattr(cache, "_native", BrokenKernel())
         monkeypatch.setattr(cache, "_attend", broken)
         reply = session.step(0, torch.zeros(1, 4, 8), torch.zeros(1, 2, 8), torch.zeros(1, 2, 8))
         assert reply.step.status.code == grpc.StatusCode.INTERNAL.value[0]

@@ -55,6 +55,7 @@
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -82,6 +83,9 @@ enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
 #define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
+enum { POLICY_NONE = 0, POLICY_STRICT = 1, POLICY_GREEDY = 2, POLICY_SINK = 3 };
+/* gqa_step's result columns, per row (a caller asks for the first rcols >= 6 of them) */
+enum { R_T = 0, R_RESIDENT, R_FIRST, R_LAST, R_EVICTED, R_REACH, R_ATTENDED, R_WRITE_ROW, R_COLS };
 
 /* One cache's part of a call (mirrored by backends/native.py's CacheDesc). */
 typedef struct {
@@ -107,6 +111,16 @@ typedef struct {
     void *saved;                /* the overwritten row: dense 2 * N * D elements of enc; int8
                                    N * (dk + 2 no + D + 2 * scale bytes) bytes */
     void *out;                  /* (N, G, D) in io */
+    /* The cache's state for gqa_step, which plans each step from it (the C twin of
+     * backends/policy.py): the policy (POLICY_*, its window and sinks; its capacity is c), the
+     * tokens seen, and below which T the caller steps the cache itself (gqa_step refuses the
+     * row with -EAGAIN: the int8 cache's calibration). Owned by the library once created:
+     * Python reads t, and writes it only for a rollback, prefill or restore. */
+    int32_t policy;
+    int32_t reserved;
+    int64_t window, sinks;
+    int64_t t;
+    int64_t python_below;
 } gqa_cache_t;
 
 /* Per-thread state of one work item: running max m, running sum l, accumulator acc[G * D]. */
@@ -670,6 +684,7 @@ typedef struct {
     int64_t *item_off;  /* ncaches + 1: first work item of each cache */
     int64_t *head_off;  /* ncaches + 1: first (cache, head) of each cache, for the merge */
     int64_t *nsplit, *s, *part_off;
+    int64_t *hpi;       /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T) */
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
     float *scratch;
@@ -735,15 +750,12 @@ static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64
 }
 static void write_head(const gqa_cache_t *cc, int64_t h, int restore);
 
-/* One work item: head h of cache i over its logical positions [l0, l1), block by block. The
+/* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block. The
  * item that completes a head's splits merges them (in split order, whoever runs it), while
  * its partials are still in cache. */
-static void attend_item(void *ctx, int64_t item, int tid) {
-    const call_t *call = ctx;
-    const int64_t i = find_cache(call->item_off, call->ncaches, item);
+static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int tid) {
     const gqa_cache_t *cc = &call->caches[i];
-    const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
-    const int64_t h = local / nsplit, split = local % nsplit, s = call->s[i];
+    const int64_t nsplit = call->nsplit[i], local = h * nsplit + split, s = call->s[i];
     const int64_t l0 = split * SPLIT_T, l1 = l0 + SPLIT_T < s ? l0 + SPLIT_T : s;
     const int64_t G = cc->g, d = cc->d;
     state_t st = thread_state(call, cc, tid);
@@ -794,6 +806,22 @@ static void attend_item(void *ctx, int64_t item, int tid) {
     }
     if (atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
         merge_head(call, i, h, call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
+}
+
+/* One work item: a (cache, head, split) of a cache with several splits; of a one-split cache,
+ * `hpi` consecutive heads (a short cache's heads in one item: its set-up, the item's lookup,
+ * paid once for all of them). Which heads share an item changes no output. */
+static void attend_item(void *ctx, int64_t item, int tid) {
+    const call_t *call = ctx;
+    const int64_t i = find_cache(call->item_off, call->ncaches, item);
+    const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
+    if (nsplit > 1) {
+        attend_head(call, i, local / nsplit, local % nsplit, tid);
+        return;
+    }
+    const int64_t n = call->caches[i].n, h0 = local * call->hpi[i];
+    const int64_t h1 = h0 + call->hpi[i] < n ? h0 + call->hpi[i] : n;
+    for (int64_t h = h0; h < h1; h++) attend_head(call, i, h, 0, tid);
 }
 
 /* Merge of one (cache, head): every split's partial rescaled to the common max, in split order. */
@@ -1065,6 +1093,63 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
     return 0;
 }
 
+/* ---------------------------------------------------------------------------------------------
+ * Per-thread memory of a call: the calling thread's arenas, grown as needed and kept for its
+ * next call (a call of 64 short caches would otherwise spend a visible part of its time in
+ * malloc and in page faults of fresh scratch). Freed when the thread exits; an arena grown
+ * past ARENA_KEEP bytes by one large call is released after it.
+ */
+#define ARENA_KEEP ((size_t)32 << 20)
+enum { ARENA_CALL = 0, ARENA_DESCS = 1, ARENAS = 2 };
+typedef struct {
+    void *p[ARENAS];
+    size_t n[ARENAS];
+} arenas_t;
+static pthread_key_t arena_key;
+static pthread_once_t arena_once = PTHREAD_ONCE_INIT;
+static __thread arenas_t *arenas;
+
+static void arenas_free(void *x) {
+    arenas_t *a = x;
+    for (int i = 0; i < ARENAS; i++) free(a->p[i]);
+    free(a);
+}
+static void arena_key_init(void) { (void)pthread_key_create(&arena_key, arenas_free); }
+
+/* At least `bytes` bytes, 64-byte aligned, of the calling thread's arena `which`; NULL when out
+ * of memory. The contents are not kept from one use to the next. */
+static void *arena_get(int which, size_t bytes) {
+    if (!arenas) {
+        pthread_once(&arena_once, arena_key_init);
+        arenas = calloc(1, sizeof *arenas);
+        if (!arenas) return NULL;
+        (void)pthread_setspecific(arena_key, arenas);
+    }
+    if (bytes <= arenas->n[which]) return arenas->p[which];
+    size_t size = arenas->n[which] * 2;
+    if (size < bytes) size = bytes;
+    size = (size + 63) & ~(size_t)63;
+    free(arenas->p[which]);
+    arenas->p[which] = aligned_alloc(64, size);
+    arenas->n[which] = arenas->p[which] ? size : 0;
+    return arenas->p[which];
+}
+
+static void arena_trim(int which) {
+    if (arenas && arenas->n[which] > ARENA_KEEP) {
+        free(arenas->p[which]);
+        arenas->p[which] = NULL;
+        arenas->n[which] = 0;
+    }
+}
+
+/* Carves n bytes, 64-byte aligned, off *at. */
+static void *carve(char **at, size_t n) {
+    void *p = *at;
+    *at += (n + 63) & ~(size_t)63;
+    return p;
+}
+
 /* Computes the steps (or attentions) of `ncaches` caches; see the header. threads: at most this
  * many (0: the pool's size). isa: ISA_* for every cache (ISA_AUTO: the fastest each can run).
  * Returns 0 (each cache's own `status` then says whether it was computed), or a negative
@@ -1073,23 +1158,22 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
     if (threads <= 0) threads = gqa_threads();
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int64_t *ints = malloc((size_t)(5 * ncaches + 2) * sizeof(int64_t));
-    block_fn *blocks = malloc((size_t)ncaches * (sizeof(block_fn) + 1)); /* and the `wide` flags */
-    if (!ints || !blocks) {
-        free(ints);
-        free(blocks);
-        return -ENOMEM;
-    }
-    call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + ncaches + 1,
-                   .nsplit = ints + 2 * ncaches + 2, .s = ints + 3 * ncaches + 2, .part_off = ints + 4 * ncaches + 2,
-                   .block = blocks, .wide = (char *)(blocks + ncaches)};
+    const size_t nc = (size_t)ncaches;
+    char *at = arena_get(ARENA_CALL, 6 * 64 + (6 * nc + 2) * sizeof(int64_t) + nc * (sizeof(block_fn) + 2));
+    if (!at) return -ENOMEM;
+    int64_t *ints = carve(&at, (6 * nc + 2) * sizeof(int64_t));
+    call_t call = {.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + nc + 1,
+                   .nsplit = ints + 2 * nc + 2, .s = ints + 3 * nc + 2, .part_off = ints + 4 * nc + 2,
+                   .hpi = ints + 5 * nc + 2};
+    call.block = carve(&at, nc * sizeof(block_fn));
+    call.wide = carve(&at, nc);
+    call.deferred = carve(&at, nc);
     int64_t items = 0, heads = 0, parts = 0, scratch = 0, work = 0, wneed = 1;
-    int rc = 0;
-    for (int64_t i = 0; i < ncaches && !rc; i++) {
+    for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
         int chosen;
-        rc = check_cache(cc, isa, &call.s[i], &chosen);
-        if (rc) break;
+        const int rc = check_cache(cc, isa, &call.s[i], &chosen);
+        if (rc) return rc;
         cc->status = 0;
         call.block[i] = choose_block(cc->enc, chosen);
         call.wide[i] = chosen == ISA_AVX512;
@@ -1097,9 +1181,16 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         call.item_off[i] = items;
         call.head_off[i] = heads;
         call.part_off[i] = parts;
-        items += cc->n * call.nsplit[i];
+        if (call.nsplit[i] > 1) {
+            call.hpi[i] = 1;
+            items += cc->n * call.nsplit[i];
+            parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
+        } else { /* heads per item: as many as make up one split's positions */
+            const int64_t per = SPLIT_T / (call.s[i] ? call.s[i] : 1);
+            call.hpi[i] = per < 1 ? 1 : per > cc->n ? cc->n : per;
+            items += (cc->n + call.hpi[i] - 1) / call.hpi[i];
+        }
         heads += cc->n;
-        if (call.nsplit[i] > 1) parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
         const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16;
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
@@ -1108,36 +1199,59 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
             if (w > wneed) wneed = w;
         }
     }
-    if (rc) {
-        free(ints);
-        free(blocks);
-        return rc;
-    }
     call.item_off[ncaches] = items;
     call.head_off[ncaches] = heads;
     if (work < PARALLEL_MIN_WORK) threads = 1;
     if (threads > items) threads = (int)items;
     call.scratch_floats = (scratch + 15) / 16 * 16;
-    call.part = malloc((size_t)(parts ? parts : 1) * sizeof(float));
-    call.scratch = aligned_alloc(64, (size_t)(threads * call.scratch_floats) * sizeof(float));
-    float *wbuf = malloc((size_t)wneed * sizeof(float));
-    call.done = calloc((size_t)heads, sizeof(atomic_int));
-    call.deferred = malloc((size_t)ncaches);
-    if (!call.part || !call.scratch || !wbuf || !call.done || !call.deferred) {
-        free(call.deferred);
-        free(call.done);
-        free(wbuf);
-        free(call.part);
-        free(call.scratch);
-        free(ints);
-        free(blocks);
-        return -ENOMEM;
+    const size_t used = (size_t)(at - (char *)arenas->p[ARENA_CALL]);
+    const size_t more = 4 * 64 + (size_t)parts * sizeof(float) + (size_t)(threads * call.scratch_floats) * sizeof(float) +
+                        (size_t)wneed * sizeof(float) + (size_t)heads * sizeof(atomic_int);
+    if (used + more > arenas->n[ARENA_CALL]) { /* grow, keeping what is carved so far */
+        char *old = arenas->p[ARENA_CALL];
+        char *fresh = aligned_alloc(64, ((used + more) * 2 + 63) & ~(size_t)63);
+        if (!fresh) return -ENOMEM;
+        memcpy(fresh, old, used);
+        const ptrdiff_t shift = fresh - old;
+        ints = (int64_t *)((char *)ints + shift);
+        call.item_off = ints;
+        call.head_off = ints + nc + 1;
+        call.nsplit = ints + 2 * nc + 2;
+        call.s = ints + 3 * nc + 2;
+        call.part_off = ints + 4 * nc + 2;
+        call.hpi = ints + 5 * nc + 2;
+        call.block = (block_fn *)((char *)call.block + shift);
+        call.wide += shift;
+        call.deferred += shift;
+        free(old);
+        arenas->p[ARENA_CALL] = fresh;
+        arenas->n[ARENA_CALL] = ((used + more) * 2 + 63) & ~(size_t)63;
+        at = fresh + used;
     }
-    /* From here on a cache fails alone (its status): an int8 scale out of range before its
-     * write, or an injected failure after it, which restores the row. */
+    call.part = carve(&at, (size_t)parts * sizeof(float));
+    call.scratch = carve(&at, (size_t)(threads * call.scratch_floats) * sizeof(float));
+    float *wbuf = carve(&at, (size_t)wneed * sizeof(float));
+    call.done = carve(&at, (size_t)heads * sizeof(atomic_int));
+    for (int64_t x = 0; x < heads; x++) atomic_init(&call.done[x], 0);
+    /* From here on a cache fails alone (its status; its output then is not stored): an int8
+     * scale out of range before its write, or an injected failure after it, which restores
+     * the row. */
     for (int64_t i = 0; i < ncaches; i++) {
         gqa_cache_t *cc = &caches[i];
         call.deferred[i] = 0;
+        if (cc->flags & FLAG_FAIL_AFTER_WRITE) { /* tests: a failure after the write */
+            if (cc->write_row >= 0) {
+                if (cc->enc == ENC_INT8) {
+                    cc->status = int8_write(cc, wbuf);
+                    if (!cc->status) int8_swap_row(cc, 1);
+                } else {
+                    write_row(cc, 0);
+                    write_row(cc, 1);
+                }
+            }
+            if (!cc->status) cc->status = -EIO;
+            continue;
+        }
         if (cc->write_row >= 0) {
             if (cc->enc == ENC_INT8) {
                 cc->status = int8_write(cc, wbuf);
@@ -1151,23 +1265,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         }
     }
     pool_run(attend_item, &call, items, threads); /* and the merges */
-    for (int64_t i = 0; i < ncaches; i++) {
-        gqa_cache_t *cc = &caches[i];
-        if ((cc->flags & FLAG_FAIL_AFTER_WRITE) && !cc->status) { /* tests: a failure after the write */
-            if (cc->write_row >= 0) {
-                if (cc->enc == ENC_INT8) int8_swap_row(cc, 1);
-                else write_row(cc, 1);
-            }
-            cc->status = -EIO;
-        }
-    }
-    free(call.deferred);
-    free(call.done);
-    free(wbuf);
-    free(call.part);
-    free(call.scratch);
-    free(ints);
-    free(blocks);
+    arena_trim(ARENA_CALL);
     return 0;
 }
 
@@ -1175,20 +1273,226 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
  * computed, and each one's `status` copied back. The same return codes as gqa_run. */
 int gqa_run_ptrs(gqa_cache_t *const *ptrs, int64_t ncaches, int threads, int isa) {
     if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
-    gqa_cache_t *caches = malloc((size_t)ncaches * sizeof *caches);
+    gqa_cache_t *caches = arena_get(ARENA_DESCS, (size_t)ncaches * sizeof *caches);
     if (!caches) return -ENOMEM;
     for (int64_t i = 0; i < ncaches; i++) {
-        if (!ptrs[i]) {
-            free(caches);
-            return -EINVAL;
-        }
+        if (!ptrs[i]) return -EINVAL;
         caches[i] = *ptrs[i];
     }
     const int rc = gqa_run(caches, ncaches, threads, isa);
     if (!rc)
         for (int64_t i = 0; i < ncaches; i++) ptrs[i]->status = caches[i].status;
-    free(caches);
+    arena_trim(ARENA_DESCS);
     return rc;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The plan: a step's ring and policy arithmetic from the cache's state, as backends/policy.py
+ * specifies it (tests/test_policy.py steps both side by side).
+ */
+static int64_t resident_length(const gqa_cache_t *cc, int64_t t) {
+    const int64_t c = cc->c, w = cc->window, s = cc->sinks;
+    switch (cc->policy) {
+        case POLICY_NONE: return t;
+        case POLICY_STRICT: return t < w ? t : w;
+        case POLICY_GREEDY: {
+            if (t <= c) return t;
+            const int64_t g = c - w + 1;
+            return t - g * ((t - c + g - 1) / g);
+        }
+        default: {
+            const int64_t tail = t - s < 0 ? 0 : t - s;
+            return (t < s ? t : s) + (tail < w ? tail : w);
+        }
+    }
+}
+
+static int64_t ring_row(const gqa_cache_t *cc, int64_t p) {
+    if (cc->policy == POLICY_SINK) return p < cc->sinks ? p : cc->sinks + (p - cc->sinks) % cc->window;
+    return p % cc->c;
+}
+
+/* The rows of positions [a, b) (consecutive, a < b) in the ring region [lo, hi): one or two runs. */
+static int add_runs(const gqa_cache_t *cc, int64_t *runs, int nr, int64_t a, int64_t b, int64_t lo, int64_t hi) {
+    const int64_t first = ring_row(cc, a), n = b - a;
+    if (first + n <= hi) {
+        runs[2 * nr] = first;
+        runs[2 * nr + 1] = first + n;
+        return nr + 1;
+    }
+    runs[2 * nr] = first;
+    runs[2 * nr + 1] = hi;
+    runs[2 * nr + 2] = lo;
+    runs[2 * nr + 3] = lo + n - (hi - first);
+    return nr + 2;
+}
+
+/* The plan of the step from T = cc->t: the attended runs (sorted, joined where they touch:
+ * base.merge_runs) and the row written into cc's runs / nruns / write_row; -ENOSPC when the
+ * policy has no room (none, full). With res: the rcols first R_* numbers after the step. */
+static int plan_step(gqa_cache_t *cc, int64_t *res, int64_t rcols) {
+    const int64_t t = cc->t, u = t + 1, w = cc->window, s = cc->sinks;
+    if (t < 0) return -EINVAL;
+    if (cc->policy == POLICY_NONE && t >= cc->c) return -ENOSPC;
+    int64_t runs[2 * MAX_RUNS];
+    int nr = 0;
+    if (cc->policy == POLICY_NONE) {
+        nr = add_runs(cc, runs, nr, 0, u, 0, cc->c);
+    } else if (cc->policy == POLICY_SINK) {
+        const int64_t head = u < s ? u : s, from = u - w > s ? u - w : s;
+        if (head) nr = add_runs(cc, runs, nr, 0, head, 0, cc->c);
+        if (from < u) nr = add_runs(cc, runs, nr, from, u, s, cc->c);
+    } else {
+        nr = add_runs(cc, runs, nr, u - (u < w ? u : w), u, 0, cc->c);
+    }
+    int64_t attended = 0;
+    for (int r = 0; r < nr; r++) attended += runs[2 * r + 1] - runs[2 * r];
+    for (int r = 1; r < nr; r++) /* sort by (a, b): at most four */
+        for (int x = r; x > 0 && (runs[2 * x - 2] > runs[2 * x] ||
+                                  (runs[2 * x - 2] == runs[2 * x] && runs[2 * x - 1] > runs[2 * x + 1]));
+             x--) {
+            const int64_t a = runs[2 * x - 2], b = runs[2 * x - 1];
+            runs[2 * x - 2] = runs[2 * x];
+            runs[2 * x - 1] = runs[2 * x + 1];
+            runs[2 * x] = a;
+            runs[2 * x + 1] = b;
+        }
+    int m = 0;
+    for (int r = 0; r < nr; r++) {
+        if (m && cc->runs[2 * m - 1] == runs[2 * r]) {
+            cc->runs[2 * m - 1] = runs[2 * r + 1];
+        } else {
+            cc->runs[2 * m] = runs[2 * r];
+            cc->runs[2 * m + 1] = runs[2 * r + 1];
+            m++;
+        }
+    }
+    cc->nruns = m;
+    cc->write_row = ring_row(cc, t);
+    if (res) {
+        int64_t r[R_COLS];
+        const int64_t lu = resident_length(cc, u);
+        r[R_T] = u;
+        r[R_RESIDENT] = lu;
+        r[R_FIRST] = cc->policy == POLICY_SINK ? (s ? 0 : (u - w > 0 ? u - w : 0)) : u - lu;
+        r[R_LAST] = t;
+        r[R_EVICTED] = resident_length(cc, t) + 1 - lu;
+        if (lu == u) r[R_REACH] = u;
+        else if (cc->policy == POLICY_GREEDY) {
+            const int64_t g = cc->c - w + 1;
+            r[R_REACH] = ((u - cc->c - 1) % g + g) % g;
+        } else r[R_REACH] = 0;
+        r[R_ATTENDED] = attended;
+        r[R_WRITE_ROW] = cc->write_row;
+        for (int64_t x = 0; x < rcols && x < R_COLS; x++) res[x] = r[x];
+    }
+    return 0;
+}
+
+/* The plan of one step from the cache's state, computed and not taken (tests: the C twin of
+ * backends/policy.py). out: R_COLS numbers, then nruns, then the runs. 0 or -ENOSPC/-EINVAL. */
+int gqa_plan(const gqa_cache_t *cache, int64_t *out) {
+    gqa_cache_t cc = *cache;
+    const int rc = plan_step(&cc, out, R_COLS);
+    if (rc) return rc;
+    out[R_COLS] = cc.nruns;
+    for (int r = 0; r < 2 * cc.nruns; r++) out[R_COLS + 1 + r] = cc.runs[r];
+    return 0;
+}
+
+/* The rollback reach of a cache at its T (policy.rollback_reach), for Python's rollback. */
+int64_t gqa_rollback_reach(const gqa_cache_t *cc) {
+    const int64_t t = cc->t, lt = resident_length(cc, t);
+    if (lt == t) return t;
+    if (cc->policy != POLICY_GREEDY) return 0;
+    const int64_t g = cc->c - cc->window + 1;
+    return ((t - cc->c - 1) % g + g) % g;
+}
+
+/* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
+ * caches), planned from its state. The row's query, new key, new value and output: io[4 * i
+ * + 0..3] when io is given (pointers), else base[j] + i * stride[j] (bytes) for j = q, k, v,
+ * out. Per row: status[i] = 0 (results[i * rcols ..] = the first rcols R_* numbers after the
+ * step, T incremented), or the refusal with nothing written and results zero: -EAGAIN (the
+ * caller's own path: T below python_below), -ENOSPC (policy none, full), -ERANGE (int8 scale),
+ * -EIO (injected failure), -EINVAL (no cache). Returns 0, or a negative errno for the whole
+ * call (nothing written, no status). */
+int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const void *const *base,
+             const int64_t *stride, int64_t *results, int64_t rcols, int32_t *status, int threads, int isa) {
+    if (n < 0 || rcols < 0 || (!io && (!base || !stride))) return -EINVAL;
+    if (n == 0) return 0;
+    gqa_cache_t *work = arena_get(ARENA_DESCS, (size_t)n * (sizeof *work + sizeof(int64_t)));
+    if (!work) return -ENOMEM;
+    int64_t *row_of = (int64_t *)(work + n);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t *res = results + i * rcols;
+        memset(res, 0, (size_t)rcols * sizeof(int64_t));
+        gqa_cache_t *cc = caches[i];
+        if (!cc) {
+            status[i] = -EINVAL;
+            continue;
+        }
+        if (cc->t < cc->python_below) {
+            status[i] = -EAGAIN;
+            continue;
+        }
+        gqa_cache_t *x = &work[m];
+        *x = *cc;
+        const int rc = plan_step(x, res, rcols);
+        status[i] = rc;
+        if (rc) {
+            memset(res, 0, (size_t)rcols * sizeof(int64_t));
+            continue;
+        }
+        if (io) {
+            x->q = io[4 * i];
+            x->new_k = io[4 * i + 1];
+            x->new_v = io[4 * i + 2];
+            x->out = (void *)io[4 * i + 3];
+        } else {
+            x->q = (const char *)base[0] + i * stride[0];
+            x->new_k = (const char *)base[1] + i * stride[1];
+            x->new_v = (const char *)base[2] + i * stride[2];
+            x->out = (char *)base[3] + i * stride[3];
+        }
+        row_of[m++] = i;
+    }
+    const int rc = gqa_run(work, m, threads, isa);
+    if (rc) {
+        memset(results, 0, (size_t)(n * rcols) * sizeof(int64_t));
+        arena_trim(ARENA_DESCS);
+        return rc;
+    }
+    for (int64_t x = 0; x < m; x++) {
+        const int64_t i = row_of[x];
+        status[i] = work[x].status;
+        if (work[x].status) memset(results + i * rcols, 0, (size_t)rcols * sizeof(int64_t));
+        else caches[i]->t++;
+    }
+    arena_trim(ARENA_DESCS);
+    return 0;
+}
+
+/* The layout the library was built with, for backends/native.py to compare with its mirror:
+ * sizeof(gqa_cache_t), every field's offset in declaration order, then the enums. Writes at
+ * most n numbers; returns how many there are. */
+#define LAYOUT_FIELDS(X)                                                                                            \
+    X(enc) X(io) X(flags) X(nruns) X(n) X(g) X(d) X(c) X(kstride) X(dk) X(no) X(scale_stride) X(runs) X(write_row) \
+        X(qscale) X(status) X(k) X(v) X(ks) X(vs) X(ko) X(q) X(order) X(new_k) X(new_v) X(saved) X(out) X(policy)  \
+            X(reserved) X(window) X(sinks) X(t) X(python_below)
+int64_t gqa_layout(int64_t *out, int64_t n) {
+    const int64_t v[] = {
+        (int64_t)sizeof(gqa_cache_t),
+#define OFFSET(f) (int64_t) offsetof(gqa_cache_t, f),
+        LAYOUT_FIELDS(OFFSET)
+#undef OFFSET
+        MAX_RUNS, ISA_AUTO, ISA_PORTABLE, ISA_AVX512, ENC_F32, ENC_BF16, ENC_F16, ENC_INT8, FLAG_HALF_SCALES,
+        FLAG_FAIL_AFTER_WRITE, FLAG_ROTATE, FLAG_RECIPROCAL, FLAG_ISA_SHIFT, POLICY_NONE, POLICY_STRICT,
+        POLICY_GREEDY, POLICY_SINK, R_T, R_RESIDENT, R_FIRST, R_LAST, R_EVICTED, R_REACH, R_ATTENDED, R_WRITE_ROW, R_COLS};
+    const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
+    for (int64_t i = 0; i < n && i < count; i++) out[i] = v[i];
+    return count;
 }
 
 /* ---------------------------------------------------------------------------------------------

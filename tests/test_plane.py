@@ -1,0 +1,281 @@
+"""The step plane (issue #23): the plan in C against backends/policy.py, the library's state,
+``CacheSet.step`` against the public step, refusals row by row, the layout check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from backends import native
+from backends.base import CacheSpec, merge_runs
+from backends.cpu import DenseCache
+from backends.errors import CacheFullError, InputValueError, RollbackError
+from backends.plane import FIELDS, CacheSet
+from backends.policy import EvictionPolicy, PolicyKind
+from backends.registry import get_backend
+
+ok, why = native.available()
+pytestmark = pytest.mark.skipif(not ok, reason=f"the native kernel does not load here: {why}")
+
+
+@st.composite
+def policies(draw) -> EvictionPolicy:
+    kind = draw(st.sampled_from(list(PolicyKind)))
+    window = draw(st.integers(1, 9))
+    if kind is PolicyKind.NONE:
+        return EvictionPolicy.none(draw(st.integers(1, 12)))
+    if kind is PolicyKind.STRICT:
+        return EvictionPolicy.strict(window)
+    if kind is PolicyKind.GREEDY:
+        return EvictionPolicy.greedy(window, window + draw(st.integers(0, 6)))
+    return EvictionPolicy.sink(window, draw(st.integers(0, 4)))
+
+
+def _expected(cache, t: int) -> list[int]:
+    """What policy.py (and base's ring arithmetic) says of the step from T = t."""
+    p = cache.policy
+    runs, write_row, attended, resident, first, last, evicted = cache._plan_ranges(t)
+    return [t + 1, resident, first, last, evicted, p.rollback_reach(t + 1), attended, write_row], list(runs)
+
+
+def _desc(policy: EvictionPolicy, t: int) -> native.CacheDesc:
+    x = native.CacheDesc()
+    x.policy = native.POLICY[policy.kind.value]
+    x.c, x.window, x.sinks, x.t = policy.capacity, policy.window, policy.sinks, t
+    return x
+
+
+@settings(max_examples=300, deadline=None)
+@given(policy=policies(), t=st.integers(0, 60))
+def test_the_c_plan_is_the_policy(policy, t):
+    """gqa_plan (the numbers gqa_step writes, its runs and row) equals policy.py at any T."""
+    kernel = native.load()
+    rc, numbers, runs = kernel.plan(_desc(policy, t))
+    if not policy.has_room(t):
+        assert rc == -28 and not numbers  # ENOSPC: policy none, full
+        return
+    cache = DenseCache(CacheSpec(1, 1, 1, 16, torch.float32, policy), "torch")
+    want, want_runs = _expected(cache, t)
+    assert rc == 0
+    assert numbers == want
+    assert runs == merge_runs(want_runs)
+    assert kernel.rollback_reach(_desc(policy, t)) == policy.rollback_reach(t)
+
+
+def _small(policy: EvictionPolicy, dtype=torch.float32, backend="cpu"):
+    return get_backend(backend).create_cache(CacheSpec(1, 2, 1, 16, dtype, policy))
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.integers(1, 6)),
+        st.tuples(st.just("rollback"), st.integers(0, 5)),
+        st.tuples(st.just("restore"), st.just(0)),
+        st.tuples(st.just("prefill"), st.integers(0, 25)),
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(policy=policies(), ops=_OPS, seed=st.integers(0, 2**16))
+def test_the_library_state_steps_as_the_policy(policy, ops, seed):
+    """Random steps, rollbacks, restores (load_state into a fresh cache) and prefills at random
+    T: at every step the numbers the library returns are policy.py's, T advances only on a
+    step that succeeds, and tokens_seen is the descriptor's T."""
+    gen = torch.Generator().manual_seed(seed)
+    cache = _small(policy)
+    t = 0  # the model's T
+    for op, arg in ops:
+        if op == "step":
+            for _ in range(arg):
+                q, k, v = (torch.randn(1, h, 16, generator=gen) for h in (2, 1, 1))
+                if not policy.has_room(t):
+                    with pytest.raises(CacheFullError):
+                        cache.step(q, k, v)
+                    continue
+                o = cache.step(q, k, v)
+                want, _ = _expected(cache, t)
+                got = [o.tokens_seen, o.resident, o.first_position, o.last_position, o.evicted_tokens]
+                assert got == want[:5]
+                assert o.attended == want[6]
+                t += 1
+        elif op == "rollback":
+            if arg > policy.rollback_reach(t):
+                with pytest.raises(RollbackError):
+                    cache.rollback(arg)
+            else:
+                cache.rollback(arg)
+                t -= arg
+        elif op == "restore":
+            fresh = _small(policy)
+            fresh.load_state(t, cache.export_state())
+            cache = fresh
+        else:
+            if policy.kind is PolicyKind.NONE and arg > policy.capacity:
+                continue
+            cache = _small(policy)
+            cache.prefill(torch.randn(1, 1, arg, 16, generator=gen), torch.randn(1, 1, arg, 16, generator=gen))
+            t = arg
+        assert cache.tokens_seen == t == cache._state.t
+        assert native.load().rollback_reach(cache._state) == policy.rollback_reach(t)
+
+
+# -- CacheSet.step against the public step ------------------------------------------------------
+ENCODINGS = [
+    ("cpu", torch.float32, "native"),
+    ("cpu", torch.bfloat16, "native"),
+    ("cpu", torch.float16, "native"),
+    ("int8", torch.float32, "native"),
+    ("int8", torch.bfloat16, "native"),
+    ("cpu", torch.float32, "torch"),
+]
+POLICIES = [
+    EvictionPolicy.none(9),  # fills up mid-test: refused alone
+    EvictionPolicy.strict(5),
+    EvictionPolicy.greedy(4, 7),
+    EvictionPolicy.sink(6, 2),
+    EvictionPolicy.none(40),
+]
+HQ, HKV, D = 4, 2, 32
+
+
+def _make(backend, dtype, kernel, policy):
+    spec = CacheSpec(1, HQ, HKV, D, dtype, policy)
+    if backend == "cpu":
+        return DenseCache(spec, kernel)
+    return get_backend("int8").create_cache(spec)
+
+
+def _state_bytes(cache) -> list[torch.Tensor]:
+    state = cache.export_state()
+    return [v.clone() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+@pytest.mark.parametrize(("backend", "dtype", "kernel"), ENCODINGS, ids=lambda x: str(x).removeprefix("torch."))
+def test_cacheset_step_is_the_public_step_row_by_row(backend, dtype, kernel):
+    """Every row bit-identical to its twin's public step (outputs, FIELDS), across calibration
+    (int8), wrapped rings and a policy none cache that fills up: that row is refused alone
+    (CacheFullError), its out row and cache untouched, the others computed."""
+    gen = torch.Generator().manual_seed(1)
+    layers, n = 2, len(POLICIES)
+    cset = CacheSet(layers)
+    twins = []
+    for p in POLICIES:
+        cset.add([_make(backend, dtype, kernel, p) for _ in range(layers)])
+        twins.append([_make(backend, dtype, kernel, p) for _ in range(layers)])
+    slots = np.array([4, 2, 0, 3, 1], dtype=np.int64)  # any order
+    refusals = 0
+    for step in range(22):
+        layer = step % layers
+        q = torch.randn(n, HQ, D, generator=gen).to(dtype)
+        k = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        out = torch.full((n, HQ, D), 7.0, dtype=dtype)
+        before = {i: _state_bytes(cset.caches(int(s))[layer]) for i, s in enumerate(slots)}
+        result = cset.step(layer, slots, q, k, v, out)
+        assert result.fields.shape == (n, len(FIELDS)) and result.fields.dtype == np.int64
+        for i, s in enumerate(slots.tolist()):
+            twin = twins[s][layer]
+            try:
+                o = twin.step(q[i : i + 1], k[i : i + 1], v[i : i + 1])
+            except Exception as exc:
+                refusals += 1
+                assert type(result.refused[i]) is type(exc), (step, i)
+                assert isinstance(exc, CacheFullError)
+                assert torch.equal(out[i], torch.full_like(out[i], 7.0))
+                assert not result.fields[i].any()
+                mine = cset.caches(s)[layer]
+                assert mine.tokens_seen == twin.tokens_seen
+                assert all(torch.equal(a, b) for a, b in zip(before[i], _state_bytes(mine)))
+                continue
+            assert i not in result.refused, (step, i, result.refused.get(i))
+            assert torch.equal(out[i], o.output[0]), (step, i)
+            t = o.tokens_seen
+            want = [t, o.resident, o.first_position, o.last_position, o.evicted_tokens, twin.policy.rollback_reach(t)]
+            assert result.fields[i].tolist() == want, (step, i)
+            assert cset.caches(s)[layer].tokens_seen == t
+    assert refusals >= 1  # the policy none row did fill up
+
+
+def test_a_failure_mid_step_refuses_its_row_alone(monkeypatch):
+    """An injected failure after the write (the kernel restores the row), and int8 rows with a
+    non-finite value or a scale beyond float16: each refused alone, nothing written for it."""
+    gen = torch.Generator().manual_seed(2)
+    cset = CacheSet(1)
+    caches = [_make("cpu", torch.float32, "native", EvictionPolicy.strict(6)) for _ in range(3)]
+    for c in caches:
+        cset.add([c])
+    q, k, v = torch.randn(3, HQ, D, generator=gen), torch.randn(3, HKV, D, generator=gen), torch.randn(3, HKV, D)
+    cset.step(0, np.arange(3), q, k, v, torch.empty(3, HQ, D))
+    monkeypatch.setattr(caches[1], "_fail_after_write", True)
+    before = _state_bytes(caches[1])
+    out = torch.zeros(3, HQ, D)
+    result = cset.step(0, np.arange(3), q, k, v, out)
+    assert list(result.refused) == [1] and isinstance(result.refused[1], RuntimeError)
+    assert all(torch.equal(a, b) for a, b in zip(before, _state_bytes(caches[1])))
+    assert [c.tokens_seen for c in caches] == [2, 1, 2]
+    assert not out[1].any() and out[0].any() and out[2].any()
+
+    icset = CacheSet(1)
+    icaches = [_make("int8", torch.float32, "native", EvictionPolicy.strict(20)) for _ in range(3)]
+    for c in icaches:
+        icset.add([c])
+        c.prefill(torch.randn(1, HKV, 17, D, generator=gen), torch.randn(1, HKV, 17, D, generator=gen))
+    q, k, v = torch.randn(3, HQ, D, generator=gen), torch.randn(3, HKV, D, generator=gen), torch.randn(3, HKV, D)
+    k[0, 1, 3] = float("nan")
+    v[2, 0, 5] = 1e9  # its float16 scale would overflow
+    before = [_state_bytes(c) for c in icaches]
+    result = icset.step(0, np.arange(3), q, k, v, torch.zeros(3, HQ, D))
+    assert sorted(result.refused) == [0, 2]
+    assert all(isinstance(e, InputValueError) for e in result.refused.values())
+    assert [c.tokens_seen for c in icaches] == [17, 18, 17]
+    for i in (0, 2):
+        assert all(torch.equal(a, b) for a, b in zip(before[i], _state_bytes(icaches[i])))
+
+
+def test_tokens_seen_is_the_library_state():
+    cache = _make("cpu", torch.float32, "native", EvictionPolicy.greedy(3, 5))
+    assert cache._state is not None
+    cache.prefill(torch.randn(1, HKV, 4, D), torch.randn(1, HKV, 4, D))
+    assert cache._state.t == cache.tokens_seen == 4
+    cache.step(torch.randn(1, HQ, D), torch.randn(1, HKV, D), torch.randn(1, HKV, D))
+    assert cache._state.t == 5
+    cache.rollback(2)
+    assert cache._state.t == cache.tokens_seen == 3
+
+
+def test_cacheset_refuses_tensors_of_another_shape():
+    cset = CacheSet(1)
+    cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4))])
+    with pytest.raises(InputValueError, match="query"):
+        cset.step(0, np.arange(1), torch.zeros(1, HQ, D + 1), torch.zeros(1, HKV, D), torch.zeros(1, HKV, D),
+                  torch.zeros(1, HQ, D))  # fmt: skip
+    with pytest.raises(ValueError, match="shape"):
+        cset.add([_make("cpu", torch.bfloat16, "native", EvictionPolicy.strict(4))])
+    assert cset.caches(0)[0].tokens_seen == 0
+
+
+# -- the C/Python boundary ---------------------------------------------------------------------
+def test_the_library_layout_is_the_mirror():
+    kernel = native.load()
+    assert native.check_layout(native.library_layout(kernel._lib)) == ""
+
+
+def test_a_library_whose_layout_differs_is_refused(monkeypatch):
+    """A mirror that disagrees with the library by one offset, or by the count, is refused with
+    the field named; Kernel raises NativeUnavailable."""
+    kernel = native.load()
+    reported = native.library_layout(kernel._lib)
+    mirror = native.layout_mirror()
+    name, value = mirror[5]
+    shifted = mirror[:5] + [(name, value + 4)] + mirror[6:]
+    assert name in native.check_layout(reported, shifted)
+    assert "expects" in native.check_layout(reported[:-1])
+    monkeypatch.setattr(native, "layout_mirror", lambda: shifted)
+    with pytest.raises(native.NativeUnavailable, match=name.replace("(", r"\(").replace(")", r"\)")):
+        native.Kernel(kernel.path)
