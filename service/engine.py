@@ -70,6 +70,10 @@ log = logging.getLogger("gqa.engine")
 
 # Steps of different streams submitted closer together than this count as concurrent.
 _CONCURRENT_WINDOW_S = 1e-3
+# A Batch message (milliseconds of transport each way) counts as concurrent with any other
+# stream's or session's work submitted this recently: then it goes to the compute workers, so
+# the event loop serves the other sessions while it computes.
+_CONCURRENT_MESSAGE_WINDOW_S = 10e-3
 
 # name -> torch dtype (service.vocab), under the name the engine has always exported
 DTYPES = TORCH_DTYPES
@@ -223,7 +227,8 @@ class Engine:
         self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
         # Where opens are built (``build_async``); the server sets its pool, None: asyncio's default.
         self.pool = None
-        self._last_stream: Stream | None = None  # the stream of the last step submitted, and when
+        # the stream (or Batch session) of the last step submitted, and when
+        self._last_stream: Stream | SequenceSet | None = None
         self._last_step_at = 0.0
         self.batcher = Batcher(
             config.compute_workers,
@@ -530,7 +535,8 @@ class Engine:
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
         that refused the whole message). A message smaller than ``--inline-step-bytes`` with
-        nothing else queued or computing runs right here."""
+        nothing else queued or computing, and no other stream or session stepping within the
+        last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right here."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
@@ -543,7 +549,9 @@ class Engine:
 
         job = PendingJob(sequences, run, received, future)
         cost = len(plan.query) + len(plan.new_key) + len(plan.new_value)
-        if cost < self.config.inline_step_bytes and self.batcher.run_inline(job):
+        alone = self._last_stream is sequences or received - self._last_step_at > _CONCURRENT_MESSAGE_WINDOW_S
+        self._last_stream, self._last_step_at = sequences, received
+        if alone and cost < self.config.inline_step_bytes and self.batcher.run_inline(job):
             future.set_result(job.result)
             return future
         self.batcher.submit(job)
