@@ -16,6 +16,7 @@ array the call wrote, the metrics counted per message and policy (``EngineObserv
 
 from __future__ import annotations
 
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -132,7 +133,7 @@ class SequenceSet:
         self._streams[sid] = stream
         self._slot[sid] = slot
         stream.activity = self.activity
-        stream.on_closed = self._closed
+        stream.on_closed = functools.partial(self._closed, slot)
         if slot >= len(self._dead):
             grow = max(16, 2 * len(self._dead))
             self._dead = np.concatenate([self._dead, np.zeros(grow, dtype=bool)])
@@ -162,13 +163,11 @@ class SequenceSet:
         self._index_stale = True
         return stream
 
-    def _closed(self, stream: "Stream") -> None:
-        """``Engine.close`` of one of the set's streams (the drain, the reaper: any thread)."""
-        for sid, s in self._streams.items():
-            if s is stream:
-                self._dead[self._slot[sid]] = True
-                self._any_dead = True
-                return
+    def _closed(self, slot: int, stream: "Stream") -> None:
+        """``Engine.close`` of the set's stream in ``slot`` (the drain, the reaper: any thread;
+        two assignments, so no lock against the owner)."""
+        self._dead[slot] = True
+        self._any_dead = True
 
     def _reindex(self) -> None:
         ids = np.fromiter(self._slot.keys(), dtype=np.uint64, count=len(self._slot))
