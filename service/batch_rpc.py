@@ -445,10 +445,13 @@ class Session:
 _session_ids = iter(range(1, 1 << 62))
 
 
-async def serve(engine: Engine, config: ServerConfig, context) -> None:
-    """The handler of one Batch RPC (the servicer's ``Batch`` delegates here). Requests arrive
-    as their bytes (``AttentionServicer.Batch.raw_requests``): step messages are read by
-    ``service.wire`` without copying their tensors, the others parsed here."""
+async def serve(engine: Engine, config: ServerConfig, context):
+    """The handler of one Batch RPC (the servicer's ``Batch`` yields what this yields). Requests
+    arrive as their bytes (``AttentionServicer.Batch.raw_requests``): step messages are read by
+    ``service.wire`` without copying their tensors, the others parsed here. Replies are yielded
+    rather than written through the context: an echo server's round trip of a 64-sequence
+    reply was 1.16-1.33 ms yielding and 1.37-4.75 ms writing (bfloat16, 5 interleaved rounds,
+    busy VM, docs/design.md)."""
     first = await context.read()
     if first is grpc.aio.EOF:
         return
@@ -478,7 +481,7 @@ async def serve(engine: Engine, config: ServerConfig, context) -> None:
     session = Session(engine, config, shared, f"b{next(_session_ids)}", on_forced_close)
     reason = "client"
     try:
-        await context.write(
+        yield (
             gqa_pb2.BatchResponse(
                 request_id=first.request_id,
                 opened=gqa_pb2.BatchOpened(
@@ -510,24 +513,24 @@ async def serve(engine: Engine, config: ServerConfig, context) -> None:
             fast = wire.read_step_request(request)
             if fast is not None:
                 rid, step = fast
-                await context.write(await session.step(step, rid))
+                yield await session.step(step, rid)
                 continue
             request = _parse(request)
             rid = request.request_id
             kind = request.WhichOneof("kind")
             if kind == "step":
-                await context.write(await session.step(request.step, rid))
+                yield await session.step(request.step, rid)
             elif kind == "add":
                 added = await session.add(request.add)
                 if added is not None:
-                    await context.write(gqa_pb2.BatchResponse(request_id=rid, added=added))
+                    yield gqa_pb2.BatchResponse(request_id=rid, added=added)
             elif kind == "remove":
-                await context.write(gqa_pb2.BatchResponse(request_id=rid, removed=session.remove(request.remove)))
+                yield gqa_pb2.BatchResponse(request_id=rid, removed=session.remove(request.remove))
             elif kind == "rollback":
-                await context.write(gqa_pb2.BatchResponse(request_id=rid, rollback=session.rollback(request.rollback)))
+                yield gqa_pb2.BatchResponse(request_id=rid, rollback=session.rollback(request.rollback))
             elif kind == "snapshot":
                 for chunk in await session.snapshot(request.snapshot):
-                    await context.write(gqa_pb2.BatchResponse(request_id=rid, snapshot=chunk))
+                    yield gqa_pb2.BatchResponse(request_id=rid, snapshot=chunk)
             elif kind == "open":
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "`open` may only begin a Batch stream")
             else:
@@ -539,7 +542,7 @@ async def serve(engine: Engine, config: ServerConfig, context) -> None:
         reason = "forced"
         session.close(reason)
         await context.abort(getattr(grpc.StatusCode, closed.error.code), closed.error.message)
-    except (grpc.aio.AbortError, asyncio.CancelledError):
+    except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
         raise
     except Exception:
         log.exception("session %s: unexpected failure", session.id)

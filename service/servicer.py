@@ -183,7 +183,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
     # -- Batch (service.batch_rpc) -----------------------------------------------------------
     async def Batch(self, request_iterator, context):
-        await batch_rpc.serve(self.engine, self.config, context)
+        async for reply in batch_rpc.serve(self.engine, self.config, context):
+            yield reply
 
     # Batch reads its requests as bytes (step messages without copying their tensors; see
     # service.wire); the status interceptor gives it no deserializer.
