@@ -34,31 +34,16 @@ import torch
 
 from backends import batch as batch_module
 from backends.base import LayerCache, StepOutcome
-from backends.errors import CacheFullError, InvalidInput
 
-from .errors import Internal, InvalidArgument, ResourceExhausted, ServiceError, Unavailable
+from .errors import Internal, InvalidArgument, ServiceError, Unavailable
+from .report import EngineObserver, StepReport, classify_step_error
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import EngineObserver, StepReport, Stream
+    from .engine import Stream
 
-__all__ = ["Batcher", "PendingStep", "classify_step_error"]
+__all__ = ["Batcher", "PendingStep", "PendingJob", "classify_step_error"]
 
 log = logging.getLogger("gqa.batcher")
-
-
-def classify_step_error(exc: BaseException, where: str) -> ServiceError:
-    """The status of an exception a step raised, by type: the backends' input errors
-    (``backends.errors.InvalidInput``: shapes, dtypes, values a cache cannot store) ->
-    INVALID_ARGUMENT, no room -> RESOURCE_EXHAUSTED, anything else (a plain ``ValueError``
-    out of a computation included) INTERNAL, logged with its traceback."""
-    if isinstance(exc, ServiceError):
-        return exc
-    if isinstance(exc, CacheFullError):
-        return ResourceExhausted(str(exc))
-    if isinstance(exc, InvalidInput):
-        return InvalidArgument(str(exc))
-    log.error("%s failed", where, exc_info=(type(exc), exc, exc.__traceback__))
-    return Internal()
 
 
 @dataclass(eq=False, slots=True)
@@ -76,6 +61,24 @@ class PendingStep:
     future: asyncio.Future
     reply: Callable[["StepReport | ServiceError", float], Any] | None = None
     result: Any = field(default=None)
+
+
+@dataclass(eq=False, slots=True)
+class PendingJob:
+    """A step message computed as one unit (a ``Batch`` session's: one ``CacheSet.step``).
+    ``run(started)`` is called on a compute worker with the ``time.perf_counter`` at which its
+    computation starts and returns the answer (it never raises: its errors are its answer);
+    ``owner`` orders an owner's jobs like a stream's steps (one computing at a time)."""
+
+    owner: object
+    run: Callable[[float], Any]
+    received: float
+    future: asyncio.Future
+    result: Any = field(default=None)
+
+    @property
+    def stream(self) -> object:  # the batcher's ordering key
+        return self.owner
 
 
 def _tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
@@ -123,7 +126,7 @@ class Batcher:
         return self._busy_ns * 1e-9
 
     # -- submitting ---------------------------------------------------------------------------
-    def submit(self, step: PendingStep) -> None:
+    def submit(self, step: "PendingStep | PendingJob") -> None:
         with self._cond:
             if self._stopped:
                 raise Unavailable("the server is shutting down")
@@ -137,7 +140,7 @@ class Batcher:
             self._queue.append(step)
             self._cond.notify()
 
-    def run_inline(self, step: PendingStep) -> bool:
+    def run_inline(self, step: "PendingStep | PendingJob") -> bool:
         """Computes ``step`` on the calling thread if no step is queued or computing (then a
         thread hop would cost more than a small step); False, and nothing done, otherwise."""
         with self._cond:
@@ -187,7 +190,7 @@ class Batcher:
         while True:
             if self._stopped and not self._queue:
                 return None
-            taken: list[PendingStep] = []
+            taken: list = []
             seen: set[int] = set()
             limit = self.max_steps or len(self._queue)
             for step in self._queue:
@@ -196,13 +199,23 @@ class Batcher:
                     seen.add(key)
                     continue
                 seen.add(key)
+                if step.__class__ is PendingJob:  # a message of its own: computed alone
+                    if taken:
+                        continue
+                    taken.append(step)
+                    break
                 taken.append(step)
                 if len(taken) >= limit:
                     break
             if not taken:
                 self._cond.wait()
                 continue
-            if self.max_delay_s > 0 and not self._stopped and (not self.max_steps or len(taken) < self.max_steps):
+            if (
+                taken[0].__class__ is not PendingJob
+                and self.max_delay_s > 0
+                and not self._stopped
+                and (not self.max_steps or len(taken) < self.max_steps)
+            ):
                 left = taken[0].received + self.max_delay_s - time.perf_counter()
                 if left > 0:
                     self._cond.wait(left)
@@ -238,10 +251,12 @@ class Batcher:
                     self._cond.notify()
             self._hand_back(steps)
 
-    def _compute(self, steps: list[PendingStep], t0: int) -> None:
-        from .engine import StepReport  # the engine imports this module
-
+    def _compute(self, steps: list, t0: int) -> None:
         started = t0 * 1e-9
+        if steps[0].__class__ is PendingJob:
+            job = steps[0]
+            job.result = job.run(started)
+            return
         live: list[PendingStep] = []
         batch: list[batch_module.BatchStep] = []
         for step in steps:
@@ -271,24 +286,30 @@ class Batcher:
         outcomes = batch_module.step_many(batch)
         compute_ns = time.perf_counter_ns() - t0
         groups: dict[tuple[str, str], int] = {}
+        compute_s = compute_ns * 1e-9
         for step, outcome in zip(live, outcomes):
             queue_seconds = max(0.0, started - step.received)
             stream = step.stream
             if isinstance(outcome, StepOutcome):
                 report = StepReport(outcome, compute_ns, step.cache.policy.rollback_reach(outcome.tokens_seen))
-                self.observer.step_done(stream, report, queue_seconds)
+                evicted = outcome.evicted_tokens
+                self.observer.steps_done(
+                    stream.labels, 1, queue_seconds, compute_s, evicted, 1 if evicted else 0, outcome.bytes_written
+                )
                 step.result = self._reply(step, report, queue_seconds)
                 key = (stream.config.backend, stream.config.dtype)
                 groups[key] = groups.get(key, 0) + 1
             else:
                 error = classify_step_error(outcome, f"stream {stream.id}: step on layer {step.layer}")
-                self.observer.step_refused(stream, error.code)
+                self.observer.steps_refused(stream.labels, error.code)
                 step.result = self._reply(step, error, queue_seconds)
         for (backend, dtype), size in groups.items():
             self.observer.batch_done(backend, dtype, size)
 
     @staticmethod
-    def _reply(step: PendingStep, value, queue_seconds: float):
+    def _reply(step, value, queue_seconds: float):
+        if step.__class__ is PendingJob:  # failed as a whole before its run answered
+            return value
         if step.reply is None:
             return value
         try:
@@ -298,7 +319,7 @@ class Batcher:
             return exc
 
     @staticmethod
-    def _hand_back(steps: list[PendingStep]) -> None:
+    def _hand_back(steps: list) -> None:
         """One hand-back per event loop for the whole batch."""
         by_loop: dict[asyncio.AbstractEventLoop, list[PendingStep]] = {}
         for step in steps:

@@ -32,11 +32,13 @@ from dataclasses import dataclass, field
 import torch
 
 from backends import registry
-from backends.base import CacheSpec, LayerCache, StepOutcome
+from backends.base import CacheSpec, LayerCache
 from backends.errors import BackendUnavailable, CacheFullError, RollbackError
 from backends.policy import EvictionPolicy, PolicyError
+from backends.reference import gqa_decode_step
+from backends.validation import check_cache_tensors, check_heads, check_step_tensors
 
-from .batcher import Batcher, PendingStep, classify_step_error
+from .batcher import Batcher, PendingJob, PendingStep
 from .config import ServerConfig, load_snapshot_key
 from .errors import (
     DeadlineExceeded,
@@ -47,6 +49,8 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
+from .plane import SequenceSet, SetShape
+from .report import EngineObserver, StepReport, classify_step_error
 from .vocab import TORCH_DTYPES
 
 __all__ = [
@@ -56,13 +60,20 @@ __all__ = [
     "StepReport",
     "EngineObserver",
     "Admission",
+    "Activity",
     "DTYPES",
+    "SequenceSet",
+    "SetShape",
 ]
 
 log = logging.getLogger("gqa.engine")
 
 # Steps of different streams submitted closer together than this count as concurrent.
 _CONCURRENT_WINDOW_S = 1e-3
+# A Batch message (milliseconds of transport each way) counts as concurrent with any other
+# stream's or session's work submitted this recently: then it goes to the compute workers, so
+# the event loop serves the other sessions while it computes.
+_CONCURRENT_MESSAGE_WINDOW_S = 10e-3
 
 # name -> torch dtype (service.vocab), under the name the engine has always exported
 DTYPES = TORCH_DTYPES
@@ -91,33 +102,15 @@ class StreamConfig:
         )
 
 
-@dataclass(frozen=True)
-class StepReport:
-    """What the servicer sends back for one step, and what the metrics record."""
+class Activity:
+    """When a stream, or a whole Batch session, was last active (``Engine.clock`` seconds): one
+    per Decode stream, one shared by every sequence of a Batch session, so a session's request
+    keeps all its sequences alive at the cost of one assignment."""
 
-    outcome: StepOutcome
-    compute_ns: int
-    rollback_reach: int
+    __slots__ = ("last_active",)
 
-
-class EngineObserver:
-    """Receives plain stats; the default does nothing. ``service.metrics`` implements it."""
-
-    def stream_opened(self, stream: "Stream") -> None: ...
-
-    def stream_closed(self, stream: "Stream", reason: str) -> None: ...
-
-    def open_refused(self, reason: str) -> None: ...
-
-    def step_done(self, stream: "Stream", report: StepReport, queue_seconds: float) -> None: ...
-
-    def step_refused(self, stream: "Stream", code: str) -> None: ...
-
-    def batch_done(self, backend: str, dtype: str, size: int) -> None:
-        """One batched computation of ``size`` steps (of one kernel) finished."""
-
-    def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
-        """A ``Batch`` RPC step message for ``sequences`` sequences was answered."""
+    def __init__(self, now: float):
+        self.last_active = now
 
 
 @dataclass(eq=False)
@@ -129,12 +122,23 @@ class Stream:
     caches: list[LayerCache]
     bytes_reserved: int
     opened_at: float
-    last_active: float
+    activity: Activity
     closed: bool = False
     close_reason: str | None = None
     # Set by whoever closes a stream out from under its handler (idle reaper, drain), so the
     # handler can end the RPC with the right status.
     on_forced_close: Callable[[ServiceError], None] | None = field(default=None, repr=False)
+    # Called by ``Engine.close`` (any thread, after the stream is marked closed): a Batch
+    # session's data plane marks the sequence's slot dead, so its steps are refused.
+    on_closed: Callable[["Stream"], None] | None = field(default=None, repr=False)
+
+    @property
+    def last_active(self) -> float:
+        return self.activity.last_active
+
+    @last_active.setter
+    def last_active(self, now: float) -> None:
+        self.activity.last_active = now
 
     @property
     def labels(self) -> tuple[str, str, str]:
@@ -179,7 +183,7 @@ class Stream:
                 raise FailedPrecondition(str(exc)) from None
 
     def touch(self, now: float) -> None:
-        self.last_active = now
+        self.activity.last_active = now
 
 
 @dataclass(eq=False)
@@ -221,7 +225,10 @@ class Engine:
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0
         self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
-        self._last_stream: Stream | None = None  # the stream of the last step submitted, and when
+        # Where opens are built (``build_async``); the server sets its pool, None: asyncio's default.
+        self.pool = None
+        # the stream (or Batch session) of the last step submitted, and when
+        self._last_stream: Stream | SequenceSet | None = None
         self._last_step_at = 0.0
         self.batcher = Batcher(
             config.compute_workers,
@@ -440,7 +447,7 @@ class Engine:
             log.exception("opening a stream failed")
             raise Internal("opening the stream failed") from None
         now = self.clock()
-        stream = Stream(admission.id, config, caches, admission.need, now, now)
+        stream = Stream(admission.id, config, caches, admission.need, now, Activity(now))
         with self._lock:
             late = self._closed_all  # shutdown ended every stream while this one was built
             if admission.released:  # abandoned while it was being built; already released
@@ -469,6 +476,139 @@ class Engine:
         """``admit`` then ``build``, on the calling thread (tests and in-process use)."""
         admission = self.admit(config, restore_layers=None if restore is None else len(restore))
         return self.build(admission, prefill, restore)
+
+    # -- Batch sessions ----------------------------------------------------------------------------
+    def session_shape(
+        self, *, backend: str, dtype: str, num_query_heads: int, num_kv_heads: int, head_dim: int, num_layers: int
+    ) -> SetShape:
+        """Validates a Batch session's shared fields by the same rules as a stream's (limits:
+        ``InvalidArgument``; a backend that cannot serve it: ``FailedPrecondition``; draining:
+        ``Unavailable``); every refusal is counted as an open refusal with its reason."""
+        try:
+            probe = self.stream_config(
+                backend=backend,
+                dtype=dtype,
+                batch_size=1,
+                num_query_heads=num_query_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+                policy="strict",  # a placeholder: each sequence brings its own
+                window=1,
+                capacity=0,
+                sink_tokens=0,
+            )
+        except ServiceError:
+            self.observer.open_refused("invalid")
+            raise
+        try:
+            impl = registry.get_backend(probe.backend)
+            spec = probe.spec(impl.default_device)
+            impl.check(spec)
+        except BackendUnavailable as exc:
+            self.observer.open_refused("backend")
+            raise FailedPrecondition(f"backend {probe.backend!r} cannot serve this session: {exc}") from None
+        if self.draining:
+            self.observer.open_refused("draining")
+            raise Unavailable("the server is shutting down; open the session on another replica")
+        return SetShape(
+            probe.backend,
+            probe.dtype,
+            probe.num_query_heads,
+            probe.num_kv_heads,
+            probe.head_dim,
+            probe.num_layers,
+            DTYPES[probe.dtype],
+            str(spec.device),
+        )
+
+    def sequence_set(self, shape: SetShape) -> SequenceSet:
+        """An empty data plane for one Batch session (``service.plane``)."""
+        return SequenceSet(shape, self.observer, Activity(self.clock()))
+
+    def touch_set(self, sequences: SequenceSet) -> None:
+        """A Batch session's request: every one of its sequences is active now."""
+        sequences.activity.last_active = self.clock()
+
+    def submit_message(self, sequences: SequenceSet, plan, *, received: float, reply) -> "asyncio.Future":
+        """Queues a planned Batch step message (``SequenceSet.plan``) on the compute workers,
+        with the Decode streams' steps; call on the event loop. Returns a future of
+        ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
+        that refused the whole message). A message smaller than ``--inline-step-bytes`` with
+        nothing else queued or computing, and no other stream or session stepping within the
+        last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right here."""
+        future = asyncio.get_running_loop().create_future()
+
+        def run(started: float):
+            result = sequences.run(plan, started, received)
+            try:
+                return reply(result, max(0.0, started - received))
+            except Exception as exc:
+                log.exception("building a step reply failed")
+                return Internal() if not isinstance(exc, ServiceError) else exc
+
+        job = PendingJob(sequences, run, received, future)
+        cost = len(plan.query) + len(plan.new_key) + len(plan.new_value)
+        alone = self._last_stream is sequences or received - self._last_step_at > _CONCURRENT_MESSAGE_WINDOW_S
+        self._last_stream, self._last_step_at = sequences, received
+        if alone and cost < self.config.inline_step_bytes and self.batcher.run_inline(job):
+            future.set_result(job.result)
+            return future
+        self.batcher.submit(job)
+        return future
+
+    # -- stateless steps, backend descriptions ------------------------------------------------
+    @staticmethod
+    def describe_backends() -> list:
+        """Every backend's capabilities or reasons (``backends.registry.describe``); slow the
+        first time (it imports optional modules): call it off the event loop."""
+        return registry.describe()
+
+    @staticmethod
+    def check_stateless(query, new_key, new_value, key_cache, value_cache, hq: int, hkv: int) -> None:
+        """Validation of a stateless ``DecodeStep``'s tensors (``InvalidArgument`` naming the
+        field): every failure of the request is found here, before the computation."""
+        try:
+            check_heads(hq, hkv)
+            check_step_tensors(query, new_key, new_value, hq, hkv)
+            check_cache_tensors(key_cache, value_cache, query, hkv)
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgument(str(exc)) from None
+
+    @staticmethod
+    def stateless_step(query, new_key, new_value, key_cache, value_cache, hq: int, hkv: int) -> dict:
+        """A stateless decode step (``backends.reference.gqa_decode_step``) over checked
+        tensors; what it raises is a fault, not the caller's: ``Internal``."""
+        try:
+            return gqa_decode_step(query, new_key, new_value, key_cache, value_cache, hq, hkv)
+        except ServiceError:
+            raise
+        except Exception:
+            log.exception("DecodeStep failed")
+            raise Internal("internal error") from None
+
+    async def offload(self, cost_bytes: int, fn, *args):
+        """``fn(*args)``: right here when ``cost_bytes`` is under ``--inline-step-bytes`` (a
+        thread hop costs more), else on the compute pool (``self.pool``), off the event loop."""
+        if cost_bytes < self.config.inline_step_bytes:
+            return fn(*args)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def build_async(self, admission: Admission, prefill=None, layers_of=None) -> Stream:
+        """``build`` on the compute pool (``self.pool``; allocation and zero-fill cost time in
+        proportion to the stream), ``layers_of()`` (a snapshot's decoding) there too. Whatever
+        ends the wait (the RPC cancelled included) releases the admission at once."""
+        loop = asyncio.get_running_loop()
+
+        def build():
+            restore = layers_of() if layers_of is not None else None
+            return self.build(admission, prefill, restore)
+
+        try:
+            return await loop.run_in_executor(self.pool, build)
+        except BaseException:
+            self.abandon(admission)
+            raise
 
     # -- steps ------------------------------------------------------------------------------------
     def submit_step(
@@ -519,6 +659,8 @@ class Engine:
             stream.close_reason = reason
             self._reserved -= stream.bytes_reserved
         stream.caches = []
+        if stream.on_closed is not None:
+            stream.on_closed(stream)
         self.observer.stream_closed(stream, reason)
         return True
 

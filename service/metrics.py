@@ -22,6 +22,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from bisect import bisect_left
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,9 +39,10 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import __version__
-from .engine import Engine, EngineObserver, StepReport, Stream
+from .engine import Engine, Stream
 from .metrics_grpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
 from .metrics_http import MetricsHttpServer, serve_http
+from .report import EngineObserver
 
 __all__ = [
     "ServiceMetrics",
@@ -95,6 +97,16 @@ STREAM_LABELS = ("backend", "dtype", "policy")
 
 
 # -- the engine's observer ----------------------------------------------------------------------
+def _observe_n(child, value: float, n: int) -> None:
+    """``n`` observations of ``value`` by one histogram child at the cost of one: its sum grows
+    by ``n * value`` and the first bucket whose bound holds ``value`` by ``n`` (what ``n`` calls
+    of ``observe(value)`` do, bucket for bucket). prometheus_client has no bulk observe; this
+    uses the child's own value holders, checked by tests/test_metrics.py against ``observe``."""
+    child._sum.inc(value * n)
+    i = bisect_left(child._upper_bounds, value)
+    child._buckets[i].inc(n)
+
+
 @dataclass(slots=True)
 class _StreamSeries:
     """The children of one (backend, dtype, policy), bound once so a step does no label lookup."""
@@ -195,6 +207,9 @@ class MetricsRecorder(EngineObserver):
             self.open_refusals.labels(reason)
         self._series: dict[tuple[str, str, str], _StreamSeries] = {}
         self._series_lock = threading.Lock()
+        # (backend, dtype) -> bound child: a message's counts do no label lookup
+        self._batch_children: dict[tuple[str, str], object] = {}
+        self._message_children: dict[tuple[str, str], object] = {}
         self._engine: Engine | None = None
         registry.register(_EngineStateCollector(self))
 
@@ -242,31 +257,49 @@ class MetricsRecorder(EngineObserver):
     def open_refused(self, reason: str) -> None:
         self.open_refusals.labels(reason).inc()
 
-    def step_done(self, stream: Stream, report: StepReport, queue_seconds: float) -> None:
-        s = self._bound(stream.labels)
-        compute = report.compute_ns * 1e-9
-        s.queue.observe(queue_seconds)
-        s.compute.observe(compute)
-        s.duration.observe(queue_seconds + compute)
-        s.ok.inc()
-        outcome = report.outcome
-        if outcome.evicted_tokens:
-            s.evicted.inc(outcome.evicted_tokens)
-            s.evictions.inc()
-        if outcome.bytes_moved:
-            s.moved.inc(outcome.bytes_moved)
-        if outcome.bytes_written:
-            s.written.inc(outcome.bytes_written)
+    def steps_done(
+        self,
+        labels: tuple[str, str, str],
+        n: int,
+        queue_seconds: float,
+        compute_seconds: float,
+        evicted_tokens: int,
+        evictions: int,
+        bytes_written: int,
+    ) -> None:
+        """``n`` steps of one message (and label set) at once: a handful of increments
+        whatever ``n`` is."""
+        s = self._bound(labels)
+        if n == 1:
+            s.queue.observe(queue_seconds)
+            s.compute.observe(compute_seconds)
+            s.duration.observe(queue_seconds + compute_seconds)
+        else:
+            _observe_n(s.queue, queue_seconds, n)
+            _observe_n(s.compute, compute_seconds, n)
+            _observe_n(s.duration, queue_seconds + compute_seconds, n)
+        s.ok.inc(n)
+        if evicted_tokens:
+            s.evicted.inc(evicted_tokens)
+            s.evictions.inc(evictions)
+        if bytes_written:
+            s.written.inc(bytes_written)
 
-    def step_refused(self, stream: Stream, code: str) -> None:
-        self._bound(stream.labels)
-        self.steps.labels(*stream.labels, code.lower()).inc()
+    def steps_refused(self, labels: tuple[str, str, str], code: str, n: int = 1) -> None:
+        self._bound(labels)
+        self.steps.labels(*labels, code.lower()).inc(n)
 
     def batch_done(self, backend: str, dtype: str, size: int) -> None:
-        self.batch_size.labels(backend, dtype).observe(size)
+        child = self._batch_children.get((backend, dtype))
+        if child is None:
+            child = self._batch_children[backend, dtype] = self.batch_size.labels(backend, dtype)
+        child.observe(size)
 
     def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
-        self.batch_message_sequences.labels(backend, dtype).observe(sequences)
+        child = self._message_children.get((backend, dtype))
+        if child is None:
+            child = self._message_children[backend, dtype] = self.batch_message_sequences.labels(backend, dtype)
+        child.observe(sequences)
 
 
 def _cuda_memory() -> list[tuple[str, int, int]]:
@@ -386,13 +419,13 @@ class ObserverFanOut(EngineObserver):
         for o in self.observers:
             o.open_refused(reason)
 
-    def step_done(self, stream, report, queue_seconds):
+    def steps_done(self, labels, n, queue_seconds, compute_seconds, evicted_tokens, evictions, bytes_written):
         for o in self.observers:
-            o.step_done(stream, report, queue_seconds)
+            o.steps_done(labels, n, queue_seconds, compute_seconds, evicted_tokens, evictions, bytes_written)
 
-    def step_refused(self, stream, code):
+    def steps_refused(self, labels, code, n=1):
         for o in self.observers:
-            o.step_refused(stream, code)
+            o.steps_refused(labels, code, n)
 
     def batch_done(self, backend, dtype, size):
         for o in self.observers:

@@ -79,6 +79,7 @@ class Server:
         tune_allocator()  # process-wide: per-message buffers from the heap, not fresh pages
         native.set_threads(config.kernel_pool_threads)
         self.pool = concurrent.futures.ThreadPoolExecutor(config.compute_workers, thread_name_prefix="gqa-compute")
+        self.engine.pool = self.pool
         self.health = health.aio.HealthServicer()
         options = [
             ("grpc.max_receive_message_length", config.max_message_bytes),

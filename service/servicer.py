@@ -17,23 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import logging
 import time
 
 import grpc
 import torch
 
-from backends import registry
-from backends.reference import gqa_decode_step
-from backends.validation import check_cache_tensors, check_heads, check_step_tensors
-
 from . import __version__, batch_rpc, snapshot
 from .api import gqa_pb2, gqa_pb2_grpc
-from .batcher import classify_step_error
 from .config import ServerConfig
-from .engine import Admission, Engine, StepReport, Stream
-from .errors import Internal, InvalidArgument, ServiceError
+from .engine import Admission, Engine, Stream
+from .errors import InvalidArgument, ServiceError
+from .report import StepReport, classify_step_error
+from .security import malformed_request
 from .session import EOF, StreamClosed, StreamSession
 from .tensors import from_proto, to_proto
 from .vocab import (
@@ -44,6 +40,7 @@ from .vocab import (
     TORCH_DTYPES,
     TORCH_TO_DTYPE,
 )
+from .wire import DecodeStepLayout, read_decode_step, varint
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
@@ -69,18 +66,20 @@ class _StepShape:
     """What a stream's step tensors must be, as the integers the wire carries: checked with
     integer comparisons, no tensor built on the event loop."""
 
-    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers")
+    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers", "layout")
 
     def __init__(self, stream: Stream):
         c = stream.config
         itemsize = torch.empty((), dtype=TORCH_DTYPES[c.dtype]).element_size()
         self.dtype = NAME_TO_DTYPE[c.dtype]
-        self.q_shape = [c.batch_size, c.num_query_heads, c.head_dim]
-        self.kv_shape = [c.batch_size, c.num_kv_heads, c.head_dim]
+        self.q_shape = (c.batch_size, c.num_query_heads, c.head_dim)
+        self.kv_shape = (c.batch_size, c.num_kv_heads, c.head_dim)
         self.q_bytes = c.batch_size * c.num_query_heads * c.head_dim * itemsize
         self.kv_bytes = c.batch_size * c.num_kv_heads * c.head_dim * itemsize
         self.out_shape = self.q_shape
         self.layers = c.num_layers
+        # The stream's step requests as the runtimes encode them: read by checking prefixes
+        self.layout = DecodeStepLayout(self.dtype, self.q_shape, self.kv_shape, self.q_bytes, self.kv_bytes)
 
     def matches(self, step) -> bool:
         q, k, v = step.query, step.new_key, step.new_value
@@ -91,14 +90,19 @@ class _StepShape:
             and len(q.data) == self.q_bytes
             and len(k.data) == self.kv_bytes
             and len(v.data) == self.kv_bytes
-            and q.shape == self.q_shape
-            and k.shape == self.kv_shape
-            and v.shape == self.kv_shape
+            and tuple(q.shape) == self.q_shape
+            and tuple(k.shape) == self.kv_shape
+            and tuple(v.shape) == self.kv_shape
         )
 
 
-def _request_bytes(request) -> int:
-    return request.ByteSize()
+def _parse(raw: bytes) -> gqa_pb2.DecodeRequest:
+    """A Decode request's bytes as a message (every kind but the common step, which
+    ``wire.read_decode_step`` reads); ``InvalidArgument`` when they are not one."""
+    try:
+        return gqa_pb2.DecodeRequest.FromString(raw)
+    except Exception:
+        raise malformed_request("Decode") from None
 
 
 class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
@@ -115,18 +119,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         """Returns once no Decode RPC is running (drain waits for steps in flight)."""
         await self._no_sessions.wait()
 
-    async def _compute(self, cost_bytes: int, fn, *args):
-        """Small work inline (a thread hop costs more); the rest on the compute pool."""
-        if cost_bytes < self.config.inline_step_bytes:
-            return fn(*args)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
     # -- DecodeStep -------------------------------------------------------------------------
     async def DecodeStep(self, request, context):
         try:
             args = _stateless_args(request)
             cost = len(request.key_cache.data) + len(request.value_cache.data)
-            result = await self._compute(cost, _stateless_step, *args)
+            result = await self.engine.offload(cost, self.engine.stateless_step, *args)
             return gqa_pb2.DecodeStepResponse(
                 output=to_proto(result["output"]),
                 new_key_cache=to_proto(result["new_key_cache"]),
@@ -142,7 +140,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         """Every backend's capabilities or reasons, probed once per process and off the event
         loop: probing imports optional modules (bitsandbytes, triton), which takes seconds."""
         if self._backend_infos is None:
-            self._backend_infos = await asyncio.get_running_loop().run_in_executor(self.pool, registry.describe)
+            self._backend_infos = await asyncio.get_running_loop().run_in_executor(
+                self.pool, self.engine.describe_backends
+            )
         return self._backend_infos
 
     async def GetServerInfo(self, request, context):
@@ -183,7 +183,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
     # -- Batch (service.batch_rpc) -----------------------------------------------------------
     async def Batch(self, request_iterator, context):
-        await batch_rpc.serve(self.engine, self.config, self.pool, context)
+        async for reply in batch_rpc.serve(self.engine, self.config, context):
+            yield reply
 
     # Batch reads its requests as bytes (step messages without copying their tensors; see
     # service.wire); the status interceptor gives it no deserializer.
@@ -194,6 +195,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         first = await context.read()
         if first is grpc.aio.EOF:
             return
+        try:
+            first = _parse(first)
+        except ServiceError as exc:
+            await _abort(context, exc, "Decode open")
         kind = first.WhichOneof("kind")
         if kind not in ("open", "restore"):
             await context.abort(
@@ -214,7 +219,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             stream,
             context.read,
             grpc.aio.EOF,
-            _request_bytes,
+            len,
             max_steps=self.config.max_queued_steps,
             max_bytes=self.config.max_queued_bytes,
         )
@@ -228,10 +233,19 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             yield gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))
             session.end_write()
             while True:
-                request = await session.next()
-                if request is EOF:
+                raw = await session.next()
+                if raw is EOF:
                     break
-                if request.HasField("step"):  # the hot path, without a generator per request
+                # the hot path: read from the bytes (the stream's layout, else field by field)
+                fast = shape.layout.read(raw) or read_decode_step(raw)
+                if fast is not None:
+                    response = await self._step(stream, shape, fast[1], fast[0])
+                    session.begin_write()
+                    yield response
+                    session.end_write()
+                    continue
+                request = _parse(raw)
+                if request.HasField("step"):
                     response = await self._step(stream, shape, request.step, request.request_id)
                     session.begin_write()
                     yield response
@@ -256,6 +270,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             if not self.sessions:
                 self._no_sessions.set()
 
+    # Decode reads its requests as bytes too: a step is read by service.wire (its tensors views
+    # of the request), anything else parsed here by the runtime; its step replies are bytes.
+    Decode.raw_requests = True
+
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
             raise InvalidArgument(f"open.dtype: {request.dtype} is not a known DType")
@@ -278,19 +296,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
     async def _build(self, admission: Admission, prefill=None, layers_of=None) -> Stream:
-        """Builds an admitted stream on the pool (never on the event loop: allocation and
-        zero-fill cost time proportional to its size). Whatever ends the wait (the RPC
-        cancelled included) releases the admission at once."""
-        loop = asyncio.get_running_loop()
-        try:
-            return await loop.run_in_executor(self.pool, self._build_sync, admission, prefill, layers_of)
-        except BaseException:
-            self.engine.abandon(admission)
-            raise
-
-    def _build_sync(self, admission: Admission, prefill, layers_of) -> Stream:
-        restore = layers_of() if layers_of is not None else None
-        return self.engine.build(admission, prefill, restore)
+        return await self.engine.build_async(admission, prefill, layers_of)
 
     async def _open(self, request: gqa_pb2.OpenStream) -> Stream:
         with self.engine.counting_open_refusals():
@@ -321,17 +327,14 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             config = self._stream_config(first.restore.config)
         admission = self.engine.admit(config)
         try:
-            # A snapshot holds at most the resident rows (and the int8 calibration rows), so at
-            # most about the reservation; a chunk's fields cost up to snapshot._OVERHEAD.
-            limit = 2 * admission.need + (1 << 20)
             chunks = [first.restore]
             received = first.restore.ByteSize()
             while not chunks[-1].last:
-                if len(chunks) > snapshot.MAX_CHUNKS or received > limit + len(chunks) * snapshot._OVERHEAD:
-                    raise InvalidArgument("restore: the snapshot is larger than the stream it restores could hold")
+                snapshot.check_size(admission.need, len(chunks), received)
                 request = await context.read()
                 if request is grpc.aio.EOF:
                     raise InvalidArgument("restore: the stream ended before the chunk with `last` set")
+                request = _parse(request)
                 if request.WhichOneof("kind") != "restore":
                     raise InvalidArgument("restore: every message up to the one with `last` set must be `restore`")
                 chunks.append(request.restore)
@@ -387,7 +390,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             yield self._rollback(stream, request.rollback, rid)
         elif kind == "snapshot":
             try:
-                chunks = await self._compute(
+                chunks = await self.engine.offload(
                     stream.bytes_in_use(),
                     snapshot.encode,
                     stream,
@@ -424,10 +427,10 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 step.new_key.data,
                 step.new_value.data,
                 received=received,
-                reply=_StepReply(rid, layer, shape.out_shape, shape.dtype),
+                reply=_StepReply(rid, layer, shape.out_shape, shape.dtype, shape.q_bytes),
             )
         except ServiceError as exc:
-            self.engine.observer.step_refused(stream, exc.code)
+            self.engine.observer.steps_refused(stream.labels, exc.code)
             return _refusal(rid, layer, exc)
         return await future
 
@@ -447,40 +450,59 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
 
+_STATUS_OK = b"\x0a\x00"  # StepResult.status = 1, present and empty (OK)
+
+
 class _StepReply:
-    """Builds a step's reply on the compute worker: the output's bytes written once, into the
-    message. Fields are assigned one by one, not through upb's keyword constructor with nested
-    messages (4x slower, docs/design.md)."""
+    """Builds a step's reply on the compute worker, as bytes: ``DecodeResponse(step=...)`` with
+    its fields encoded here and the output's bytes copied once, straight from the tensor into
+    the reply (tests/test_service.py checks the bytes parse to what upb builds). A refusal is a
+    message (rare: upb builds it)."""
 
-    __slots__ = ("rid", "layer", "shape", "dtype")
+    __slots__ = ("rid", "layer", "head", "tensor_head", "nbytes")
 
-    def __init__(self, rid: int, layer: int, shape: list[int], dtype: int):
-        self.rid, self.layer, self.shape, self.dtype = rid, layer, shape, dtype
+    def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int):
+        self.rid, self.layer, self.nbytes = rid, layer, nbytes
+        self.head = (b"\x08" + varint(rid) if rid else b"") + b"\x1a"  # DecodeResponse.step = 3
+        dims = b"".join(varint(x) for x in shape)
+        # Tensor: dtype = 1, shape = 2 (packed), data = 3 (proto3 omits empty bytes)
+        self.tensor_head = (
+            b"\x08" + varint(dtype) + b"\x12" + varint(len(dims)) + dims + (b"\x1a" + varint(nbytes) if nbytes else b"")
+        )
 
-    def __call__(self, value: StepReport | ServiceError, queue_seconds: float) -> gqa_pb2.DecodeResponse:
+    def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
         if isinstance(value, ServiceError):
             return _refusal(self.rid, self.layer, value)
         o = value.outcome
         out = o.output
         if not (out.is_cpu and out.is_contiguous()):
             out = out.cpu().contiguous()
-        response = gqa_pb2.DecodeResponse(request_id=self.rid)
-        r = response.step
-        r.status.SetInParent()  # OK: code 0, present
-        r.layer = self.layer
-        t = r.output
-        t.dtype = self.dtype
-        t.shape.extend(self.shape)
-        t.data = ctypes.string_at(out.data_ptr(), out.nbytes)  # one copy, from a CPU tensor
-        r.tokens_seen = o.tokens_seen
-        r.resident = o.resident
-        r.first_position = o.first_position
-        r.last_position = o.last_position
-        r.evicted = o.evicted_tokens > 0
-        r.evicted_tokens = o.evicted_tokens
-        r.compute_ns = value.compute_ns
-        r.rollback_reach = value.rollback_reach
-        return response
+        # StepResult: status = 1 (present, OK), layer = 2, output = 3, tokens_seen = 4,
+        # resident = 5, first_position = 6, last_position = 7, evicted = 8, evicted_tokens = 9,
+        # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does.
+        parts = [b"\x0a\x00"]
+        if self.layer:
+            parts += [b"\x10", varint(self.layer)]
+        for tag, v in (
+            (b"\x20", o.tokens_seen),
+            (b"\x28", o.resident),
+            (b"\x30", o.first_position),
+            (b"\x38", o.last_position),
+            (b"\x40", 1 if o.evicted_tokens > 0 else 0),
+            (b"\x48", o.evicted_tokens),
+            (b"\x50", value.compute_ns),
+            (b"\x58", value.rollback_reach),
+        ):
+            if v:
+                parts += [tag, varint(v)]
+        fields = b"".join(parts)
+        tensor_len = len(self.tensor_head) + self.nbytes
+        output_field = b"\x1a" + varint(tensor_len) + self.tensor_head
+        step_len = len(fields) + len(output_field) + self.nbytes
+        head = b"".join((self.head, varint(step_len), fields, output_field))
+        if not self.nbytes:
+            return head
+        return b"".join((head, out.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
@@ -526,20 +548,5 @@ def _stateless_args(request) -> tuple:
             if size == 0 and axis != "S":
                 raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
     hq, hkv = int(request.num_query_heads), int(request.num_kv_heads)
-    try:
-        check_heads(hq, hkv)
-        check_step_tensors(query, new_key, new_value, hq, hkv)
-        check_cache_tensors(key_cache, value_cache, query, hkv)
-    except (TypeError, ValueError) as exc:
-        raise InvalidArgument(str(exc)) from None
+    Engine.check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
     return query, new_key, new_value, key_cache, value_cache, hq, hkv
-
-
-def _stateless_step(*args):
-    try:
-        return gqa_decode_step(*args)
-    except ServiceError:
-        raise
-    except Exception:  # validated already: what is raised here is a fault, not the caller's
-        log.exception("DecodeStep failed")
-        raise Internal("internal error") from None

@@ -26,15 +26,18 @@ import hashlib
 import hmac
 import struct
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 
 from .api import gqa_pb2
-from .engine import StreamConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import StreamConfig
 from .errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
-__all__ = ["encode", "decode", "signature", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
+__all__ = ["encode", "decode", "signature", "check_size", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]
 
 MAX_CHUNKS = 1 << 16
 # A layer's T in a snapshot: a stream at a million tokens a second takes 146,000 years to get
@@ -73,6 +76,17 @@ def signature(chunks, key: bytes) -> bytes:
         return mac.digest()
     finally:
         last.signature = saved
+
+
+def check_size(need: int, chunks: int, received: int, what: str = "restore") -> None:
+    """The one limit on a snapshot being received, for a stream or sequence admitted with
+    ``need`` reserved bytes (``Engine.admit``), after ``chunks`` chunks of ``received`` bytes:
+    a snapshot holds at most the resident rows (and the int8 calibration rows), so at most
+    about the reservation, each chunk's fields up to ``_OVERHEAD`` more. ``InvalidArgument``
+    past it: the receiver stops buffering at once (Decode and Batch alike)."""
+    limit = 2 * need + (1 << 20)
+    if chunks > MAX_CHUNKS or received > limit + chunks * _OVERHEAD:
+        raise InvalidArgument(f"{what}: the snapshot is larger than the stream it restores could hold")
 
 
 def encode(

@@ -1,11 +1,13 @@
-"""The ``Batch`` stream's step requests read straight from their bytes, without copying tensors
-(and ``varint``, the encoding of an integer, for the replies ``service.batch_rpc`` encodes).
+"""Step requests (``Batch`` and ``Decode``) read straight from their bytes, without copying
+tensors; and ``varint``/``packed_varints``, the encodings the replies ``service.batch_rpc`` and
+``service.servicer`` write themselves use.
 
 The protobuf runtime copies a 64-sequence step request twice more than the transport already
 has (into its arena when it parses, and again on every read of a ``bytes`` field: 1.5 MiB each
 for float32 at Hq=32, Hkv=8, D=128). ``read_step_request`` reads a serialized ``BatchRequest``
 whose ``kind`` is ``step`` itself and hands out the tensors' data as ``memoryview`` slices of
-the request's bytes (read-only; they keep the bytes alive).
+the request's bytes (read-only; they keep the bytes alive), and its ids as one numpy array
+(decoded vectorized); ``read_decode_step`` does the same for a ``DecodeRequest``'s ``step``.
 
 Contract: for any input it returns either ``None`` or exactly what the protobuf runtime would
 parse (``tests/test_wire.py`` checks it against upb, fuzzed). It returns ``None`` for every
@@ -18,7 +20,18 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["StepRequest", "TensorView", "read_step_request", "varint"]
+import numpy as np
+
+__all__ = [
+    "StepRequest",
+    "DecodeStep",
+    "TensorView",
+    "read_step_request",
+    "read_decode_step",
+    "DecodeStepLayout",
+    "varint",
+    "packed_varints",
+]
 
 _U64 = (1 << 64) - 1
 _U32 = (1 << 32) - 1
@@ -37,7 +50,16 @@ class StepRequest(NamedTuple):
     """``gqa.v1.BatchStep``'s fields, as ``service.batch_rpc.Session.step`` reads them."""
 
     layer: int
-    ids: list[int]
+    ids: np.ndarray  # uint64 (n,)
+    query: TensorView
+    new_key: TensorView
+    new_value: TensorView
+
+
+class DecodeStep(NamedTuple):
+    """``gqa.v1.Step``'s fields (a ``Decode`` stream's step)."""
+
+    layer: int
     query: TensorView
     new_key: TensorView
     new_value: TensorView
@@ -53,6 +75,38 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+_SEVEN = np.uint64(7)
+_LOW7 = np.uint64(0x7F)
+
+
+def packed_varints(values: np.ndarray) -> tuple[bytes, np.ndarray]:
+    """The rows of ``values`` (uint64 or non-negative int64, (k, n)) as protobuf varints,
+    vectorized: ``(data, lengths)``, the k rows' encodings one after another and each row's
+    byte count (k,). A handful of numpy calls whatever n is; rows whose values all take the
+    same number of bytes (the common case: T, L and positions of similar size) need no mask."""
+    v = np.ascontiguousarray(values).astype(np.uint64, copy=False)
+    k = v.shape[0]
+    if v.size == 0:
+        return b"", np.zeros(k, dtype=np.int64)
+    top = int(v.max())
+    if top < 0x80:  # one byte each
+        return v.astype(np.uint8).tobytes(), np.full(k, v.shape[1], dtype=np.int64)
+    width = (top.bit_length() + 6) // 7
+    flat = v.reshape(-1, 1)
+    groups = ((flat >> (np.arange(width, dtype=np.uint64) * _SEVEN)) & _LOW7).astype(np.uint8)
+    if int(v.min()) >> (7 * (width - 1)):  # every value takes ``width`` bytes
+        groups[:, :-1] |= 0x80
+        return groups.tobytes(), np.full(k, v.shape[1] * width, dtype=np.int64)
+    # bytes per value: 1 + how many 7-bit thresholds it reaches
+    nbytes = np.ones(flat.shape[0], dtype=np.int64)
+    for i in range(1, width):
+        nbytes += flat[:, 0] >= np.uint64(1 << (7 * i))
+    column = np.arange(width)
+    groups[column[None, :] < (nbytes[:, None] - 1)] |= 0x80
+    data = groups[column[None, :] < nbytes[:, None]].tobytes()
+    return data, nbytes.reshape(v.shape).sum(axis=1)
 
 
 class _Unhandled(Exception):
@@ -109,6 +163,32 @@ def _packed_varints(buf: memoryview, span: tuple[int, int]) -> list[int]:
     return out
 
 
+_EMPTY_IDS = np.zeros(0, dtype=np.uint64)
+
+
+def _packed_uint64(buf: memoryview, span: tuple[int, int]) -> np.ndarray:
+    """A packed run of uint64 varints, decoded vectorized (``_Unhandled`` where the scalar
+    reader would raise: truncated, over 10 bytes, bits past 64)."""
+    b = np.frombuffer(buf[span[0] : span[1]], dtype=np.uint8)
+    if not len(b):
+        return _EMPTY_IDS
+    last = b < 0x80
+    if last.all():
+        return b.astype(np.uint64)
+    if not last[-1]:
+        raise _Unhandled
+    ends = np.flatnonzero(last)
+    starts = np.empty_like(ends)
+    starts[0] = 0
+    starts[1:] = ends[:-1] + 1
+    lengths = ends - starts + 1
+    if int(lengths.max()) > 10 or (b[ends[lengths == 10]] > 1).any():
+        raise _Unhandled
+    within = np.arange(len(b)) - np.repeat(starts, lengths)
+    parts = (b & 0x7F).astype(np.uint64) << (within.astype(np.uint64) * np.uint64(7))
+    return np.bitwise_or.reduceat(parts, starts)
+
+
 def _signed64(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
@@ -140,15 +220,15 @@ def _tensor(buf: memoryview, span: tuple[int, int]) -> TensorView:
 
 def _step(buf: memoryview, span: tuple[int, int]) -> StepRequest:
     layer = 0
-    ids: list[int] = []
+    ids: list[np.ndarray] = []
     tensors: dict[int, TensorView] = {}
     for number, wire, value in _fields(buf, *span):
         if number == 1 and wire == 0:
             layer = value & _U32
         elif number == 2 and wire == 2:
-            ids += _packed_varints(buf, value)
+            ids.append(_packed_uint64(buf, value))
         elif number == 2 and wire == 0:
-            ids.append(value)
+            ids.append(np.array([value], dtype=np.uint64))
         elif number in (3, 4, 5) and wire == 2:
             if number in tensors:  # the runtime would merge the two messages
                 raise _Unhandled
@@ -157,7 +237,46 @@ def _step(buf: memoryview, span: tuple[int, int]) -> StepRequest:
             raise _Unhandled
     if len(tensors) != 3:  # an absent tensor: the runtime's empty message, and its errors
         raise _Unhandled
-    return StepRequest(layer, ids, tensors[3], tensors[4], tensors[5])
+    all_ids = ids[0] if len(ids) == 1 else np.concatenate(ids) if ids else _EMPTY_IDS
+    return StepRequest(layer, all_ids, tensors[3], tensors[4], tensors[5])
+
+
+def _decode_step(buf: memoryview, span: tuple[int, int]) -> DecodeStep:
+    layer = 0
+    tensors: dict[int, TensorView] = {}
+    for number, wire, value in _fields(buf, *span):
+        if number == 1 and wire == 0:
+            layer = value & _U32
+        elif number in (2, 3, 4) and wire == 2:
+            if number in tensors:
+                raise _Unhandled
+            tensors[number] = _tensor(buf, value)
+        elif number in (1, 2, 3, 4):
+            raise _Unhandled
+    if len(tensors) != 3:
+        raise _Unhandled
+    return DecodeStep(layer, tensors[2], tensors[3], tensors[4])
+
+
+def read_decode_step(raw: bytes) -> tuple[int, DecodeStep] | None:
+    """``(request_id, step)`` when ``raw`` is a serialized ``DecodeRequest`` whose kind is
+    ``step`` and this reader handles it; ``None`` otherwise (as ``read_step_request``)."""
+    buf = memoryview(raw)
+    rid = 0
+    step_span = None
+    try:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number == 1 and wire == 0:
+                rid = value
+            elif number == 3 and wire == 2 and step_span is None:
+                step_span = value
+            elif number <= 6:  # another kind, the step twice, or a known field mistyped
+                return None
+        if step_span is None:
+            return None
+        return rid, _decode_step(buf, step_span)
+    except _Unhandled:
+        return None
 
 
 def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
@@ -179,3 +298,68 @@ def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
         return rid, _step(buf, step_span)
     except _Unhandled:
         return None
+
+
+class DecodeStepLayout:
+    """The encoding of one Decode stream's step requests as the protobuf runtimes write them
+    (fields in number order, packed shapes, every field present but a zero request id or
+    layer), with this stream's dtype and shapes: everything but the ids, the layer and the
+    tensors' bytes is a constant prefix, so ``read`` checks three prefixes and slices, in a
+    few microseconds instead of walking the fields. Anything else returns ``None``
+    (``read_decode_step`` or the runtime then reads it). Contract as ``read_decode_step``:
+    what ``read`` returns is what upb parses (tests/test_wire.py)."""
+
+    __slots__ = ("_q", "_k", "_v", "_q_bytes", "_kv_bytes", "_dtype", "_q_shape", "_kv_shape", "_body")
+
+    def __init__(self, dtype: int, q_shape: tuple[int, ...], kv_shape: tuple[int, ...], q_bytes: int, kv_bytes: int):
+        def tensor(tag: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
+            dims = b"".join(varint(x) for x in shape)
+            head = (b"\x08" + varint(dtype) if dtype else b"") + (b"\x12" + varint(len(dims)) + dims if dims else b"")
+            head += b"\x1a" + varint(nbytes)
+            return tag + varint(len(head) + nbytes) + head
+
+        self._q = tensor(b"\x12", q_shape, q_bytes)  # Step.query = 2
+        self._k = tensor(b"\x1a", kv_shape, kv_bytes)  # Step.new_key = 3
+        self._v = tensor(b"\x22", kv_shape, kv_bytes)  # Step.new_value = 4
+        self._q_bytes, self._kv_bytes = q_bytes, kv_bytes
+        self._dtype, self._q_shape, self._kv_shape = dtype, tuple(q_shape), tuple(kv_shape)
+        self._body = len(self._q) + len(self._k) + len(self._v) + q_bytes + 2 * kv_bytes
+
+    def read(self, raw: bytes) -> tuple[int, DecodeStep] | None:
+        if not (self._q_bytes and self._kv_bytes):
+            return None
+        buf = memoryview(raw)
+        end = len(raw)
+        try:
+            rid, pos = _read_varint(buf, 1, end) if raw[:1] == b"\x08" else (0, 0)
+            if raw[pos : pos + 1] != b"\x1a":  # DecodeRequest.step = 3
+                return None
+            length, pos = _read_varint(buf, pos + 1, end)
+            if pos + length != end:
+                return None
+            layer = 0
+            if raw[pos : pos + 1] == b"\x08":  # Step.layer = 1
+                layer, pos = _read_varint(buf, pos + 1, end)
+                if layer >> 32:  # the runtime truncates; leave that to it
+                    return None
+            if end - pos != self._body or not raw.startswith(self._q, pos):
+                return None
+            pos += len(self._q)
+            q = buf[pos : pos + self._q_bytes]
+            pos += self._q_bytes
+            if not raw.startswith(self._k, pos):
+                return None
+            pos += len(self._k)
+            k = buf[pos : pos + self._kv_bytes]
+            pos += self._kv_bytes
+            if not raw.startswith(self._v, pos):
+                return None
+            v = buf[pos + len(self._v) :]
+        except _Unhandled:
+            return None
+        return rid, DecodeStep(
+            layer,
+            TensorView(self._dtype, self._q_shape, q),
+            TensorView(self._dtype, self._kv_shape, k),
+            TensorView(self._dtype, self._kv_shape, v),
+        )

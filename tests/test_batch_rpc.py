@@ -102,22 +102,47 @@ def prefills(g, lengths, dtype):
 @pytest.mark.parametrize("n", [0, 1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
+    import numpy as np
+
     from service.batch_rpc import step_reply_bytes
+    from service.errors import InvalidArgument
+    from service.plane import NotFound, StepResult
 
     g = torch.Generator().manual_seed(n)
     output = torch.randn(n, 32, 128, generator=g).to(dtype)
-    result = gqa_pb2.BatchStepResult(layer=3, compute_ns=123456789)
-    result.status.SetInParent()
-    result.tokens_seen.extend(range(n))
-    result.rollback_reach.extend([2**40] * n)
-    if n:
-        result.refusals.add(index=n - 1, id=7, status=gqa_pb2.Status(code=5, message="step.ids: sequence 7 ..."))
-    want = gqa_pb2.BatchResponse(request_id=rid, step=result)
+    fields = np.zeros((n, 6), dtype=np.int64)
+    fields[:, 0] = np.arange(n)
+    fields[:, 1] = np.arange(n) * 300  # one- and two-byte varints
+    fields[:, 5] = 2**40
+    refusals = [(n - 1, 7, NotFound("step.ids: sequence 7 ...")), (n, 2**63, InvalidArgument("x"))] if n else []
+    want = gqa_pb2.BatchResponse(request_id=rid, step=gqa_pb2.BatchStepResult(layer=3, compute_ns=123456789))
+    want.step.status.SetInParent()
+    for name, column in zip(
+        ("tokens_seen", "resident", "first_position", "last_position", "evicted_tokens", "rollback_reach"), fields.T
+    ):
+        getattr(want.step, name).extend(column.tolist())
+    for row, sid, exc in refusals:
+        want.step.refusals.add(index=row, id=sid, status=gqa_pb2.Status(code=exc.code_number, message=exc.message))
     want.step.output.CopyFrom(to_proto(output))
-    got = gqa_pb2.BatchResponse.FromString(step_reply_bytes(rid, result, output))
+    raw = step_reply_bytes(rid, 3, StepResult(fields, refusals, 123456789, output))
+    got = gqa_pb2.BatchResponse.FromString(raw)
     assert got == want
     assert got.step.HasField("status") and got.step.HasField("output")
-    assert len(step_reply_bytes(rid, result, output)) == want.ByteSize()
+    assert len(raw) == want.ByteSize()
+
+
+def test_a_refused_message_reply_is_status_and_layer_only():
+    from service.batch_rpc import step_reply_bytes
+    from service.errors import InvalidArgument
+
+    raw = step_reply_bytes(5, 2, None, refused=InvalidArgument("step.layer: 9 is out of range"))
+    want = gqa_pb2.BatchResponse(
+        request_id=5,
+        step=gqa_pb2.BatchStepResult(
+            status=gqa_pb2.Status(code=INVALID, message="step.layer: 9 is out of range"), layer=2
+        ),
+    )
+    assert gqa_pb2.BatchResponse.FromString(raw) == want
 
 
 # -- Batch == Decode == oracle ---------------------------------------------------------------

@@ -410,3 +410,34 @@ def test_cuda_memory_gauges_follow_a_cuda_stream(server):
     reserved = _sample(fams, "gqa_cuda_memory_reserved_bytes", device="0")
     assert reserved > 0 and reserved == torch.cuda.memory_reserved(0)
     assert 0 <= _sample(fams, "gqa_cuda_memory_allocated_bytes", device="0") <= reserved
+
+
+@pytest.mark.parametrize("value", [0.0, 1e-6, 2.5e-4, 0.003, 7.0, 1e9])
+def test_bulk_step_counts_equal_as_many_single_observations(value):
+    """``steps_done`` of n steps (a Batch message) leaves every series exactly as n steps of one
+    each (Decode steps) do: histogram buckets, sums and counts, the ok counter, evictions and
+    bytes written."""
+    from service.metrics import ServiceMetrics
+
+    bulk, single = ServiceMetrics(), ServiceMetrics()
+    labels = ("cpu", "float32", "strict")
+    bulk.recorder.steps_done(labels, 37, value, 2 * value, 37, 37, 37 * 512)
+    for _ in range(37):
+        single.recorder.steps_done(labels, 1, value, 2 * value, 1, 1, 512)
+
+    def samples(m):
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in m.registry.collect()
+            if family.name.startswith("gqa_")
+            for s in family.samples
+        }
+
+    got, want = samples(bulk), samples(single)
+    assert got.keys() == want.keys()
+    for key, v in want.items():
+        assert got[key] == pytest.approx(v, rel=1e-12, abs=1e-12), key
+    assert (
+        got[("gqa_steps_total", (("backend", "cpu"), ("dtype", "float32"), ("outcome", "ok"), ("policy", "strict")))]
+        == 37
+    )

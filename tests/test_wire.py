@@ -1,21 +1,23 @@
 """``service.wire``: whatever it reads from a request's bytes is what upb parses from them.
 
-Step requests built by upb, the same fields re-encoded by hand in shuffled order with unknown
-fields and unpacked repeated fields, truncations and byte flips of them, and other kinds: the
-reader returns ``None`` or exactly upb's values (and ``None`` where upb refuses the bytes).
+Step requests (Batch and Decode) built by upb, the same fields re-encoded by hand in shuffled
+order with unknown fields and unpacked repeated fields, truncations and byte flips of them, and
+other kinds: the readers return ``None`` or exactly upb's values (and ``None`` where upb refuses
+the bytes). The vectorized packed-varint encoder against the scalar one.
 """
 
 from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api import gqa_pb2
-from service.wire import read_step_request, varint
+from service.wire import DecodeStepLayout, packed_varints, read_decode_step, read_step_request, varint
 
 U64 = st.integers(0, 2**64 - 1)
 TENSOR = st.tuples(
@@ -46,7 +48,33 @@ def _same_as_upb(raw: bytes) -> None:
     assert want.WhichOneof("kind") == "step"
     assert rid == want.request_id
     assert step.layer == want.step.layer
-    assert step.ids == list(want.step.ids)
+    assert step.ids.dtype == np.uint64 and step.ids.tolist() == list(want.step.ids)
+    for name in ("query", "new_key", "new_value"):
+        mine, theirs = getattr(step, name), getattr(want.step, name)
+        assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data), name
+
+
+def _decode_message(rid, layer, tensors) -> gqa_pb2.DecodeRequest:
+    step = gqa_pb2.Step(layer=layer)
+    for field, (dtype, shape, data) in zip(("query", "new_key", "new_value"), tensors):
+        getattr(step, field).CopyFrom(gqa_pb2.Tensor(dtype=dtype, shape=shape, data=data))
+    return gqa_pb2.DecodeRequest(request_id=rid, step=step)
+
+
+def _decode_same_as_upb(raw: bytes) -> None:
+    """``read_decode_step``'s answer for ``raw`` is None, or upb's parse of it."""
+    got = read_decode_step(raw)
+    try:
+        want = gqa_pb2.DecodeRequest.FromString(raw)
+    except DecodeError:
+        assert got is None
+        return
+    if got is None:
+        return
+    rid, step = got
+    assert want.WhichOneof("kind") == "step"
+    assert rid == want.request_id
+    assert step.layer == want.step.layer
     for name in ("query", "new_key", "new_value"):
         mine, theirs = getattr(step, name), getattr(want.step, name)
         assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data), name
@@ -100,6 +128,26 @@ def _hand_encoded(rng: random.Random, rid, layer, ids, tensors) -> bytes:
         rng.random() < 0.3,
     )
     return _shuffled(rng, [_key(1, 0) + varint(rid), _len(4, step)], rng.random() < 0.3)
+
+
+def _hand_encoded_decode(rng: random.Random, rid, layer, tensors) -> bytes:
+    """A ``DecodeRequest`` step (``Step``: layer 1, query 2, new_key 3, new_value 4; the
+    request's step is field 3) in shuffled order, with unknown and unpacked fields."""
+    tensor_bytes = []
+    for dtype, shape, data in tensors:
+        if rng.random() < 0.5:
+            shape_parts = [_len(2, b"".join(varint(x) for x in shape))] if shape else []
+        else:
+            shape_parts = [_key(2, 0) + varint(x) for x in shape]
+        tensor_bytes.append(
+            _shuffled(rng, [_key(1, 0) + varint(dtype), *shape_parts, _len(3, data)], rng.random() < 0.3)
+        )
+    step = _shuffled(
+        rng,
+        [_key(1, 0) + varint(layer), *(_len(2 + i, t) for i, t in enumerate(tensor_bytes))],
+        rng.random() < 0.3,
+    )
+    return _shuffled(rng, [_key(1, 0) + varint(rid), _len(3, step)], rng.random() < 0.3)
 
 
 @settings(max_examples=300, deadline=None)
@@ -162,6 +210,104 @@ def test_a_step_given_twice_or_followed_by_another_kind_goes_to_the_runtime():
 def test_tensor_data_is_a_view_of_the_request():
     raw = _step_message(9, 2, [7, 8], [(1, [2, 1, 1], b"\x01\x02\x03\x04" * 2)] * 3).SerializeToString()
     rid, step = read_step_request(raw)
-    assert rid == 9 and step.layer == 2 and step.ids == [7, 8]
+    assert rid == 9 and step.layer == 2 and step.ids.tolist() == [7, 8]
     assert isinstance(step.query.data, memoryview) and step.query.data.obj is raw
     assert step.query.data.readonly and bytes(step.query.data) == b"\x01\x02\x03\x04" * 2
+
+
+# -- Decode step requests -----------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(rid=U64, layer=st.integers(0, 2**32 - 1), tensors=st.tuples(TENSOR, TENSOR, TENSOR))
+def test_decode_steps_read_as_upb_parses_them(rid, layer, tensors):
+    raw = _decode_message(rid, layer, tensors).SerializeToString()
+    assert read_decode_step(raw) is not None
+    _decode_same_as_upb(raw)
+
+
+@settings(max_examples=200, deadline=None)
+@given(rid=U64, layer=U64, tensors=st.tuples(TENSOR, TENSOR, TENSOR), seed=st.integers(0, 2**32))
+def test_decode_steps_in_other_orders_with_unknown_fields_and_damage(rid, layer, tensors, seed):
+    rng = random.Random(seed)
+    raw = _hand_encoded_decode(rng, rid, layer, tensors)
+    _decode_same_as_upb(raw)
+    for _ in range(4):
+        _decode_same_as_upb(raw[: rng.randrange(len(raw) + 1)])
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        _decode_same_as_upb(bytes(flipped))
+
+
+@given(st.binary(max_size=200))
+def test_decode_arbitrary_bytes(raw):
+    _decode_same_as_upb(raw)
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [
+        gqa_pb2.DecodeRequest(request_id=3, open=gqa_pb2.OpenStream(num_query_heads=4)),
+        gqa_pb2.DecodeRequest(request_id=3, rollback=gqa_pb2.Rollback(count=1)),
+        gqa_pb2.DecodeRequest(request_id=3),
+        gqa_pb2.DecodeRequest(request_id=3, step=gqa_pb2.Step(layer=1)),  # tensors absent
+    ],
+    ids=["open", "rollback", "no kind", "step without tensors"],
+)
+def test_other_decode_requests_go_to_the_runtime(request_):
+    assert read_decode_step(request_.SerializeToString()) is None
+
+
+# -- the packed varints the step replies are encoded with -----------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.lists(U64, min_size=3, max_size=3), max_size=8))
+def test_packed_varints_are_the_scalar_encoding_row_by_row(rows):
+    values = np.array(rows, dtype=np.uint64).reshape(-1, 3).T  # (3, n)
+    data, lengths = packed_varints(values)
+    want = [b"".join(varint(int(x)) for x in row) for row in values]
+    assert data == b"".join(want)
+    assert lengths.tolist() == [len(w) for w in want]
+
+
+# -- a Decode stream's step layout (its constant prefixes) ------------------------------------------
+SHAPE = st.lists(st.integers(0, 300), min_size=1, max_size=3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=U64,
+    layer=st.integers(0, 2**32 - 1),
+    dtype=st.integers(0, 5),
+    shapes=st.tuples(SHAPE, SHAPE),
+    sizes=st.tuples(st.integers(0, 40), st.integers(0, 40)),
+    same=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_a_stream_layout_reads_what_upb_parses(rid, layer, dtype, shapes, sizes, same, seed):
+    """Messages built by upb for the layout's own dtype and shapes (``same``) or for others, and
+    their truncations, byte flips and unknown fields: ``read`` is None or upb's values."""
+    rng = random.Random(seed)
+    q_shape, kv_shape = shapes
+    q_bytes, kv_bytes = sizes
+    layout = DecodeStepLayout(dtype, tuple(q_shape), tuple(kv_shape), q_bytes, kv_bytes)
+    if same:
+        tensors = ((dtype, q_shape, rng.randbytes(q_bytes)), *[(dtype, kv_shape, rng.randbytes(kv_bytes))] * 2)
+    else:
+        tensors = tuple((rng.randint(0, 5), rng.choice(shapes), rng.randbytes(rng.randint(0, 40))) for _ in range(3))
+    raw = _decode_message(rid, layer, tensors).SerializeToString()
+    if same and q_bytes and kv_bytes:
+        assert layout.read(raw) is not None  # the runtime's own encoding of this stream's steps
+    variants = [raw, raw + _unknown(rng)]
+    for _ in range(4):
+        variants.append(raw[: rng.randrange(len(raw) + 1)])
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        variants.append(bytes(flipped))
+    for data in variants:
+        got = layout.read(data)
+        if got is None:
+            continue
+        want = gqa_pb2.DecodeRequest.FromString(data)  # never raises where read answered
+        rid_, step = got
+        assert want.WhichOneof("kind") == "step" and rid_ == want.request_id and step.layer == want.step.layer
+        for name in ("query", "new_key", "new_value"):
+            mine, theirs = getattr(step, name), getattr(want.step, name)
+            assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data)

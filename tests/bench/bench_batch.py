@@ -15,9 +15,11 @@
   (``common.read_floor_seconds``).
 
 Clients are grpc.aio streams of raw bytes (no client-side protobuf work in the timed loop).
-Echo and service take turns, round after round. Targets (issue 16): at S=1 the Batch round trip
-at most 1.25 x (echo round trip + in-process step_many), and sequence-steps/s at least 0.8 x the
-echo's (``SESSIONS`` concurrent sessions, closed loop); at S=2048 the cache read rate (bytes of
+The service runs with metrics on, as deployed. Echo and service take turns, round after round.
+Targets (issue 23): at S=1 the Batch round trip at most 1.25 x (echo round trip + the server's
+reported compute of the message), and sequence-steps/s at least 0.8 x the echo's (``SESSIONS``
+concurrent sessions against as many echo streams, closed loop), float32; bfloat16 1.35 x and
+0.7 x (``TARGETS``). The in-process ``step_many`` time is shown beside the compute. At S=2048 the cache read rate (bytes of
 the steps' caches / round trip) at least 0.7 x the read floor.
 """
 
@@ -64,6 +66,9 @@ MESSAGES_S1 = 60  # round trips per round at S=1
 MESSAGES_S2048 = 3  # round trips per round at S=2048
 SESSIONS = 4  # concurrent sessions for the throughput figure
 THROUGHPUT_S = 0.8  # seconds per throughput measurement
+# issue 23: (round trip / (echo + server compute) at most, sequence-steps/s / echo's at least);
+# bfloat16 has half the bytes, so the echo is twice as fast and fixed costs weigh double
+TARGETS = {"float32": (1.25, 0.8), "bfloat16": (1.35, 0.7)}
 OPTIONS = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
 
 
@@ -114,7 +119,7 @@ asyncio.run(main())
 
 def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
     if kind == "service":
-        return start_server(["-m", "service.cli", "serve"])
+        return start_server(["-m", "service.cli", "serve"], metrics=True)  # metrics on, as deployed
     args = []
     for name, dtype in DTYPES.items():
         path = os.path.join(tmpdir, f"reply-{name}.bin")
@@ -270,7 +275,9 @@ def run(report) -> None:
                 r = loop.run_until_complete(measure_s1(addresses, dtype))
                 echo_rtt, svc_rtt = (statistics.median(r["rtt"][k]) for k in ("echo", "service"))
                 echo_rate, svc_rate = (statistics.median(r["rate"][k]) for k in ("echo", "service"))
-                ratio_rtt = [s / (e + local) for s, e in zip(r["rtt"]["service"], r["rtt"]["echo"])]
+                # the server's reported compute of the same round: what the service adds to the
+                # echo's transport is then its own per-message work
+                ratio_rtt = [s / (e + c) for s, e, c in zip(r["rtt"]["service"], r["rtt"]["echo"], r["compute"])]
                 ratio_rate = [s / e for s, e in zip(r["rate"]["service"], r["rate"]["echo"])]
                 m, lo, hi = spread(ratio_rtt)
                 rows.append(
@@ -287,12 +294,13 @@ def run(report) -> None:
                         "-",
                     ]
                 )
-                lines.append(verdict(f"{dtype} S=1 Batch round trip / (echo + step_many)", m, 1.25))
+                rtt_target, rate_target = TARGETS[dtype]
+                lines.append(verdict(f"{dtype} S=1 Batch round trip / (echo + compute)", m, rtt_target))
                 lines.append(
                     verdict(
                         f"{dtype} S=1 sequence-steps/s / echo's ({SESSIONS} sessions)",
                         statistics.median(ratio_rate),
-                        0.8,
+                        rate_target,
                         at_most=False,
                     )
                 )
@@ -356,7 +364,7 @@ def run(report) -> None:
                 "echo rtt us",
                 "batch rtt us",
                 "step_many | compute us",
-                "batch/(echo+step)",
+                "batch/(echo+compute)",
                 "echo seq-steps/s",
                 "batch seq-steps/s",
                 "batch/echo",

@@ -38,23 +38,18 @@ def _steps_per_second(address: str, shape: Shape, policy: str, window: int, step
 
 
 def _recorder_cost_us() -> float:
-    """Microseconds the recorder adds to one step (step_done on a fake report): the noise-free
-    lower bound of the cost, to read next to the end-to-end ratio on a busy machine."""
-    import torch
-
-    from backends.base import StepOutcome
-    from service.engine import StepReport
+    """Microseconds the recorder adds to one Decode step (``steps_done`` of one step): the
+    noise-free lower bound of the cost, to read next to the end-to-end ratio on a busy machine."""
     from service.metrics import ServiceMetrics
 
     metrics = ServiceMetrics()
-    stream = type("S", (), {"labels": ("cpu", "float32", "strict")})()
-    report = StepReport(StepOutcome(torch.zeros(1), 10, 8, 2, 9, 1, 512, 0), 120_000, 0)
+    labels = ("cpu", "float32", "strict")
     series = metrics.interceptor._series("/gqa.v1.AttentionService/Decode", True, True)
     n = 20_000
 
     def loop():
         for _ in range(n):
-            metrics.recorder.step_done(stream, report, 20e-6)
+            metrics.recorder.steps_done(labels, 1, 20e-6, 120e-6, 1, 1, 512)
             series.received.inc()  # the interceptor's share: one message each way
             series.sent.inc()
 

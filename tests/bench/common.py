@@ -339,12 +339,14 @@ def hot_rounds(
 # -- servers in their own processes, on loopback ------------------------------------------------
 
 
-def start_server(args: list[str]) -> tuple[subprocess.Popen, str]:
+def start_server(args: list[str], *, metrics: bool = False) -> tuple[subprocess.Popen, str]:
     """``python *args`` in its own process, serving on a free loopback port it reads from
-    ``GQA_ADDRESS`` (metrics off, warnings only, as gqa-serve reads them), and its address once
-    it accepts calls; stop it with ``stop_server``."""
+    ``GQA_ADDRESS`` (warnings only, as gqa-serve reads them), and its address once it accepts
+    calls; stop it with ``stop_server``. Metrics off, or with ``metrics`` on as deployed
+    (recorded, and served on another free port)."""
     address = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT="0", GQA_LOG_LEVEL="WARNING")
+    metrics_port = str(free_port()) if metrics else "0"
+    env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT=metrics_port, GQA_LOG_LEVEL="WARNING")
     proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL)
     try:
         with grpc.insecure_channel(address) as channel:
