@@ -139,7 +139,7 @@ def test_a_refused_message_reply_is_status_and_layer_only():
     want = gqa_pb2.BatchResponse(
         request_id=5,
         step=gqa_pb2.BatchStepResult(
-            status=gqa_pb2.Status(code=INVALID, message="step.layer: 9 is out of range"), layer=2
+            status=gqa_pb2.Status(code=INVALID.value[0], message="step.layer: 9 is out of range"), layer=2
         ),
     )
     assert gqa_pb2.BatchResponse.FromString(raw) == want
