@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -108,6 +109,9 @@ class SequenceSet:
         self._index_stale = False
         self._dead = np.zeros(0, dtype=bool)  # by slot: closed under the session (drain, reaper)
         self._any_dead = False
+        # (slot, stream) of closes from other threads, moved into _dead by the owner only, so a
+        # close never writes into an array the owner is replacing (deque.append is atomic)
+        self._closing: deque = deque()
         self._policy = np.zeros(0, dtype=np.int8)  # by slot: index into _labels
         self._labels: list[tuple[str, str, str]] = []
         self._per_label: list[int] = []  # live sequences per label index
@@ -152,6 +156,7 @@ class SequenceSet:
 
     def remove(self, sid: int) -> "Stream":
         """Drops sequence ``sid`` from the set (the caller closes its stream)."""
+        self._take_closed()
         stream = self._streams.pop(sid)
         slot = self._slot.pop(sid)
         self.caches.remove(slot)
@@ -164,10 +169,20 @@ class SequenceSet:
         return stream
 
     def _closed(self, slot: int, stream: "Stream") -> None:
-        """``Engine.close`` of the set's stream in ``slot`` (the drain, the reaper: any thread;
-        two assignments, so no lock against the owner)."""
-        self._dead[slot] = True
-        self._any_dead = True
+        """``Engine.close`` of the set's stream in ``slot`` (the drain, the reaper: any thread).
+        Queued for the owner (``_take_closed``), never written into ``_dead`` from here: ``add``
+        may be replacing that array meanwhile."""
+        self._closing.append((slot, stream))
+
+    def _take_closed(self) -> None:
+        """On the owner's thread: the queued closes into ``_dead``, each only while its slot
+        still holds the stream that closed (a slot freed and reused meanwhile is not marked)."""
+        while self._closing:
+            slot, stream = self._closing.popleft()
+            sid = next((k for k, v in self._streams.items() if v is stream), None)
+            if sid is not None and self._slot.get(sid) == slot:
+                self._dead[slot] = True
+                self._any_dead = True
 
     def _reindex(self) -> None:
         ids = np.fromiter(self._slot.keys(), dtype=np.uint64, count=len(self._slot))
@@ -207,6 +222,8 @@ class SequenceSet:
             if len(repeated):
                 dup = np.isin(ids, repeated)
                 bad |= dup
+        if self._closing:
+            self._take_closed()
         if self._any_dead:
             bad |= known & self._dead[slots]
         if not bad.any():

@@ -1,0 +1,103 @@
+"""service.plane.SequenceSet without a server: closes from other threads (the drain, the idle
+reaper) reach the owner's next message, whatever the owner did with its arrays meanwhile."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from service.config import ServerConfig
+from service.engine import Engine
+
+HQ, HKV, D = 4, 2, 16
+
+
+@pytest.fixture
+def engine():
+    engine = Engine(ServerConfig(metrics_port=0, workers=1))
+    yield engine
+    engine.stop()
+
+
+def _open(engine, sequences, sid):
+    config = engine.stream_config(
+        backend="cpu",
+        dtype="float32",
+        batch_size=1,
+        num_query_heads=HQ,
+        num_kv_heads=HKV,
+        head_dim=D,
+        num_layers=1,
+        policy="strict",
+        window=8,
+        capacity=0,
+        sink_tokens=0,
+    )
+    sequences.add(sid, engine.open(config))
+
+
+def _plan(sequences, ids):
+    n = len(ids)
+    q = torch.zeros((n, HQ, D)).numpy().tobytes()
+    kv = torch.zeros((n, HKV, D)).numpy().tobytes()
+    return sequences.plan(0, np.array(ids, dtype=np.uint64), q, kv, kv)
+
+
+def test_a_close_while_the_owner_grows_its_arrays_still_refuses_that_sequence(engine):
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sequences = engine.sequence_set(shape)
+    _open(engine, sequences, 1)
+    closed = sequences.get(1)
+    engine.close(closed, "idle")  # another thread's close, before the owner's next adds
+    for sid in range(2, 40):  # the per-slot arrays are replaced (grown) several times
+        _open(engine, sequences, sid)
+    plan = _plan(sequences, [1, 2, 39])
+    assert [(row, sid, type(exc).__name__) for row, sid, exc in plan.refusals] == [(0, 1, "Unavailable")]
+    assert plan.live.tolist() == [1, 2]
+
+
+def test_a_close_landing_while_the_owner_copies_its_arrays_is_not_lost(engine, monkeypatch):
+    """The interleaving that lost a mark when closes wrote the per-slot array themselves: the
+    owner has copied the array to grow it, the close lands, then the owner keeps the copy."""
+    import service.plane
+
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sequences = engine.sequence_set(shape)
+    for sid in range(1, 17):  # fills the first 16 slots: the next add grows the arrays
+        _open(engine, sequences, sid)
+    victim = sequences.get(3)
+    real = np.concatenate
+    landed = []
+
+    def concatenate_then_close(arrays, *args, **kwargs):
+        grown = real(arrays, *args, **kwargs)
+        if not landed:
+            landed.append(True)
+            engine.close(victim, "idle")  # the reaper's thread, between the copy and its use
+        return grown
+
+    monkeypatch.setattr(service.plane.np, "concatenate", concatenate_then_close)
+    _open(engine, sequences, 17)
+    monkeypatch.undo()
+    assert landed
+    plan = _plan(sequences, [3, 17])
+    assert [(row, sid) for row, sid, _ in plan.refusals] == [(0, 3)]
+
+
+def test_a_close_queued_for_a_removed_sequence_does_not_mark_the_slot_s_next_owner(engine):
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sequences = engine.sequence_set(shape)
+    _open(engine, sequences, 1)
+    stream = sequences.get(1)
+    stream.on_closed(stream)  # a close in flight when the owner removes the sequence
+    engine.close(sequences.remove(1), "removed")
+    _open(engine, sequences, 2)  # takes the freed slot
+    plan = _plan(sequences, [2])
+    assert plan.refusals == [] and plan.live is None
