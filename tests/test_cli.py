@@ -301,7 +301,8 @@ def test_sizes_take_units():
     assert from_args(None, env={"GQA_MAX_CACHE_BYTES": "2Gi"}).max_cache_bytes == 2 << 30
     # The two families are different numbers, and the help says which is which.
     for text, value in (("4GB", 4 * 10**9), ("4G", 4 * 10**9), ("4GiB", 4 << 30), ("4gi", 4 << 30)):
-        assert from_args(build_parser().parse_args(["serve", "--max-cache-bytes", text]), env={}).max_cache_bytes == value
+        args = build_parser().parse_args(["serve", "--max-cache-bytes", text])
+        assert from_args(args, env={}).max_cache_bytes == value, text
     help_text = " ".join(gqa("serve", "--help").stdout.split())
     assert "default 4Gi" in help_text
     assert "Ki Mi Gi Ti are powers of 1024, K M G T (B optional) powers of 1000" in help_text
