@@ -144,8 +144,9 @@ def doc_server(tmp_path_factory):
         if entry.name not in (".venv", ".git"):
             (workdir / entry.name).symlink_to(entry)
     (workdir / ".venv").symlink_to(pathlib.Path(sys.prefix))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    env.pop("GQA_AUTH_TOKEN", None)
+    # The documented defaults, whatever this shell's GQA_* settings say (a token, other limits).
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GQA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     port, metrics_port = free_port(), free_port()
     address, metrics = f"127.0.0.1:{port}", f"127.0.0.1:{metrics_port}"
     entry = pathlib.Path(sys.executable).parent / "gqa-serve"
