@@ -1,6 +1,7 @@
 # gqa-serve: every entry point sets up what it needs on a fresh machine.
-#   make run    - install what serving needs (nothing else), then start the service on the CPU
-#                 backend at 127.0.0.1:50051
+#   make run    - install what serving needs and the loadgen extra (the progress bar and plots of
+#                 `gqa-serve bench`, which the README runs next), then start the service on the
+#                 CPU backend at 127.0.0.1:50051
 #   make lint   - install the test extras, then ruff: the lint rules and the format check
 #                 (pyproject.toml [tool.ruff]); `ruff format . && ruff check --fix .` fixes most
 #   make test   - install the test extras and tools, then the lint, then the test suite (GPU
@@ -9,8 +10,9 @@
 #   make bench  - install the bench extras, then run the benchmarks (bench-results/*.json, *.png)
 #   make gpu-check - on a machine with a CUDA GPU: the gpu tests, then the CUDA kernel benchmark
 #
-# Installs are layered, one stamp each: serving (the package and the Python client it needs for
-# `demo` and `bench`, clients/python; plus triton where an NVIDIA GPU is visible), then the test or bench extras on top. TORCH_INDEX_URL=... installs torch from
+# Installs are layered, one stamp each: serving (the package with the loadgen extra, and the Python
+# client it needs for `demo` and `bench`, clients/python; plus triton where an NVIDIA GPU is visible),
+# then the test or bench extras on top. TORCH_INDEX_URL=... installs torch from
 # that index first (off this project's machines, PyTorch's CPU wheel index keeps pip from
 # pulling the multi-GB CUDA build; see README "Install").
 
@@ -19,8 +21,9 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 ADDRESS ?= 127.0.0.1:50051
 TORCH_INDEX_URL ?=
-# The cuda backend's Triton kernels, only where a GPU can use them.
-GPU_EXTRAS := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo triton)
+# The load generator's progress bar and plots (`gqa-serve bench --plot`), everywhere; the cuda
+# backend's Triton kernels, only where a GPU can use them.
+RUN_EXTRAS := loadgen$(shell command -v nvidia-smi >/dev/null 2>&1 && echo ,triton)
 # setuptools prints a 10-line "Editable installation." notice on every editable install (an
 # InformationOnly warning, nothing to fix); every other warning of the build still shows.
 PIP := PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install --quiet --disable-pip-version-check
@@ -36,7 +39,7 @@ $(VENV)/.installed: pyproject.toml clients/python/pyproject.toml | $(VENV)/.crea
 	@if [ -n "$(TORCH_INDEX_URL)" ]; then echo "torch from $(TORCH_INDEX_URL)"; $(PIP) --index-url "$(TORCH_INDEX_URL)" "torch==2.13.0"; fi
 	@# The Python client is a distribution of its own (clients/python, gqa-serve-client), which the
 	@# server's demo and bench commands require: one pip call installs both, the client from here.
-	$(PIP) -e clients/python -e '.$(if $(GPU_EXTRAS),[$(GPU_EXTRAS)])'
+	$(PIP) -e clients/python -e '.[$(RUN_EXTRAS)]'
 	@# the compiled decode kernels; without a C compiler every backend uses torch's slower kernels
 	$(BIN)/python -m backends.native build || echo "gqa-serve: the decode kernels did not build (above); every backend will use the torch kernels"
 	touch $@

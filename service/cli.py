@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .cli_common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail  # noqa: F401 (re-exported)
+from .cli_common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail, plain  # noqa: F401 (re-exported)
 
 __all__ = ["main", "fail", "OneLineParser"]
 
@@ -104,7 +104,7 @@ output: {"output", "new_key_cache", "new_value_cache"} as nested lists."""
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
-    parser = OneLineParser(prog="gqa-serve", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="gqa-serve", description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--version", action="version", version=f"gqa-serve {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{step,serve,demo,bench}")
 

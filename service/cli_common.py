@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 
 from .config import ConfigError
@@ -17,6 +18,7 @@ __all__ = [
     "EXIT_FAILURE",
     "OneLineParser",
     "fail",
+    "plain",
     "positive_int",
     "non_negative_int",
     "add_client_arguments",
@@ -34,6 +36,12 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def plain(docstring_text: str) -> str:
+    """Docstring prose as a terminal shows it: a reStructuredText literal (a name between two
+    backticks on each side) without its backticks."""
+    return re.sub(r"``([^`]+)``", r"\1", docstring_text)
 
 
 def fail(message: str, status: int = EXIT_USAGE) -> int:

@@ -51,11 +51,16 @@ _UNITS = {
     "gi": 1 << 30,
     "ti": 1 << 40,
 }
+# What a size flag's help says about its units: the two families mean different numbers.
+SIZE_UNITS = (
+    "Ki Mi Gi Ti are powers of 1024, K M G T (B optional) powers of 1000: 4Gi is 4294967296 bytes, 4GB 4000000000"
+)
 _SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """Bytes from ``4Gi``, ``512Mi``, ``1G`` (powers of 1000), ``1.5GiB`` or a plain integer."""
+    """Bytes from ``4Gi``, ``512Mi``, ``1.5GiB`` (powers of 1024), ``1G``, ``4GB`` (powers of
+    1000: ``4GB`` is 4000000000 bytes) or a plain integer."""
     match = _SIZE.fullmatch(str(text))
     if not match:
         raise ValueError(f"expected a size such as 4Gi, 512Mi, 1G or 1048576, got {text!r}")
@@ -432,7 +437,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if f.metadata.get("env_only"):
             continue
         default = format_size(f.default) if f.metadata.get("size") else f.default
-        units = "; units such as 4Gi, 512Mi, 1G" if f.metadata.get("size") else ""
+        units = f"; {SIZE_UNITS}" if f.metadata.get("size") else ""
         parser.add_argument(
             f"--{_flag(f.name)}",
             dest=f.name,

@@ -53,6 +53,18 @@ class LoadConfig:
     def in_flight(self) -> int:
         return min(self.streams, self.concurrency or self.streams)
 
+    def resolved(self) -> dict:
+        """The fields as the load runs them: ``concurrency`` steps in flight and the ``window``
+        and ``capacity`` each stream opens with (0 where the policy has none, or the server
+        chooses: strict and sink take C from W), not the flags' 0 meaning "the default"."""
+        kw = self.open_kwargs()
+        return {
+            **dataclasses.asdict(self),
+            "concurrency": self.in_flight,
+            "window": kw["window"],
+            "capacity": kw["capacity"],
+        }
+
     def open_kwargs(self) -> dict:
         window = self.window or self.context + 1
         capacity = self.capacity
@@ -180,7 +192,7 @@ def summarize(result: LoadResult, address: str) -> dict:
     ok = len(result.round_trips)
     summary = {
         "address": address,
-        "config": dataclasses.asdict(result.config),
+        "config": result.config.resolved(),
         "elapsed_s": result.elapsed_s,
         "steps_ok": ok,
         "errors": dict(result.errors),
@@ -202,7 +214,7 @@ def format_summary(summary: dict) -> str:
     c = summary["config"]
     errors = summary["errors"]
     error_text = ", ".join(f"{k} {v}" for k, v in sorted(errors.items())) if errors else "none"
-    policy = c["policy"] + ("" if c["policy"] == "none" else f" W={c['window'] or c['context'] + 1}")
+    policy = c["policy"] + ("" if c["policy"] == "none" else f" W={c['window']}")
 
     def ms(key):
         value = summary[key]
@@ -210,7 +222,7 @@ def format_summary(summary: dict) -> str:
 
     return "\n".join(
         [
-            f"gqa-serve bench against {summary['address']}: {c['streams']} streams, {min(c['streams'], c['concurrency'] or c['streams'])} "
+            f"gqa-serve bench against {summary['address']}: {c['streams']} streams, {c['concurrency']} "
             f"in flight, context {c['context']}, {policy}, {c['dtype']}, Hq={c['heads']} Hkv={c['kv_heads']} "
             f"D={c['head_dim']}, {c['layers']} layer(s)",
             f"  steps            {summary['steps_ok']} ok in {summary['elapsed_s']:.1f} s; errors: {error_text}",
@@ -260,13 +272,13 @@ def plot(result: LoadResult, summary: dict, path: str | pathlib.Path) -> None:
 
 # -- the command ---------------------------------------------------------------------------------
 def add_command(sub) -> None:
-    from .cli_common import add_client_arguments, non_negative_int, positive_int
+    from .cli_common import add_client_arguments, non_negative_int, plain, positive_int
     from .vocab import DTYPE_CHOICES, POLICY_CHOICES
 
     bench = sub.add_parser(
         "bench",
         help="load a running server: steps/s, round-trip and compute percentiles",
-        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        description=plain(__doc__.split("\n\n")[1].replace("\n", " ")),
         epilog=f"Progress bar and plots: {INSTALL_HINT}.",
     )
     add_client_arguments(bench)

@@ -454,8 +454,9 @@ class ServiceMetrics:
     def bind(self, engine: Engine) -> None:
         self.recorder.bind(engine)
 
-    def start_http(self, host: str, port: int) -> MetricsHttpServer:
-        self.http = serve_http(self.registry, host, port)
+    def start_http(self, host: str, port: int, routes: dict | None = None) -> MetricsHttpServer:
+        """/metrics on ``host:port``, with ``routes`` (``metrics_http.Route``) beside it."""
+        self.http = serve_http(self.registry, host, port, routes=routes)
         return self.http
 
     def stop_http(self) -> None:

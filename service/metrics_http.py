@@ -10,10 +10,12 @@ multiplexes every connection with ``selectors``:
 - a request head larger than ``MAX_REQUEST_BYTES`` is refused (431);
 - every answer closes its connection (``Connection: close``): Prometheus reconnects per scrape.
 
-It serves ``GET /metrics`` (and ``/``) in the format the ``Accept`` header asks for, gzip when
-offered, ``HEAD`` alike, 404 for other paths and 405 for other methods. It has no
-authentication: bind it to a private address (``--metrics-host``) or restrict it with a
-NetworkPolicy (the Helm chart's ``networkPolicy``).
+It serves ``GET /metrics`` in the format the ``Accept`` header asks for, gzip when offered,
+and any further ``routes`` the owner hands it (path -> a function answering ``(status, body,
+content type)``: the server's health endpoints and status page); ``HEAD`` alike, 404 for other
+paths and 405 for other methods. A route runs on this one thread, so it must answer at once
+from state it reads, never wait. It has no authentication: bind it to a private address
+(``--metrics-host``) or restrict it with a NetworkPolicy (the Helm chart's ``networkPolicy``).
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-__all__ = ["MetricsHttpServer", "serve_http", "MAX_CONNECTIONS", "TIMEOUT_S", "MAX_REQUEST_BYTES"]
+__all__ = ["MetricsHttpServer", "Route", "serve_http", "MAX_CONNECTIONS", "TIMEOUT_S", "MAX_REQUEST_BYTES"]
+
+# A page beside /metrics: called on the listener's thread, answers (status, body, content type).
+Route = Callable[[], tuple[int, bytes, str]]
 
 MAX_CONNECTIONS = 64
 TIMEOUT_S = 10.0
@@ -41,6 +47,7 @@ _REASONS = {
     405: "Method Not Allowed",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
+    503: "Service Unavailable",
 }
 
 
@@ -80,10 +87,12 @@ class MetricsHttpServer:
         *,
         max_connections: int = MAX_CONNECTIONS,
         timeout_s: float = TIMEOUT_S,
+        routes: Mapping[str, Route] | None = None,
     ):
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self.registry = registry
+        self.routes = dict(routes or {})
         self.host = host
         self.max_connections = max_connections
         self.timeout_s = timeout_s
@@ -195,8 +204,17 @@ class MetricsHttpServer:
         if method not in ("GET", "HEAD"):
             return _response(405, b"only GET and HEAD\n", extra=(("Allow", "GET, HEAD"),))
         path = target.split("?", 1)[0]
-        if path not in ("/metrics", "/"):
-            return _response(404, b"not found: try /metrics\n", head=method == "HEAD")
+        head = method == "HEAD"
+        route = self.routes.get(path)
+        if route is not None:
+            try:
+                status, body, content_type = route()
+            except Exception:
+                return _response(500, b"this page failed\n", head=head)
+            return _response(status, body, content_type, (("Cache-Control", "no-store"),), head=head)
+        if path != "/metrics":
+            paths = " ".join(sorted(["/metrics", *self.routes]))
+            return _response(404, f"not found; this listener serves {paths}\n".encode(), head=head)
         headers = {}
         for line in lines[1:]:
             name, sep, value = line.partition(":")
@@ -211,7 +229,7 @@ class MetricsHttpServer:
         if "gzip" in headers.get("accept-encoding", ""):
             body = gzip.compress(body, compresslevel=6)
             extra = (("Content-Encoding", "gzip"),)
-        return _response(200, body, content_type, extra, head=method == "HEAD")
+        return _response(200, body, content_type, extra, head=head)
 
     def _respond(self, conn: _Connection, payload: bytes) -> None:
         conn.response = memoryview(payload)
@@ -253,6 +271,7 @@ class MetricsHttpServer:
             sock.close()
 
 
-def serve_http(registry: CollectorRegistry, host: str, port: int, **limits) -> MetricsHttpServer:
-    """Serves ``registry`` at http://host:port/metrics on one daemon thread (see the module doc)."""
-    return MetricsHttpServer(registry, host, port, **limits)
+def serve_http(registry: CollectorRegistry, host: str, port: int, **options) -> MetricsHttpServer:
+    """Serves ``registry`` at http://host:port/metrics, and ``routes`` beside it, on one daemon
+    thread (see the module doc)."""
+    return MetricsHttpServer(registry, host, port, **options)

@@ -2,7 +2,8 @@
 
 With ``config.metrics_port`` nonzero the server also records metrics (``service.metrics``): the
 engine's observer, an outermost interceptor for the ``grpc_server_*`` families, and /metrics on
-``config.host:metrics_port``. With 0 none of them exists, so metrics off costs nothing.
+``config.host:metrics_port``, beside HTTP health and the status page (``service.http_pages``).
+With 0 none of them exists, so metrics off costs nothing.
 
 ``Server`` owns one event loop's worth of state. ``run(config)`` serves until SIGTERM/SIGINT
 and drains; ``ServerThread`` runs the same server on a background thread for in-process tests
@@ -16,6 +17,7 @@ import concurrent.futures
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 
 import grpc
@@ -29,6 +31,7 @@ from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
 from .engine import Engine, EngineObserver
 from .errors import Unavailable
+from .http_pages import READY, pages
 from .metrics import ObserverFanOut, ServiceMetrics
 from .security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
 from .servicer import AttentionServicer
@@ -114,6 +117,15 @@ class Server:
                 raise OSError(f"cannot bind {health_address} (--health-port / GQA_HEALTH_PORT)")
         self._reaper: asyncio.Task | None = None
         self._stopped = asyncio.Event()
+        # What /readyz answers: READY exactly while the health service says SERVING for the
+        # attention service. It turns READY after that status is set and leaves READY before
+        # the drain changes it, so HTTP never says ready while gRPC health does not.
+        self._readiness = "NOT_SERVING (starting)"
+        self.drain_summary: str | None = None
+
+    def readiness(self) -> str:
+        """``http_pages.READY`` while the gRPC health status is SERVING, else why not."""
+        return self._readiness
 
     @property
     def address(self) -> str:
@@ -128,7 +140,9 @@ class Server:
     async def start(self) -> None:
         if self.metrics is not None:
             try:
-                self.metrics.start_http(self.config.metrics_bind_host, self.config.metrics_port)
+                self.metrics.start_http(
+                    self.config.metrics_bind_host, self.config.metrics_port, routes=pages(self.readiness)
+                )
             except OSError as exc:
                 raise OSError(
                     f"cannot serve metrics on {self.config.metrics_bind_host}:{self.config.metrics_port}: {exc} "
@@ -141,12 +155,15 @@ class Server:
             await self.health_grpc.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        self._readiness = READY
         self._reaper = asyncio.create_task(self._reap_forever())
         log.info(
-            "gqa-serve listening on %s (backend %s, dtype %s, %s%s)",
+            "gqa-serve listening on %s (backend %s, dtype %s, cache budget %d bytes = %.2f GiB, %s%s)",
             self.address,
             self.config.backend,
             self.config.dtype,
+            self.config.max_cache_bytes,
+            self.config.max_cache_bytes / (1 << 30),
             "mutual TLS" if self.config.tls_client_ca_file else "TLS" if self.config.tls else "plaintext",
             ", bearer token required" if self.authenticates else "",
         )
@@ -161,12 +178,16 @@ class Server:
     async def drain(self) -> None:
         """SIGTERM: NOT_SERVING, refuse new streams, finish steps, end streams after the grace."""
         log.info("draining: grace period %.1f s", self.config.grace_period_s)
+        started = time.monotonic()
+        open_at_start = self.engine.active_streams
+        self._readiness = "NOT_SERVING (draining)"
         self.engine.start_draining()
         await self.health.enter_graceful_shutdown()
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.grace_period_s
         while self.engine.active_streams and loop.time() < deadline:
             await asyncio.sleep(0.05)
+        cut = self.engine.active_streams
         self.engine.close_all(
             Unavailable("the server is shutting down; reopen the stream on another replica"), "shutdown"
         )
@@ -174,8 +195,16 @@ class Server:
         # write is cut by the session after its grace), so no RPC is left for stop to cancel.
         await self.servicer.sessions_ended()
         await self.stop(grace=min(1.0, self.config.grace_period_s) or None)
+        took = f"drained in {time.monotonic() - started:.1f} s"
+        self.drain_summary = (
+            f"{took}: of {open_at_start} streams open at the signal, {open_at_start - cut} ended within the "
+            f"grace period and {cut} with UNAVAILABLE after it"
+            if open_at_start
+            else f"{took}: no stream was open"
+        )
 
     async def stop(self, grace: float | None = None) -> None:
+        self._readiness = "NOT_SERVING (stopped)" if self._readiness == READY else self._readiness
         if self._reaper is not None:
             self._reaper.cancel()
         await self.grpc.stop(grace)
@@ -216,8 +245,10 @@ async def _run(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, on_signal, sig.name)
     print(f"gqa-serve: serving gqa.v1 on {server.address}", flush=True)
     if server.metrics_address:
-        print(f"gqa-serve: metrics on http://{server.metrics_address}/metrics", flush=True)
+        http = f"http://{server.metrics_address}"
+        print(f"gqa-serve: metrics on {http}/metrics, status page {http}/, health {http}/readyz", flush=True)
     await server.wait()
+    log.info("gqa-serve stopped: %s", server.drain_summary or "stopped without a drain (a second signal)")
 
 
 def run(config: ServerConfig) -> int:

@@ -137,6 +137,10 @@ def test_sigterm_drains(tmp_path):
             session.recv()
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in info.value.details()
         assert proc.wait(timeout=15) == 0
+        # The last line says the drain finished and how the open stream ended.
+        last = proc.stdout.read().strip().splitlines()[-1]
+        assert "gqa-serve stopped: drained in" in last, last
+        assert "of 1 streams open at the signal, 0 ended within the grace period and 1 with UNAVAILABLE" in last
         channel.close()
     finally:
         if proc.poll() is None:
@@ -295,7 +299,22 @@ def test_sizes_take_units():
     config = from_args(args, env={})
     assert (config.max_cache_bytes, config.max_message_bytes, config.inline_step_bytes) == (4 << 30, 512 << 20, 10**6)
     assert from_args(None, env={"GQA_MAX_CACHE_BYTES": "2Gi"}).max_cache_bytes == 2 << 30
-    assert "default 4Gi" in gqa("serve", "--help").stdout
+    # The two families are different numbers, and the help says which is which.
+    for text, value in (("4GB", 4 * 10**9), ("4G", 4 * 10**9), ("4GiB", 4 << 30), ("4gi", 4 << 30)):
+        args = build_parser().parse_args(["serve", "--max-cache-bytes", text])
+        assert from_args(args, env={}).max_cache_bytes == value, text
+    help_text = " ".join(gqa("serve", "--help").stdout.split())
+    assert "default 4Gi" in help_text
+    assert "Ki Mi Gi Ti are powers of 1024, K M G T (B optional) powers of 1000" in help_text
+    assert "4Gi is 4294967296 bytes, 4GB 4000000000" in help_text
+
+
+@pytest.mark.parametrize("command", [[], ["step"], ["serve"], ["demo"], ["bench"]], ids=lambda c: c[0] if c else "top")
+def test_help_is_plain_text(command):
+    """Descriptions drawn from docstrings show no reStructuredText literals (double backticks)."""
+    done = gqa(*command, "--help")
+    assert done.returncode == 0, done.stderr
+    assert "``" not in done.stdout, done.stdout
 
 
 def test_step_with_explicit_shapes_sends_an_empty_cache():
@@ -403,6 +422,9 @@ def test_bench_writes_json_and_a_png_that_opens(server, tmp_path):
     assert "steps/s" in done.stdout and "server compute" in done.stdout
     summary = json.loads(out.read_text())
     assert summary["steps_ok"] > 0 and summary["errors"] == {}
+    # The values the load ran with, not the flags' 0 for "the default".
+    assert summary["config"]["concurrency"] == 2 and summary["config"]["window"] == 65, summary["config"]
+    assert "2 streams, 2 in flight" in done.stdout and "strict W=65" in done.stdout
     assert summary["round_trip_p50_ms"] > 0 and summary["compute_p50_ms"] > 0
     with Image.open(png) as image:
         image.load()

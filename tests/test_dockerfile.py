@@ -109,3 +109,44 @@ def test_dockerignore_keeps_the_context_small():
         for src in sources.split():
             name = src.rstrip("/")
             assert f"!{name}" in lines or f"!{name}/" in lines, f"{src} is copied but excluded by .dockerignore"
+
+
+def _healthcheck() -> list[str]:
+    """The runtime stages' HEALTHCHECK command, in exec form."""
+    import json
+
+    lines = [line for line in _stages(DOCKERFILE.read_text())["runtime-base"] if line.startswith("HEALTHCHECK")]
+    assert len(lines) == 1, "runtime-base (both targets) needs one HEALTHCHECK"
+    command = json.loads(lines[0].split(" CMD ", 1)[1])
+    assert command[0] == "python", command
+    return command
+
+
+def test_healthcheck_asks_readyz_and_fails_unless_serving():
+    """The image's HEALTHCHECK command, run here as the image runs it (its python, its
+    GQA_METRICS_* variables): 0 against a ready listener, non-zero when /readyz says 503 or
+    nothing listens."""
+    from prometheus_client import CollectorRegistry
+
+    from service.metrics_http import MetricsHttpServer
+    from tests.metrics_load import free_port
+
+    command = [sys.executable, *_healthcheck()[1:]]
+    state = {"now": "SERVING"}
+
+    def readyz():
+        return (200 if state["now"] == "SERVING" else 503), state["now"].encode(), "text/plain"
+
+    http = MetricsHttpServer(CollectorRegistry(), "127.0.0.1", 0, routes={"/readyz": readyz})
+    try:
+        for host in ("0.0.0.0", "127.0.0.1", ""):
+            env = {"GQA_METRICS_PORT": str(http.port), "GQA_METRICS_HOST": host, "PATH": "/usr/bin:/bin"}
+            assert subprocess.run(command, env=env, capture_output=True, timeout=30).returncode == 0, host
+        state["now"] = "NOT_SERVING (draining)"
+        env = {"GQA_METRICS_PORT": str(http.port), "PATH": "/usr/bin:/bin"}
+        run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=30)
+        assert run.returncode != 0 and "503" in run.stderr
+    finally:
+        http.close()
+    env = {"GQA_METRICS_PORT": str(free_port()), "PATH": "/usr/bin:/bin"}
+    assert subprocess.run(command, env=env, capture_output=True, timeout=30).returncode != 0

@@ -315,6 +315,7 @@ BAD_VALUES = {
     "gpu-count-zero": (["--set", "gpu.count=0"], "/gpu/count"),
     "bad-scrape-interval": (["--set", "serviceMonitor.interval=often"], "/serviceMonitor/interval"),
     "env-overrides-setting": (["--set-json", 'extraEnv=[{"name":"GQA_BACKEND","value":"cpu"}]'], "/extraEnv"),
+    "unknown-probe-kind": (["--set", "probes.kind=tcp"], "/probes/kind"),
 }
 
 
@@ -368,6 +369,31 @@ def test_tls_variant_mounts_the_secret_and_probes_the_plaintext_health_port(helm
     plain = _container(template(helm_env).stdout)
     assert plain["readinessProbe"]["grpc"]["port"] == 50051
     assert not any(k.startswith("GQA_TLS") or k == "GQA_HEALTH_PORT" for k in _env(plain))
+
+
+@needs_helm
+@needs_validate
+def test_http_probes_ask_the_metrics_port(helm_env, tmp_path):
+    """probes.kind http: /readyz for startup and readiness, /healthz for liveness, on the metrics
+    port (plaintext whatever the gRPC port speaks, so TLS needs no health port for them)."""
+    text = template(helm_env, "--set", "probes.kind=http", *TLS_SET).stdout
+    path = tmp_path / "http-probes.yaml"
+    path.write_text(text)
+    run = subprocess.run(
+        [KUBE_VALIDATE, "--strict", "-k", KUBE_VERSION, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    container = _container(text)
+    metrics = next(p["containerPort"] for p in container["ports"] if p["name"] == "metrics")
+    assert _env(container)["GQA_METRICS_PORT"] == str(metrics)
+    paths = {"startupProbe": "/readyz", "readinessProbe": "/readyz", "livenessProbe": "/healthz"}
+    for probe, route in paths.items():
+        assert "grpc" not in container[probe], probe
+        assert container[probe]["httpGet"] == {"path": route, "port": metrics}, probe
+    # The listener serves exactly these paths (service/http_pages.py).
+    from service.http_pages import health_routes
+
+    assert set(paths.values()) <= set(health_routes(lambda: "SERVING"))
 
 
 @needs_helm
