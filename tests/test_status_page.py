@@ -202,7 +202,7 @@ class Load:
         return self
 
     def _batch(self) -> None:
-        from service.client_batch import BatchSession
+        from gqa_client import BatchSession
 
         try:
             with grpc.insecure_channel(self.address) as channel:
