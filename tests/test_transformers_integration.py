@@ -309,3 +309,28 @@ def test_what_the_service_does_not_compute_is_refused():
     with pytest.raises(NotImplementedError, match="soft-capping"):
         served_hf.offload_attention(model, "127.0.0.1:1")
     assert model.config._attn_implementation != served_hf.ATTN_IMPLEMENTATION
+
+
+# -- the docs run as written ---------------------------------------------------------------------
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_the_integrations_page_runs_as_written(server, capsys):
+    text = (ROOT / "docs" / "integrations.md").read_text()
+    snippet = text.split("```python\n", 1)[1].split("```", 1)[0]
+    assert '"127.0.0.1:50051"' in snippet
+    exec(compile(snippet.replace('"127.0.0.1:50051"', repr(server.address)), "integrations.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "ServedStats(messages=" in out and "messages=124" in out  # 31 decode tokens x 4 layers
+    assert open_sequences(server) == 0
+
+
+def test_the_example_generates_the_local_tokens(server, monkeypatch, capsys):
+    import runpy
+
+    monkeypatch.setattr(
+        sys, "argv", ["generate.py", "--address", server.address, "--model", "mistral", "--tokens", "20"]
+    )
+    runpy.run_path(str(ROOT / "examples" / "generate.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "same as local: True" in out and "76 step messages (19 tokens x 4 layers)" in out, out
