@@ -366,7 +366,8 @@ class ServedCache(Cache):
             if layer == handle.last_layer:
                 stats.tokens += 1
             if result.refusals:
-                sid, (code, message) = next(iter(result.refusals.items()))
+                sid, refusal = next(iter(result.refusals.items()))
+                code, message = refusal if isinstance(refusal, tuple) else (refusal.code, refusal.message)
                 raise ServedAttentionError(
                     f"gqa-serve refused sequence {sid} on layer {layer}: {message}"
                     + (" (pass a larger max_length)" if _code_name(code) == "RESOURCE_EXHAUSTED" else ""),
