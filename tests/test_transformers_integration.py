@@ -207,6 +207,43 @@ def test_int8_caches_stay_within_the_int8_budget(server, name):
     assert 0 < error <= INT8_BUDGET["normal"], error
 
 
+def test_a_loaded_context_larger_than_a_message_continues_like_the_local_cache(server):
+    """``ServedCache.load`` of 20000 positions (5 MB of keys and values: several 4 MiB ``add``
+    chunks), then forward calls: the logits of the same model continuing a ``DynamicCache``."""
+    model = make("llama", attn="sdpa")
+    g = torch.Generator().manual_seed(5)
+    shape = (1, SHAPE["num_key_value_heads"], 20000, SHAPE["head_dim"])
+    layers = [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(2)]
+    local = transformers.DynamicCache(config=model.config)
+    for i, (k, v) in enumerate(layers):
+        local.update(k, v, i)
+    tokens = torch.tensor([[3, 17, 42]])
+    with torch.no_grad():
+        want = [model(tokens[:, i : i + 1], past_key_values=local, use_cache=True).logits for i in range(3)]
+        with served_hf.offload_attention(model, server.address) as served:
+            cache = served.new_cache(max_length=20010)
+            cache.load(layers)
+            assert served.stats.uploaded_bytes == 2 * 2 * 20000 * 2 * 16 * 4
+            assert cache.get_seq_length() == 20000
+            got = [model(tokens[:, i : i + 1], past_key_values=cache, use_cache=True).logits for i in range(3)]
+            cache.close()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    assert open_sequences(server) == 0
+
+
+def test_padding_after_the_prompt_is_refused(server):
+    model = make("llama")
+    ids, mask = prompts(2, 4)
+    with served_hf.offload_attention(model, server.address), torch.no_grad():
+        out = model(ids, attention_mask=mask, use_cache=True)
+        holey = torch.cat([mask, torch.tensor([[1], [0]])], dim=1)
+        with pytest.raises(NotImplementedError, match="only the prompt may be padded"):
+            model(ids[:, :1], attention_mask=holey, past_key_values=out.past_key_values, use_cache=True)
+        out.past_key_values.close()
+    assert open_sequences(server) == 0
+
+
 # -- other policies: past any window -----------------------------------------------------------
 @pytest.mark.parametrize(
     "name, options",
