@@ -12,17 +12,11 @@ show what the service did. docs/integrations.md explains the mapping.
 from __future__ import annotations
 
 import argparse
-import pathlib
-import sys
 
 import torch
 import transformers
 
-try:
-    from gqa_client.transformers import offload_attention
-except ImportError:  # run from a checkout without the client installed
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "clients" / "python"))
-    from gqa_client.transformers import offload_attention
+from gqa_client.transformers import offload_attention
 
 SHAPE = dict(
     vocab_size=512,

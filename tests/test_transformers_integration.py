@@ -20,11 +20,7 @@ from tests.test_int8_backend import BUDGET as INT8_BUDGET
 
 transformers = pytest.importorskip("transformers", reason="the transformers extra is not installed")
 
-try:
-    from gqa_client import transformers as served_hf
-except ImportError:  # TEMPORARY (issue 25): until make test installs the gqa_client distribution
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "clients" / "python"))
-    from gqa_client import transformers as served_hf
+from gqa_client import transformers as served_hf  # noqa: E402 (after the importorskip)
 
 WINDOW = 5
 NEW_TOKENS = 12  # more than 2 windows

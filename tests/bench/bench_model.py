@@ -30,21 +30,12 @@ import ctypes
 import ctypes.util
 import gc
 import os
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
 
 from .common import bench_mode, fmt_spread, per_round_ratio, start_server, status, stop_server, table, verdict_spread
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-try:
-    from gqa_client.transformers import offload_attention
-except ImportError:  # TEMPORARY (issue 25): until make bench installs the gqa_client distribution
-    sys.path.insert(0, str(ROOT / "clients" / "python"))
-    from gqa_client.transformers import offload_attention
 
 TARGETS = {2048: 0.85, 8192: 0.35, 32768: 0.15}
 
@@ -110,6 +101,8 @@ def decode(model, cache, batch: int, tokens: int) -> list[float]:
 
 def run(report) -> None:
     from transformers import DynamicCache
+
+    from gqa_client.transformers import offload_attention
 
     mode = bench_mode()
     cfg = settings(mode)

@@ -44,17 +44,14 @@ import time
 import weakref
 from dataclasses import dataclass
 
-import grpc
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-try:
-    from .client import Client
-except ImportError:  # TEMPORARY (issue 25): until the gqa_client distribution lands, the in-tree client
-    from service.client import Client
+from .client import Client
+from .errors import CallFailed, Refused
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -318,19 +315,16 @@ class ServedCache(Cache):
                         policy=plan.policy,
                         window=plan.window,
                         capacity=capacity,
-                        sinks=plan.sinks,
+                        sink_tokens=plan.sinks,
                         prefill=prefill,
                     )
-                except grpc.RpcError as exc:
+                except CallFailed as exc:
                     handle._broken(group)
                     raise _failed(exc, f"uploading the prompt of sequence {sid}", handle.address) from None
-                except Exception as exc:  # an in-band refusal: budget, limits, configuration
-                    if hasattr(exc, "code") and hasattr(exc, "message"):
-                        raise ServedAttentionError(
-                            f"gqa-serve refused sequence {sid} (layers {group.layers}): {exc.message}",
-                            _code_name(exc.code),
-                        ) from None
-                    raise
+                except Refused as exc:  # in-band: budget, limits, configuration
+                    raise ServedAttentionError(
+                        f"gqa-serve refused sequence {sid} (layers {group.layers}): {exc.message}", exc.code.name
+                    ) from None
 
     # -- decode steps --------------------------------------------------------------------------
     def _decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -349,15 +343,13 @@ class ServedCache(Cache):
                 started = time.perf_counter_ns()
                 try:
                     result = session.step(plan.index, self.ids, q, k, v)
-                except grpc.RpcError as exc:
+                except CallFailed as exc:
                     handle._broken(group)
                     raise _failed(exc, f"layer {layer}'s decode step", handle.address) from None
-                except Exception as exc:
-                    if hasattr(exc, "code") and hasattr(exc, "message"):
-                        raise ServedAttentionError(
-                            f"gqa-serve refused layer {layer}'s step: {exc.message}", _code_name(exc.code)
-                        ) from None
-                    raise
+                except Refused as exc:  # the message as a whole
+                    raise ServedAttentionError(
+                        f"gqa-serve refused layer {layer}'s step: {exc.message}", exc.code.name
+                    ) from None
                 elapsed = time.perf_counter_ns() - started
             stats = handle.stats
             stats.messages += 1
@@ -367,11 +359,11 @@ class ServedCache(Cache):
                 stats.tokens += 1
             if result.refusals:
                 sid, refusal = next(iter(result.refusals.items()))
-                code, message = refusal if isinstance(refusal, tuple) else (refusal.code, refusal.message)
+                code = refusal.code.name
                 raise ServedAttentionError(
-                    f"gqa-serve refused sequence {sid} on layer {layer}: {message}"
-                    + (" (pass a larger max_length)" if _code_name(code) == "RESOURCE_EXHAUSTED" else ""),
-                    _code_name(code),
+                    f"gqa-serve refused sequence {sid} on layer {layer}: {refusal.message}"
+                    + (" (pass a larger max_length)" if code == "RESOURCE_EXHAUSTED" else ""),
+                    code,
                 )
             outputs.append(torch.as_tensor(result.output))
         out = torch.stack(outputs, dim=1) if len(outputs) > 1 else outputs[0].unsqueeze(1)
@@ -390,19 +382,10 @@ class ServedCache(Cache):
             self.handle._remove(self._added, self.ids)
 
 
-def _code_name(code) -> str:
-    if isinstance(code, grpc.StatusCode):
-        return code.name
-    if isinstance(code, int):
-        return next((c.name for c in grpc.StatusCode if c.value[0] == code), str(code))
-    return str(code)
-
-
-def _failed(exc: grpc.RpcError, what: str, address: str) -> ServedAttentionError:
-    code = exc.code() if hasattr(exc, "code") else None
-    details = exc.details() if hasattr(exc, "details") else str(exc)
-    name = code.name if code is not None else "UNKNOWN"
-    return ServedAttentionError(f"gqa-serve at {address} failed during {what}: {name}: {details}", name)
+def _failed(exc: CallFailed, what: str, address: str) -> ServedAttentionError:
+    return ServedAttentionError(
+        f"gqa-serve at {address} failed during {what}: {exc.code.name}: {exc.message}", exc.code.name
+    )
 
 
 def _plans(config, policy: str | None, window: int | None, sink_tokens: int, capacity: int | None) -> list[LayerPlan]:
@@ -579,7 +562,7 @@ class OffloadedAttention:
                     dtype=str(self.dtype).removeprefix("torch."),
                     backend=self.backend,
                 )
-            except grpc.RpcError as exc:
+            except CallFailed as exc:
                 raise _failed(exc, "opening a Batch session", self.address) from None
         return group.session
 
