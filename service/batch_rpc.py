@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import grpc
 import numpy as np
+import torch
 
 from . import snapshot, wire
 from .api import gqa_pb2
@@ -153,6 +154,17 @@ class _PendingRestore:
     config: StreamConfig | None = None
 
 
+@dataclass
+class _PendingPrefill:
+    """A sequence whose prefill arrives in several ``add`` chunks (``BatchAdd.more``)."""
+
+    first: gqa_pb2.BatchAdd  # the first chunk: its policy fields are the sequence's
+    layers: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
+    chunks: int = 0
+    received: int = 0
+    error: ServiceError | None = None
+
+
 class _SessionClosed(Exception):
     def __init__(self, error: ServiceError):
         self.error = error
@@ -176,6 +188,7 @@ class Session:
         self.id = session_id
         self.sequences: SequenceSet = engine.sequence_set(shape)
         self.restoring: dict[int, _PendingRestore] = {}
+        self.prefilling: dict[int, _PendingPrefill] = {}
         self._on_forced_close = on_forced_close
         itemsize = shape.torch_dtype.itemsize
         self._dtype_enum = NAME_TO_DTYPE[shape.dtype]
@@ -204,6 +217,7 @@ class Session:
             if pending.admission is not None:
                 self.engine.abandon(pending.admission)
         self.restoring.clear()
+        self.prefilling.clear()
 
     def _stream_config(self, source, what: str) -> StreamConfig:
         if source.policy not in POLICY_NAMES:
@@ -249,6 +263,8 @@ class Session:
         sid = request.id
         if request.HasField("restore"):
             return await self._add_restore(request)
+        if request.more or sid in self.prefilling:
+            return await self._add_prefill_chunk(request)
         try:
             with self.engine.counting_open_refusals():
                 if sid in self.sequences or sid in self.restoring:
@@ -282,9 +298,16 @@ class Session:
                 with self.engine.counting_open_refusals():
                     if sid in self.sequences:
                         raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
-                    if request.policy or request.window or request.capacity or request.sink_tokens or request.prefill:
+                    if (
+                        request.policy
+                        or request.window
+                        or request.capacity
+                        or request.sink_tokens
+                        or request.prefill
+                        or request.more
+                    ):
                         raise InvalidArgument(
-                            "add: with `restore`, policy, window, capacity, sink_tokens and prefill must be unset "
+                            "add: with `restore`, policy, window, capacity, sink_tokens, prefill and more must be unset "
                             "(the snapshot carries them)"
                         )
                     if not chunk.HasField("config"):
@@ -321,6 +344,86 @@ class Session:
         except ServiceError as exc:
             return gqa_pb2.BatchAdded(status=_status(exc), id=sid)
         return self._added(sid, stream)
+
+    async def _add_prefill_chunk(self, request: gqa_pb2.BatchAdd) -> gqa_pb2.BatchAdded | None:
+        """One chunk of a prefill sent in several ``add`` requests (``BatchAdd.more``): kept
+        until the last, which adds the sequence with every chunk's positions or refuses it
+        whole. A chunk is checked on arrival (its error is kept for the answer and the bytes
+        received so far are dropped), so a bad chunk never costs more memory than it brought."""
+        sid = request.id
+        pending = self.prefilling.get(sid)
+        first = pending is None
+        if first:
+            pending = self.prefilling[sid] = _PendingPrefill(request)
+        index = pending.chunks
+        pending.chunks += 1
+        if pending.error is None:
+            try:
+                if first:
+                    if sid in self.sequences or sid in self.restoring:
+                        raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
+                    self._stream_config(request, "add")  # refused at once, not after the upload
+                elif request.policy or request.window or request.capacity or request.sink_tokens:
+                    raise InvalidArgument(
+                        f"add (prefill chunk {index}): policy, window, capacity and sink_tokens belong on the "
+                        "first chunk only"
+                    )
+                self._take_prefill_chunk(pending, request, index)
+            except ServiceError as exc:
+                pending.error = exc
+                pending.layers = {}  # what was received is freed now, not at the last chunk
+        if request.more:
+            return None
+        del self.prefilling[sid]
+        try:
+            with self.engine.counting_open_refusals():
+                if pending.error is not None:
+                    raise pending.error
+                if sid in self.sequences:
+                    raise InvalidArgument(f"add.id: sequence {sid} is already in the session")
+                config = self._stream_config(pending.first, "add")
+                prefill = {
+                    layer: (torch.cat([k for k, _ in parts], dim=2), torch.cat([v for _, v in parts], dim=2))
+                    for layer, parts in pending.layers.items()
+                }
+            pending.layers = {}
+            # From here the engine counts its own refusals (budget, streams, backend...).
+            admission = self.engine.admit(config)
+            stream = await self.engine.build_async(admission, prefill)
+        except ServiceError as exc:
+            return gqa_pb2.BatchAdded(status=_status(exc), id=sid)
+        return self._added(sid, stream)
+
+    def _take_prefill_chunk(self, pending: _PendingPrefill, request: gqa_pb2.BatchAdd, index: int) -> None:
+        """Checks one chunk's entries against the session ((1, Hkv, n, D) in its dtype, a layer
+        in range, once per chunk) and keeps them; ``InvalidArgument`` naming the chunk."""
+        s = self.shared
+        seen: set[int] = set()
+        for i, entry in enumerate(request.prefill):
+            where = f"add (prefill chunk {index}).prefill[{i}]"
+            if entry.layer >= s.num_layers:
+                raise InvalidArgument(f"{where}.layer: {entry.layer} is out of range; num_layers={s.num_layers}")
+            if entry.layer in seen:
+                raise InvalidArgument(f"{where}.layer: layer {entry.layer} appears twice in one chunk")
+            seen.add(entry.layer)
+            key = from_proto(entry.key, f"{where}.key", rank=4)
+            value = from_proto(entry.value, f"{where}.value", rank=4)
+            for name, t in (("key", key), ("value", value)):
+                if t.dtype != s.torch_dtype:
+                    raise InvalidArgument(f"{where}.{name}.dtype: {str(t.dtype)[6:]}, but the session's is {s.dtype}")
+                if (t.shape[0], t.shape[1], t.shape[3]) != (1, s.num_kv_heads, s.head_dim):
+                    raise InvalidArgument(
+                        f"{where}.{name}.shape: expected (1, Hkv={s.num_kv_heads}, n, D={s.head_dim}), "
+                        f"got {list(t.shape)}"
+                    )
+            if key.shape != value.shape:
+                raise InvalidArgument(
+                    f"{where}.value.shape: {list(value.shape)} differs from the key's {list(key.shape)}"
+                )
+            pending.received += len(entry.key.data) + len(entry.value.data)
+            if pending.received > self.config.max_cache_bytes:
+                raise InvalidArgument("add.prefill: the chunks hold more bytes than this server could ever admit")
+            pending.layers.setdefault(entry.layer, []).append((key, value))
 
     def _check_snapshot_config(self, c: gqa_pb2.OpenStream) -> None:
         s = self.shared

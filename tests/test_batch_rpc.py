@@ -17,11 +17,13 @@ from backends.base import CacheSpec
 from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from gqa_client import BatchSession, CallFailed, Refused
+from gqa_client.batch import prefill_chunks
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
 from service.engine import EngineObserver
 from service.server import ServerThread
 from service.tensors import to_proto
+from service.vocab import POLICY_ENUMS
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref
@@ -306,6 +308,114 @@ def test_add_refusals_are_in_band(channel):
     out = s.step(0, [1], *packed(g, 1))
     assert not out.refusals and out.tokens_seen == [1]
     s.close()
+
+
+# -- a prefill in several messages (BatchAdd.more) ----------------------------------------------
+@pytest.mark.parametrize("max_bytes", [1, 300, 5000])
+def test_prefill_chunks_stay_under_the_limit_and_rebuild_the_prefill(max_bytes):
+    g = torch.Generator().manual_seed(max_bytes)
+    pre = {layer: (rand(g, 1, HKV, n, D), rand(g, 1, HKV, n, D)) for layer, n in ((0, 37), (1, 0), (2, 5))}
+    chunks = prefill_chunks(pre, max_bytes)
+    row = 2 * HKV * D * 4
+    rebuilt: dict[int, list] = {}
+    for chunk in chunks:
+        layers = [layer for layer, _, _ in chunk]
+        assert len(layers) == len(set(layers)), "a layer at most once per message"
+        assert sum(k.numel() + v.numel() for _, k, v in chunk) * 4 <= max(max_bytes, row)
+        for layer, k, v in chunk:
+            rebuilt.setdefault(layer, []).append((k, v))
+    assert sorted(rebuilt) == [0, 1, 2]
+    for layer, (k, v) in pre.items():
+        assert torch.equal(torch.cat([x for x, _ in rebuilt[layer]], dim=2), k)
+        assert torch.equal(torch.cat([y for _, y in rebuilt[layer]], dim=2), v)
+    assert len(chunks) >= -(-42 * row // max(max_bytes, row))  # 42 positions in all: no message wasted
+
+
+@pytest.mark.parametrize("policy", [dict(policy="none", capacity=60), dict(policy="sink", window=8, sink_tokens=2)])
+def test_a_prefill_in_many_messages_equals_one_message(channel, policy):
+    g = torch.Generator().manual_seed(21)
+    pre = prefills(g, (40, 23), torch.float32)
+    s = session(channel)
+    s.add(1, prefill=pre, **policy)
+    added = s.add(2, prefill=pre, max_chunk_bytes=700, **policy)  # 700 bytes: 5 positions a message
+    assert len(prefill_chunks(pre, 700)) > 10
+    assert list(added.tokens_seen) == [40, 23]
+    assert state(s, 1)[1:] == state(s, 2)[1:]  # every layer's chunk; the first holds the config too
+    q, k, v = packed(g, 1)
+    a, b = s.step(1, [1], q, k, v), s.step(1, [2], q, k, v)
+    assert torch.equal(a.output, b.output) and a.tokens_seen == b.tokens_seen == [24]
+    s.close()
+
+
+def _raw_add(s: BatchSession, rid: int, add: gqa_pb2.BatchAdd) -> None:
+    s._requests.put(gqa_pb2.BatchRequest(request_id=rid, add=add))
+
+
+def _entry(add: gqa_pb2.BatchAdd, layer: int, k, v) -> gqa_pb2.BatchAdd:
+    add.prefill.add(layer=layer, key=to_proto(k), value=to_proto(v))
+    return add
+
+
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("shape", "add (prefill chunk 1).prefill[0].key.shape"),
+        ("dtype", "add (prefill chunk 1).prefill[0].key.dtype"),
+        ("config", "first chunk only"),
+        ("layer", "add (prefill chunk 1).prefill[0].layer"),
+        ("twice", "appears twice in one chunk"),
+    ],
+)
+def test_a_bad_prefill_chunk_refuses_the_sequence_and_leaves_the_session_as_it_was(channel, bad, message):
+    g = torch.Generator().manual_seed(22)
+    s = session(channel)
+    s.add(1, policy="strict", window=6, prefill=prefills(g, (4, 4), torch.float32))
+    before = state(s, 1)
+    good = lambda n: (rand(g, 1, HKV, n, D), rand(g, 1, HKV, n, D))  # noqa: E731
+    _raw_add(s, 9, _entry(gqa_pb2.BatchAdd(id=2, policy=POLICY_ENUMS["none"], capacity=50, more=True), 0, *good(3)))
+    middle = gqa_pb2.BatchAdd(id=2, more=True)
+    if bad == "shape":
+        _entry(middle, 0, rand(g, 1, HKV + 1, 3, D), rand(g, 1, HKV + 1, 3, D))
+    elif bad == "dtype":
+        _entry(middle, 0, rand(g, 1, HKV, 3, D).to(torch.bfloat16), rand(g, 1, HKV, 3, D).to(torch.bfloat16))
+    elif bad == "config":
+        middle.window = 4
+        _entry(middle, 0, *good(3))
+    elif bad == "layer":
+        _entry(middle, LAYERS, *good(3))
+    else:
+        _entry(_entry(middle, 1, *good(3)), 1, *good(3))
+    _raw_add(s, 9, middle)
+    _raw_add(s, 9, _entry(gqa_pb2.BatchAdd(id=2), 1, *good(3)))  # the last chunk: answered
+    with pytest.raises(Refused) as refused:
+        s._added(s._recv(9).added, 2)
+    assert refused.value.code == INVALID and message in refused.value.message
+    assert s.step(0, [2], *packed(g, 1)).refusals[2].code == NOT_FOUND  # nothing of 2 was kept
+    assert state(s, 1) == before
+    s.add(2, policy="none", capacity=50, prefill={0: good(7)}, max_chunk_bytes=300)  # the id is free again
+    assert s.step(0, [1, 2], *packed(g, 2)).tokens_seen == [5, 8]
+    s.close()
+
+
+def test_chunks_larger_than_the_budget_are_refused_and_freed():
+    config = ServerConfig(address="127.0.0.1:0", metrics_port=0, max_cache_bytes=64 << 10)
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        g = torch.Generator().manual_seed(23)
+        s = session(ch)
+        big = {0: (rand(g, 1, HKV, 600, D), rand(g, 1, HKV, 600, D))}  # 76800 bytes in 8 KiB messages
+        with pytest.raises(Refused) as refused:
+            s.add(1, policy="none", capacity=700, prefill=big, max_chunk_bytes=8 << 10)
+        assert refused.value.code == INVALID and "more bytes than this server could ever admit" in refused.value.message
+        assert not s.step(0, [], *packed(g, 0)).refusals  # the session serves on
+        s.add(
+            1,
+            policy="strict",
+            window=8,
+            prefill={0: (big[0][0][:, :, :20], big[0][1][:, :, :20])},
+            max_chunk_bytes=1024,
+        )
+        s.close()
+        assert wait_for(lambda: srv.engine.bytes_reserved == 0 and srv.engine.batch_sequences_open == 0)
 
 
 def test_budget_and_stream_limit_refuse_adds_in_band():

@@ -13,8 +13,10 @@ from tests.bench.common import Report
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["cpu", "int8", "step_many", "client"])
+@pytest.mark.parametrize("name", ["cpu", "int8", "step_many", "client", "model"])
 def test_bench_module_runs_in_smoke_mode(name, monkeypatch, capsys):
+    if name == "model":
+        pytest.importorskip("transformers", reason="the 'bench' extra (transformers) is not installed")
     if name == "cpu":
         pytest.importorskip("onnxruntime", reason="the 'bench' extra (ONNX Runtime) is not installed")
         pytest.importorskip("onnx", reason="the 'bench' extra (onnx) is not installed")

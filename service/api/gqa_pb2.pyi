@@ -368,7 +368,7 @@ class BatchOpen(_message.Message):
     def __init__(self, backend: _Optional[str] = ..., dtype: _Optional[_Union[DType, str]] = ..., num_query_heads: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., num_layers: _Optional[int] = ...) -> None: ...
 
 class BatchAdd(_message.Message):
-    __slots__ = ("id", "policy", "window", "capacity", "sink_tokens", "prefill", "restore")
+    __slots__ = ("id", "policy", "window", "capacity", "sink_tokens", "prefill", "restore", "more")
     ID_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
@@ -376,6 +376,7 @@ class BatchAdd(_message.Message):
     SINK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     id: int
     policy: EvictionPolicy
     window: int
@@ -383,7 +384,8 @@ class BatchAdd(_message.Message):
     sink_tokens: int
     prefill: _containers.RepeatedCompositeFieldContainer[LayerCache]
     restore: SnapshotChunk
-    def __init__(self, id: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[LayerCache, _Mapping]]] = ..., restore: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, id: _Optional[int] = ..., policy: _Optional[_Union[EvictionPolicy, str]] = ..., window: _Optional[int] = ..., capacity: _Optional[int] = ..., sink_tokens: _Optional[int] = ..., prefill: _Optional[_Iterable[_Union[LayerCache, _Mapping]]] = ..., restore: _Optional[_Union[SnapshotChunk, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class BatchStep(_message.Message):
     __slots__ = ("layer", "ids", "query", "new_key", "new_value")

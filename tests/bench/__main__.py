@@ -2,8 +2,9 @@
 
 Each module prints its tables on stdout and writes its raw records to bench-results/NAME.json
 (``GQA_BENCH_DIR`` to change); then PNG plots are drawn from those records under the same
-folder: latency against S per implementation (cpu.json) and service throughput against streams
-(service.json). A plot whose records lack the fields it needs is skipped with a message.
+folder: latency against S per implementation (cpu.json), service throughput against streams
+(service.json) and a model's per-token latency against its context, served and local
+(model.json). A plot whose records lack the fields it needs is skipped with a message.
 """
 
 from __future__ import annotations
@@ -183,6 +184,20 @@ def throughput_series(records: list[dict]) -> dict[str, list[tuple[float, float]
     return series
 
 
+def model_series(records: list[dict]) -> dict[str, list[tuple[float, float, float, float]]]:
+    """From model.json: per "served B=1", "local B=8"..., (S, median, p10, p90) seconds per token."""
+    series: dict = {}
+    for record in records:
+        if _number(record.get("S")) is None:
+            continue
+        for mode in ("served", "local"):
+            values = record.get(f"{mode}_s")
+            if isinstance(values, list) and values and all(_number(v) is not None for v in values):
+                m, lo, hi = common.spread(values)
+                series.setdefault(f"{mode} B={record.get('batch', 1)}", []).append((record["S"], m, lo, hi))
+    return series
+
+
 def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
     try:
         import matplotlib
@@ -257,6 +272,31 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
         fig.savefig(path, dpi=100)
         plt.close(fig)
         written.append(path)
+    model = _records(folder / "model.json")
+    tokens = model_series(model) if model is not None else {}
+    if tokens:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        for label, points in sorted(tokens.items()):
+            points.sort()
+            xs = [p[0] for p in points]
+            (line,) = ax.plot(xs, [p[1] * 1e3 for p in points], marker="o", label=label)
+            ax.fill_between(
+                xs, [p[2] * 1e3 for p in points], [p[3] * 1e3 for p in points], color=line.get_color(), alpha=0.2
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (cached positions per sequence)")
+        ax.set_ylabel("ms per token (median)")
+        ax.set_title("Llama, 2 layers of Hq=32 Hkv=8 D=128: attention on gqa-serve vs sdpa")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        path = folder / "model_latency.png"
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+        written.append(path)
+    elif model is not None:
+        print(f"plots: {folder / 'model.json'} has no S and served_s/local_s records; no model plot", file=sys.stderr)
     for path in written:
         print(f"[plot: {path}]")
     return written

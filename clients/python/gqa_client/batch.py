@@ -35,9 +35,42 @@ from .errors import CallFailed, GqaError, Refused, refusal
 from .snapshot import Snapshot, as_snapshot
 from .tensors import decode, dtype_name, encode_into
 
-__all__ = ["BatchSession", "BatchStepOutput", "BatchRollbackOutput"]
+__all__ = ["BatchSession", "BatchStepOutput", "BatchRollbackOutput", "PREFILL_CHUNK_BYTES", "prefill_chunks"]
 
 _END = object()
+# The largest prefill message ``add`` sends: 4 MiB, gRPC's default receive limit, less room for
+# the message's other fields.
+PREFILL_CHUNK_BYTES = (4 << 20) - (64 << 10)
+
+
+def prefill_chunks(prefill: Mapping[int, tuple[Any, Any]], max_bytes: int) -> list[list[tuple[int, Any, Any]]]:
+    """Splits a prefill (layer -> (keys, values), each (1, Hkv, n, D), arrays or tensors) into
+    messages' worth of ``(layer, keys, values)`` slices along the positions, each message under
+    ``max_bytes`` of tensor data (a single position may exceed it), a layer at most once per
+    message, its slices in position order."""
+    chunks: list[list] = []
+    current: list = []
+    size = 0
+    for layer, (keys, values) in sorted(prefill.items()):
+        shape = keys.shape
+        n = shape[2]
+        row = max(1, 2 * shape[0] * shape[1] * shape[3] * keys.itemsize)  # a position's keys and values
+        start = 0
+        while True:
+            room = max_bytes - size
+            if current and (room < row or any(entry[0] == layer for entry in current)):
+                chunks.append(current)
+                current, size = [], 0
+                room = max_bytes
+            take = min(n - start, max(1, room // row))
+            current.append((layer, keys[:, :, start : start + take], values[:, :, start : start + take]))
+            size += take * row
+            start += take
+            if start >= n:
+                break
+    if current:
+        chunks.append(current)
+    return chunks
 
 
 @dataclasses.dataclass
@@ -162,13 +195,28 @@ class BatchSession:
         capacity: int | None = None,
         sink_tokens: int = 0,
         prefill: Mapping[int, tuple[Any, Any]] | None = None,
+        max_chunk_bytes: int = PREFILL_CHUNK_BYTES,
     ) -> gqa_pb2.BatchAdded:
         """Adds sequence ``sid`` with its own policy (the arguments and defaults of
-        ``Client.open``); ``prefill`` maps a layer to (1, Hkv, n, D) keys and values. Raises a
-        ``Refused`` (a budget or limit, a bad configuration, an id in use)."""
+        ``Client.open``); ``prefill`` maps a layer to (1, Hkv, n, D) keys and values. A prefill
+        of more than ``max_chunk_bytes`` travels in several ``add`` messages of at most that size
+        (``BatchAdd.more``), answered once. Raises a ``Refused`` (a budget or limit, a bad
+        configuration or prefill, an id in use); then nothing of the sequence is kept."""
         add = gqa_pb2.BatchAdd(id=sid, **policy_fields(policy, window, capacity, sink_tokens))
-        add_prefill(add, prefill, self.dtype)
-        return self._added(self._recv(self._send(add=add)).added, sid)
+        chunks = prefill_chunks(prefill or {}, max_chunk_bytes)
+        if len(chunks) <= 1:
+            add_prefill(add, {layer: (k, v) for layer, k, v in (chunks[0] if chunks else ())}, self.dtype)
+            return self._added(self._recv(self._send(add=add)).added, sid)
+        for i, chunk in enumerate(chunks):  # one request id for all chunks; only the last is answered
+            if i:
+                add = gqa_pb2.BatchAdd(id=sid)
+            add.more = i < len(chunks) - 1
+            add_prefill(add, {layer: (k, v) for layer, k, v in chunk}, self.dtype)
+            if i == 0:
+                rid = self._send(add=add)
+            else:
+                self._requests.put(gqa_pb2.BatchRequest(request_id=rid, add=add))
+        return self._added(self._recv(rid).added, sid)
 
     def restore(self, sid: int, snapshot: Snapshot | bytes | str | os.PathLike) -> gqa_pb2.BatchAdded:
         """Adds sequence ``sid`` from a snapshot (a ``Snapshot``, its bytes, a file or its chunks)
