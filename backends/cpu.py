@@ -48,15 +48,17 @@ def default_kernel() -> str:
     return "torch"
 
 
-def _keys_as_rows(dtype: torch.dtype, kernel: str) -> bool:
-    return kernel == "torch" and dtype in _FUSED_DTYPES
+def _key_layout(dtype: torch.dtype, kernel: str) -> str:
+    if kernel != "torch":
+        return "blocks"
+    return "rows" if dtype in _FUSED_DTYPES else "transposed"
 
 
 def dense_cpu_nbytes(spec: CacheSpec, kernel: str | None = None) -> int:
     """What ``DenseCache(spec, kernel)`` allocates for keys and values: keys with their rows
     padded (``key_row_stride``) unless they are stored as rows. (The native step's saved row,
     one position's bytes, is not counted: the service's reservation is the cache's storage.)"""
-    return DenseRingCache.storage_nbytes(spec, _keys_as_rows(spec.dtype, kernel or default_kernel()))
+    return DenseRingCache.storage_nbytes(spec, _key_layout(spec.dtype, kernel or default_kernel()))
 
 
 class DenseCache(DenseRingCache):
@@ -65,7 +67,7 @@ class DenseCache(DenseRingCache):
             kernel = default_kernel()
         if kernel not in KERNELS:
             raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
-        super().__init__(spec, _keys_as_rows(spec.dtype, kernel))
+        super().__init__(spec, _key_layout(spec.dtype, kernel))
         d = spec.head_dim
         self.kernel = kernel
         if kernel.startswith("native"):
@@ -88,7 +90,7 @@ class DenseCache(DenseRingCache):
         x.enc = x.io = enc
         x.flags = native.ISA[isa] << native.FLAG_ISA_SHIFT
         x.n, x.g, x.d, x.c = n, s.group_size, s.head_dim, s.capacity
-        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), s.head_dim, 0, 0
+        x.kstride, x.dk, x.no, x.scale_stride = self._keys.head_stride, s.head_dim, 0, 0
         x.qscale = 1.0 / math.sqrt(s.head_dim)
         x.k, x.v, x.saved = self._k.data_ptr(), self._v.data_ptr(), self._saved.data_ptr()
         return x
@@ -118,7 +120,7 @@ class DenseCache(DenseRingCache):
         s = self.spec
         n = s.batch_size * s.num_kv_heads
         v = self._v.view(n, s.capacity, s.head_dim)
-        if self._keys_as_rows:
+        if self._key_layout == "rows":
             q = query.reshape(n, s.group_size, s.head_dim)
             k = self._k.view(n, s.capacity, s.head_dim)
             out = attend_rows(
@@ -126,7 +128,7 @@ class DenseCache(DenseRingCache):
             )
             return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
         q = scaled_query(query, s.num_kv_heads)
-        k = self._k.view(n, s.head_dim, s.capacity)
+        k = self._k.view(n, s.head_dim, s.capacity)  # "transposed" (the torch kernel's)
         out = attend(q, [k[:, :, a:b] for a, b in runs], [v[:, a:b] for a, b in runs])
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
 

@@ -10,9 +10,10 @@
  * over the attended positions, which lie in the cache's ring as a few physical runs [a, b)
  * (a wrapped window, sinks plus window), read where they are, never copied.
  *
- * Encodings (gqa_cache_t.enc). Dense: keys (N, D, kstride) transposed (a block of positions of
- * one channel is contiguous; rows kstride >= C apart), values (N, C, D), both in the stream
- * dtype. int8: key codes (N, dk, kstride) of the dk coded channels, `no` outlier channels
+ * Encodings (gqa_cache_t.enc). Dense: keys in blocks (key_block / key_cell below, defined by
+ * backends/key_layout.py: per KV head, TILE_T ring rows at a time, each block one contiguous
+ * run of its channels' rows; heads kstride elements apart), values (N, C, D), both in the
+ * stream dtype. int8: key codes in blocks likewise, of the dk coded channels, `no` outlier channels
  * ko (N, no, C) float16, value codes (N, C, D), scales (N, C) float32 or float16 by physical
  * position (row n at ks + n * scale_stride), so that
  *
@@ -90,14 +91,14 @@ typedef struct {
     int32_t flags; /* FLAG_* */
     int32_t nruns;
     int64_t n, g, d, c; /* KV heads (B * Hkv), query heads per KV head, head width, capacity */
-    int64_t kstride;    /* keys: elements from one channel's row to the next (>= c) */
+    int64_t kstride;    /* keys: elements from one KV head's key blocks to the next (>= c * dk) */
     int64_t dk, no;     /* key channels stored in `enc`, and as float16 outliers (int8 only) */
     int64_t scale_stride;
     int64_t runs[2 * MAX_RUNS]; /* physical [a, b) pairs in logical order */
     int64_t write_row;          /* the ring row the new token goes to; -1: attention only */
     float qscale;               /* q is multiplied by it (1/sqrt(D), or 1 when pre-scaled) */
     int32_t status;             /* out: 0, or -errno for this cache (its rows restored) */
-    void *k, *v;                /* keys (N, dk, kstride), values (N, C, D) */
+    void *k, *v;                /* keys in blocks (key_block), values (N, C, D) */
     const void *ks, *vs;        /* int8: scales */
     const uint16_t *ko;         /* int8: outlier channels (N, no, C) float16 bits */
     const void *q;              /* (N, G, D) in io; int8: channels in the stored key order, or
@@ -119,6 +120,29 @@ typedef struct {
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The key layout, as backends/key_layout.py's KeyBlocks defines it (the one definition): per KV
+ * head, the C ring rows in blocks of TILE_T (the last one C mod TILE_T rows when shorter), one
+ * block after the other; a block of w rows holds its dk channels as dk lines of w elements. A
+ * block of positions is then one contiguous run (D x 64 elements), read front to back, where
+ * the transposed layout before it was D streams of a few lines each at a stride of C.
+ */
+
+/* Element offset of KV head h's key block holding ring row `phys`, at that row's first
+ * channel; *line: the elements from one channel's line to the next in that block. */
+static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t *line) {
+    const int64_t b0 = phys - phys % TILE_T, w = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
+    *line = w;
+    return h * cc->kstride + b0 * cc->dk + (phys - b0);
+}
+
+/* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
+static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
+    int64_t line;
+    const int64_t at = key_block(cc, h, row, &line);
+    return at + j * line;
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Scalar conversions (IEEE binary16 and bfloat16, round to nearest even).
@@ -238,7 +262,8 @@ static void block_scales(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t
 static inline __attribute__((always_inline)) void block_portable_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     const int64_t d = cc->d, c = cc->c, G = cc->g, dk = cc->dk, no = cc->no, dq = dk + no, el = enc_size(enc);
-    const char *kb = (const char *)cc->k + (h * dk * cc->kstride + phys) * el;
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
     const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) block_scales(cc, h, phys, nt, st, &ks, &vs);
@@ -248,7 +273,7 @@ static inline __attribute__((always_inline)) void block_portable_enc(
         for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
         for (int64_t j = 0; j < dk; j++) {
             const float qj = q[j];
-            const char *row = kb + j * cc->kstride * el;
+            const char *row = kb + j * line * el;
             for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t);
         }
         if (enc == ENC_INT8) {
@@ -319,8 +344,10 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
 /* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
  * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
 AVX512 static inline __attribute__((always_inline)) void scores_avx512(
-    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kstride, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int ng,
+    const int prefetch, float *out) {
+    /* kb: the block's keys, channel lines kline elements apart; kn: the next block's (knline) */
     /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
     const int64_t dq = dk + no, el = enc_size(enc);
     __m512 acc[TILE_G][4];
@@ -330,10 +357,11 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
     for (int64_t j = 0; j < dk; j++) {
-        const char *row = kb + j * kstride * el;
-        /* each channel's lines of the next block (see the header), when the item reads it */
+        const char *row = kb + j * kline * el;
+        /* the next block's line of this channel (see the header), when the item reads it */
         if (prefetch) {
-            for (int64_t x = 0; x < TILE_T * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
+            const char *next = kn + j * knline * el;
+            for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
         }
         __m512 kf[4];
         for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
@@ -421,16 +449,17 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
 /* Scores, online softmax and the weighted sum of the values for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
-    const char *kb, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st) {
+    const char *kb, int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs,
+    int64_t nt, state_t *st) {
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
     const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
     if (nt <= 16)
-        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 1, pf, p);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 1, pf, p);
     else
-        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 4, pf, p);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 4, pf, p);
     softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
     for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
@@ -440,7 +469,9 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
 AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     const int64_t d = cc->d, c = cc->c, el = enc_size(enc);
-    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
+    int64_t kline, knline = 0;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline) * el, *kn = kb;
+    if (st->prefetch) kn = (const char *)cc->k + key_block(cc, h, phys + nt, &knline) * el;
     const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) {
@@ -460,10 +491,10 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     }
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, vb, ks, vs, nt, st); break;
-            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, vb, ks, vs, nt, st); break;
-            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, vb, ks, vs, nt, st); break;
-            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, vb, ks, vs, nt, st); break;
+            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
         }
     }
 }
@@ -727,9 +758,10 @@ static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t 
  * separate streams): the misses then overlap instead of following one another. */
 static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
     const int64_t el = enc_size(cc->enc), d = cc->d;
-    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
     for (int64_t j = 0; j < cc->dk; j++)
-        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * cc->kstride * el + x, 0, 3);
+        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, 3);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
 }
@@ -911,7 +943,7 @@ static void int8_swap_row(const gqa_cache_t *cc, int restore) {
         char *cells[4];
         int64_t sizes[4];
         for (int64_t j = 0; j < dk; j++) {
-            char *cell = (char *)cc->k + (h * dk + j) * cc->kstride + row;
+            char *cell = (char *)cc->k + key_cell(cc, h, j, row);
             if (restore) *cell = sv[j];
             else sv[j] = *cell;
         }
@@ -959,7 +991,7 @@ static int int8_write(const gqa_cache_t *cc, float *buf) {
     int8_swap_row(cc, 0);
     const int half = cc->flags & FLAG_HALF_SCALES;
     for (int64_t h = 0; h < n; h++) {
-        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[(h * dk + j) * cc->kstride + row] = kcodes[h * dk + j];
+        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[key_cell(cc, h, j, row)] = kcodes[h * dk + j];
         for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
         memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
         const int64_t at = h * cc->scale_stride + row;
@@ -980,24 +1012,26 @@ static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
-    if (el == 4) { /* one key column: a strided gather and scatter */
-        float *kk = (float *)k + row, *sv = (float *)saved;
-        const float *src = (const float *)nk;
-        for (int64_t x = h * d; x < (h + 1) * d; x++) {
-            if (restore) kk[x * cc->kstride] = sv[x];
+    int64_t line; /* one key column: a strided gather and scatter within the row's block */
+    const int64_t at = key_block(cc, h, row, &line);
+    if (el == 4) {
+        float *kk = (float *)k + at, *sv = (float *)saved + h * d;
+        const float *src = (const float *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            if (restore) kk[j * line] = sv[j];
             else {
-                sv[x] = kk[x * cc->kstride];
-                kk[x * cc->kstride] = src[x];
+                sv[j] = kk[j * line];
+                kk[j * line] = src[j];
             }
         }
     } else {
-        uint16_t *kk = (uint16_t *)k + row, *sv = (uint16_t *)saved;
-        const uint16_t *src = (const uint16_t *)nk;
-        for (int64_t x = h * d; x < (h + 1) * d; x++) {
-            if (restore) kk[x * cc->kstride] = sv[x];
+        uint16_t *kk = (uint16_t *)k + at, *sv = (uint16_t *)saved + h * d;
+        const uint16_t *src = (const uint16_t *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            if (restore) kk[j * line] = sv[j];
             else {
-                sv[x] = kk[x * cc->kstride];
-                kk[x * cc->kstride] = src[x];
+                sv[j] = kk[j * line];
+                kk[j * line] = src[j];
             }
         }
     }
@@ -1040,7 +1074,7 @@ int gqa_usable_isas(int64_t d) {
 
 static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *chosen) {
     if (cc->enc < ENC_F32 || cc->enc > ENC_INT8 || cc->io < ENC_F32 || cc->io > ENC_F16) return -EINVAL;
-    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->kstride < cc->c) return -EINVAL;
+    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->kstride < cc->c * cc->dk) return -EINVAL;
     if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
     if (cc->enc == ENC_INT8) {
         if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;

@@ -181,6 +181,10 @@ class ORTStep:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = torch.get_num_threads()
         opts.inter_op_num_threads = 1
+        # Idle threads that spin after a run steal the cores from whatever is timed next (the
+        # floor read right after ORT came out 2-3x too slow with spinning on).
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.add_session_config_entry("session.inter_op.allow_spinning", "0")
         self.session = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
         s = keys.shape[2]
         k = np.zeros((B, HKV, capacity, D), dtype=self.np_dtype)
