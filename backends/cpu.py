@@ -35,7 +35,7 @@ __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_n
 log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
-KERNELS = ("native", "native-portable", "native-avx512", "torch")
+KERNELS = ("native", "native-portable", "native-avx512", "native-avx512dot", "torch")
 
 
 @functools.cache

@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 
 # "native" runs the compiled kernel (``backends.native``) with the fastest implementation this
 # CPU has; "native-<isa>" picks one (the tests run each).
-NATIVE_ISAS = ("portable", "avx512")
+NATIVE_ISAS = ("portable", "avx512", "avx512dot")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
 
 

@@ -34,7 +34,7 @@ __all__ = ["BLOCK", "PACK", "KeyBlocks", "KeyRows", "key_row_stride"]
 
 BLOCK = 64  # rows per block: the C kernel's TILE_T
 # channels per 32-bit word, by storage dtype (the C kernel's kpack)
-PACK = {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.int8: 1}
+PACK = {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.int8: 4}
 
 
 class KeyBlocks:

@@ -62,7 +62,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "gqa_decode.c"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
 LIBS = ("-lm",)
 # implementation choice passed to the kernel (the C enum)
-ISA = {"auto": 0, "portable": 1, "avx512": 2}
+# "avx512dot": AVX-512 with the VNNI and BF16 dot products (int8 scores by VNNI), where the CPU has them
+ISA = {"auto": 0, "portable": 1, "avx512": 2, "avx512dot": 3}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}

@@ -34,7 +34,7 @@ KERNEL = native.load()  # this project's machines have a C compiler: failing to 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIMS = [1, 2, 64, 80, 128, 256]
 GROUPS = [1, 4, 5, 8]
-ISAS = ["portable", "avx512"]
+ISAS = ["portable", "avx512", "avx512dot"]
 HKV = 2
 
 
@@ -45,7 +45,7 @@ def _dt(d):
 def _params():
     for isa in ISAS:
         for d in HEAD_DIMS:
-            if isa == "avx512" and d % 16:
+            if isa.startswith("avx512") and d % 16:
                 continue  # by design the AVX-512 blocks take D in multiples of 16 (portable C does the rest)
             usable = isa in KERNEL.isas(d)
             for g in GROUPS:

@@ -75,11 +75,16 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+#ifndef QPIECES
+#define QPIECES 3 /* int8 pieces of a query quantized for VNNI (quantize_query) */
+#endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
 #endif
 
-enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
+/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also VNNI and BF16 (dot products; int8 scores by
+ * VNNI, the other encodings as ISA_AVX512). */
+enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
 #define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
@@ -117,6 +122,13 @@ typedef struct {
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
     float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    /* int8 with dot products (ISA_AVX512_DOT): the query quantized by quantize_query, made
+     * on the item's first block: per query head QPIECES int8 pieces of key_width channels,
+     * their scale and the bias their sums put on the unsigned keys' dot products */
+    int8_t *qi;
+    float *qis;
+    int32_t *qbias;
+    int qready;
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
@@ -124,24 +136,34 @@ static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC
 /* ---------------------------------------------------------------------------------------------
  * The key layout, as backends/key_layout.py's KeyBlocks defines it (the one definition): per KV
  * head, the C ring rows in blocks of TILE_T (the last one C mod TILE_T rows when shorter), one
- * block after the other; a block of w rows holds its dk channels as dk lines of w elements. A
+ * block after the other; a block of w rows holds its dk channels as dk / P lines of w words of
+ * P channels (kpack: 4 for int8, else 1; dk padded to a multiple of P). A
  * block of positions is then one contiguous run (D x 64 elements), read front to back, where
  * the transposed layout before it was D streams of a few lines each at a stride of C.
  */
 
-/* Element offset of KV head h's key block holding ring row `phys`, at that row's first
- * channel; *line: the elements from one channel's line to the next in that block. */
+/* Channels per 32-bit word of a key line (key_layout.PACK): int8 keeps 4 channels of a row in
+ * a word, the operand of a 4-byte dot product (VNNI); the rest 1. The key channels are padded
+ * with zero channels to a multiple of it. */
+#ifndef INT8_PACK
+#define INT8_PACK 4
+#endif
+static inline int64_t kpack(int enc) { return enc == ENC_INT8 ? INT8_PACK : 1; }
+static inline int64_t key_width(const gqa_cache_t *cc) { return (cc->dk + kpack(cc->enc) - 1) / kpack(cc->enc) * kpack(cc->enc); }
+
+/* Element offset of KV head h's key block holding ring row `phys`, at that row's first word;
+ * *line: the elements from one line (P channels, w rows) to the next in that block. */
 static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t *line) {
-    const int64_t b0 = phys - phys % TILE_T, w = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
-    *line = w;
-    return h * cc->kstride + b0 * cc->dk + (phys - b0);
+    const int64_t p = kpack(cc->enc), b0 = phys - phys % TILE_T, w = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
+    *line = w * p;
+    return h * cc->kstride + b0 * key_width(cc) + (phys - b0) * p;
 }
 
 /* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
 static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
     int64_t line;
-    const int64_t at = key_block(cc, h, row, &line);
-    return at + j * line;
+    const int64_t at = key_block(cc, h, row, &line), p = kpack(cc->enc);
+    return at + (j / p) * line + j % p;
 }
 
 /* ---------------------------------------------------------------------------------------------
@@ -273,8 +295,9 @@ static inline __attribute__((always_inline)) void block_portable_enc(
         for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
         for (int64_t j = 0; j < dk; j++) {
             const float qj = q[j];
-            const char *row = kb + j * line * el;
-            for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t);
+            const int64_t p = kpack(enc);
+            const char *row = kb + ((j / p) * line + j % p) * el;
+            for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t * p);
         }
         if (enc == ENC_INT8) {
             for (int64_t t = 0; t < nt; t++) sc[t] *= ks[t];
@@ -341,35 +364,12 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
     }
 }
 
-/* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
- * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
-AVX512 static inline __attribute__((always_inline)) void scores_avx512(
-    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int ng,
-    const int prefetch, float *out) {
-    /* kb: the block's keys, channel lines kline elements apart; kn: the next block's (knline) */
-    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
-    const int64_t dq = dk + no, el = enc_size(enc);
-    __m512 acc[TILE_G][4];
-    __mmask16 mask[4];
-    for (int i = 0; i < 4; i++) {
-        mask[i] = lanes16(nt, i);
-        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < dk; j++) {
-        const char *row = kb + j * kline * el;
-        /* the next block's line of this channel (see the header), when the item reads it */
-        if (prefetch) {
-            const char *next = kn + j * knline * el;
-            for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-        }
-        __m512 kf[4];
-        for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
-        for (int g = 0; g < gt; g++) {
-            const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
-            for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
-        }
-    }
+/* The end of a block's scores: int8's key scales and float16 outlier channels, then the scores
+ * of the block's lanes to out[g * TILE_T + t] (-inf past nt). */
+AVX512 static inline __attribute__((always_inline)) void scores_int8_finish(
+    const int enc, __m512 acc[TILE_G][4], const __mmask16 *mask, const float *q, int64_t dk, int64_t no,
+    const uint16_t *kob, int64_t c, const float *ks, const int gt, float *out) {
+    const int64_t dq = dk + no;
     if (enc == ENC_INT8) {
         for (int i = 0; i < 4; i++) {
             const __m512 s = _mm512_maskz_loadu_ps(mask[i], ks + 16 * i);
@@ -387,6 +387,62 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     for (int i = 0; i < 4; i++)
         for (int g = 0; g < gt; g++)
             _mm512_storeu_ps(out + g * TILE_T + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], acc[g][i]));
+}
+
+/* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
+ * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
+AVX512 static inline __attribute__((always_inline)) void scores_avx512(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int ng,
+    const int prefetch, float *out) {
+    /* kb: the block's keys, channel lines kline elements apart; kn: the next block's (knline) */
+    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
+    const int64_t dq = dk + no, el = enc_size(enc);
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) {
+        mask[i] = lanes16(nt, i);
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
+    }
+    if (kpack(enc) == 1) {
+        for (int64_t j = 0; j < dk; j++) {
+            const char *row = kb + j * kline * el;
+            /* the next block's line of this channel (see the header), when the item reads it */
+            if (prefetch) {
+                const char *next = kn + j * knline * el;
+                for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            __m512 kf[4];
+            for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+            for (int g = 0; g < gt; g++) {
+                const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
+                for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+            }
+        }
+    } else { /* lines of 4 channels a word: channel r of a word is its byte r, sign-extended */
+        for (int64_t l = 0; 4 * l < dk; l++) {
+            const char *row = kb + l * kline;
+            if (prefetch) {
+                const char *next = kn + l * knline;
+                for (int64_t x = 0; x < knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            __m512i kw[4];
+            for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+#pragma GCC unroll 4
+            for (int r = 0; r < 4; r++) {
+                const int64_t j = 4 * l + r;
+                if (j >= dk) break;
+                __m512 kf[4];
+                for (int i = 0; i < ng; i++)
+                    kf[i] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(kw[i], 24 - 8 * r), 24));
+                for (int g = 0; g < gt; g++) {
+                    const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
+                    for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+                }
+            }
+        }
+    }
+    scores_int8_finish(enc, acc, mask, q, dk, no, kob, c, ks, gt, out);
 }
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv registers of
@@ -466,13 +522,18 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
 }
 
-AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
-    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+/* A block's addresses: its keys kb (lines kline elements apart), the next block's kn (knline;
+ * kb when the item does not read it), its values vb, and int8's scales as float32 (ks, vs). */
+AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
+    const int enc, const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st, const char **kbp,
+    int64_t *kline, const char **knp, int64_t *knline, const char **vbp, const float **ksp, const float **vsp) {
     const int64_t d = cc->d, c = cc->c, el = enc_size(enc);
-    int64_t kline, knline = 0;
-    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline) * el, *kn = kb;
-    if (st->prefetch) kn = (const char *)cc->k + key_block(cc, h, phys + nt, &knline) * el;
-    const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, kline) * el, *kn = kb;
+    *knline = 0;
+    if (st->prefetch) kn = (const char *)cc->k + key_block(cc, h, phys + nt, knline) * el;
+    *kbp = kb;
+    *knp = kn;
+    *vbp = (const char *)cc->v + (h * c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) {
         const int64_t at = h * cc->scale_stride + phys;
@@ -489,12 +550,149 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
             vs = (const float *)cc->vs + at;
         }
     }
+    *ksp = ks;
+    *vsp = vs;
+}
+
+AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    int64_t kline, knline;
+    const char *kb, *kn, *vb;
+    const float *ks, *vs;
+    block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
             case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
             case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
             default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+        }
+    }
+}
+
+/* The query of one head (G, dk + no, float32, scaled) quantized for int8 dot products: per
+ * query head g, s = max |q[g, :dk]| / 127 and QPIECES int8 pieces c_1, c_2, ... with
+ * q[g, j] ~ s (c_1[j] + c_2[j] / 254 + c_3[j] / 254^2): each piece codes what the ones before
+ * left, so QPIECES = 2 leaves at most s / 508 (1.6e-5 of the largest channel; 3: 6e-8, below
+ * float32's rounding of a score). Pieces are padded with zeros to key_width channels; qbias is
+ * 128 sum_j c_p[j], what the keys' offset (stored signed, read as unsigned k + 128) adds to a
+ * piece's dot product. Portable and deterministic: the same pieces in every ISA and thread. */
+static void quantize_query(const gqa_cache_t *cc, const float *qf, state_t *st) {
+    const int64_t G = cc->g, dk = cc->dk, dq = dk + cc->no, kp = key_width(cc);
+    for (int64_t g = 0; g < G; g++) {
+        const float *q = qf + g * dq;
+        float amax = 0.0f;
+        for (int64_t j = 0; j < dk; j++) amax = fmaxf(amax, fabsf(q[j]));
+        const float sc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+        st->qis[g] = sc;
+        int8_t *pieces = st->qi + g * QPIECES * kp;
+        memset(pieces, 0, (size_t)(QPIECES * kp));
+        for (int64_t j = 0; j < dk; j++) {
+            float r = q[j] * inv;
+            for (int p = 0; p < QPIECES; p++) {
+                float c = rintf(r);
+                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+                pieces[p * kp + j] = (int8_t)c;
+                r = (r - c) * 254.0f;
+            }
+        }
+        for (int p = 0; p < QPIECES; p++) {
+            int32_t sum = 0;
+            for (int64_t j = 0; j < kp; j++) sum += pieces[p * kp + j];
+            st->qbias[g * QPIECES + p] = 128 * sum;
+        }
+    }
+    st->qready = 1;
+}
+
+#define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")))
+
+/* int8 scores with VNNI: 4 key channels of a position per 32-bit lane (the int8 key layout)
+ * against 4 channels of a query piece, 64 products per instruction in exact int32 sums, a
+ * piece at a time into its own accumulators; 32 positions at a time (the accumulators of
+ * QPIECES pieces x gt heads x 2 groups of 16 stay in registers). Then the pieces are summed
+ * in float (each int32 sum below 2^24 for dk <= 512: exact) and scaled by s and the key scales. */
+AVX512DOT static inline __attribute__((always_inline)) void scores_vnni(
+    const int8_t *qi, const float *qis, const int32_t *qbias, int64_t kp, const float *q, int64_t dk, int64_t no,
+    const char *kb, int64_t kline, const char *kn, int64_t knline, const uint16_t *kob, int64_t c, const float *ks,
+    int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) {
+        mask[i] = lanes16(nt, i);
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
+    }
+    const __m512i offset = _mm512_set1_epi8((char)0x80);
+    for (int i0 = 0; i0 < ng; i0 += 2) {
+        __m512i ai[QPIECES][TILE_G][2];
+        for (int p = 0; p < QPIECES; p++)
+            for (int g = 0; g < gt; g++) ai[p][g][0] = ai[p][g][1] = _mm512_setzero_si512();
+        const int n2 = ng - i0 < 2 ? ng - i0 : 2;
+        for (int64_t l = 0; 4 * l < kp; l++) {
+            const char *row = kb + l * kline;
+            if (prefetch && i0 == 0) {
+                const char *next = kn + l * knline;
+                for (int64_t x = 0; x < knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            __m512i ku[2];
+            for (int i = 0; i < n2; i++)
+                ku[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi32(mask[i0 + i], row + 64 * (i0 + i)), offset);
+            for (int g = 0; g < gt; g++)
+                for (int p = 0; p < QPIECES; p++) {
+                    int32_t word;
+                    memcpy(&word, qi + (g * QPIECES + p) * kp + 4 * l, 4);
+                    const __m512i qw = _mm512_set1_epi32(word);
+                    for (int i = 0; i < n2; i++) ai[p][g][i] = _mm512_dpbusd_epi32(ai[p][g][i], ku[i], qw);
+                }
+        }
+        for (int g = 0; g < gt; g++)
+            for (int i = 0; i < n2; i++) {
+                __m512 f = _mm512_setzero_ps();
+                for (int p = QPIECES - 1; p >= 0; p--) /* the smallest piece first */
+                    f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / 254.0f),
+                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(ai[p][g][i], _mm512_set1_epi32(qbias[g * QPIECES + p]))));
+                acc[g][i0 + i] = _mm512_mul_ps(f, _mm512_set1_ps(qis[g]));
+            }
+    }
+    scores_int8_finish(ENC_INT8, acc, mask, q, dk, no, kob, c, ks, gt, out);
+}
+
+/* tile_avx512 with int8 scores by VNNI (the query quantized once per work item). */
+AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
+    const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt, const char *kb,
+    int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs, int64_t nt,
+    state_t *st) {
+    const int64_t d = cc->d, dq = cc->dk + cc->no, kp = key_width(cc);
+    float *p = st->p;
+    const float *q = qf + g0 * dq;
+    const uint16_t *ko = cc->ko + h * cc->no * cc->c + phys;
+    const int8_t *qi = st->qi + g0 * QPIECES * kp;
+    const int pf = g0 == 0 && st->prefetch;
+    if (nt <= 16)
+        scores_vnni(qi, st->qis + g0, st->qbias + g0 * QPIECES, kp, q, cc->dk, cc->no, kb, kline, kn, knline, ko,
+                    cc->c, ks, nt, gt, 1, pf, p);
+    else
+        scores_vnni(qi, st->qis + g0, st->qbias + g0 * QPIECES, kp, q, cc->dk, cc->no, kb, kline, kn, knline, ko,
+                    cc->c, ks, nt, gt, 4, pf, p);
+    softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    int64_t j0 = 0;
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(ENC_INT8, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
+    for (; j0 < d; j0 += 16) pv_avx512(ENC_INT8, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
+}
+
+AVX512DOT static void block_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
+                                     state_t *st) {
+    if (!st->qready) quantize_query(cc, qf, st);
+    int64_t kline, knline = 0;
+    const char *kb, *kn, *vb;
+    const float *ks, *vs;
+    block_setup_avx512(ENC_INT8, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
+            case 4: tile_dot(cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 3: tile_dot(cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 2: tile_dot(cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            default: tile_dot(cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
         }
     }
 }
@@ -553,7 +751,8 @@ typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, i
 
 static block_fn choose_block(int enc, int isa) {
 #if GQA_HAVE_AVX512
-    if (isa == ISA_AVX512) {
+    if (isa == ISA_AVX512_DOT && enc == ENC_INT8 && INT8_PACK == 4) return block_dot_int8;
+    if (isa == ISA_AVX512 || isa == ISA_AVX512_DOT) {
         switch (enc) {
             case ENC_F32: return block_avx512_f32;
             case ENC_BF16: return block_avx512_bf16;
@@ -725,8 +924,10 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
     const int64_t G = cc->g, d = cc->d;
     float *p = mem + 2 * G + G * d;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    float *q = p + (TILE_G + 2) * TILE_T, *qs = q + G * d; /* then quantize_query's room */
     return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
-                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T};
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = q, .qis = qs, .qbias = (int32_t *)(qs + G),
+                     .qi = (int8_t *)(qs + G + G * QPIECES)};
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
@@ -760,8 +961,8 @@ static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64
     const int64_t el = enc_size(cc->enc), d = cc->d;
     int64_t line;
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
-    for (int64_t j = 0; j < cc->dk; j++)
-        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, 3);
+    for (int64_t j = 0; j < key_width(cc) / kpack(cc->enc); j++)
+        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, 3);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
 }
@@ -1065,16 +1266,36 @@ int gqa_avx512_usable(void) {
 #endif
 }
 
+/* Whether the CPU has AVX-512 VNNI and BF16 besides gqa_avx512_usable's. */
+static int gqa_avx512_dot_usable(void) {
+#if GQA_HAVE_AVX512
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+        atomic_store(&known, v);
+    }
+    return v;
+#else
+    return 0;
+#endif
+}
+
 /* The implementations that can run here for head width d (a bit per ISA_* value). */
 int gqa_usable_isas(int64_t d) {
     int m = 1 << ISA_PORTABLE;
-    if (gqa_avx512_usable() && d % 16 == 0) m |= 1 << ISA_AVX512;
+    if (gqa_avx512_usable() && d % 16 == 0) {
+        m |= 1 << ISA_AVX512;
+        if (gqa_avx512_dot_usable()) m |= 1 << ISA_AVX512_DOT;
+    }
     return m;
 }
 
 static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *chosen) {
     if (cc->enc < ENC_F32 || cc->enc > ENC_INT8 || cc->io < ENC_F32 || cc->io > ENC_F16) return -EINVAL;
-    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->kstride < cc->c * cc->dk) return -EINVAL;
+    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->dk < 0 || cc->kstride < cc->c * key_width(cc))
+        return -EINVAL;
     if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
     if (cc->enc == ENC_INT8) {
         if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;
@@ -1092,8 +1313,9 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
     }
     const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
     if (own) isa = own;
-    if (isa == ISA_AUTO) isa = usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
-    if (isa < ISA_PORTABLE || isa > ISA_AVX512 || !(usable & (1 << isa))) return -ENOTSUP;
+    if (isa == ISA_AUTO)
+        isa = usable & (1 << ISA_AVX512_DOT) ? ISA_AVX512_DOT : usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
+    if (isa < ISA_PORTABLE || isa > ISA_AVX512_DOT || !(usable & (1 << isa))) return -ENOTSUP;
     *attended = s;
     *chosen = isa;
     return 0;
@@ -1126,7 +1348,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         if (rc) break;
         cc->status = 0;
         call.block[i] = choose_block(cc->enc, chosen);
-        call.wide[i] = chosen == ISA_AVX512;
+        call.wide[i] = chosen >= ISA_AVX512;
         call.nsplit[i] = (call.s[i] + SPLIT_T - 1) / SPLIT_T;
         call.item_off[i] = items;
         call.head_off[i] = heads;
@@ -1134,7 +1356,8 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         items += cc->n * call.nsplit[i];
         heads += cc->n;
         if (call.nsplit[i] > 1) parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
-        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16;
+        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
+                             cc->g * (1 + QPIECES + QPIECES * ((key_width(cc) + 3) / 4)); /* quantize_query's */
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
         if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
