@@ -4,8 +4,9 @@
 ``KeyBlocks`` (the compiled kernel's layout): per KV head, the C ring rows in blocks of
 ``BLOCK`` rows, one block after the other; block b holds rows [64 b, 64 b + w) (w = 64, or
 C mod 64 for a shorter last block) as ceil(K / P) lines of w words, a word being the P key
-channels of one row (P = ``PACK[dtype]``: the channels a 32-bit lane holds, K the key channels
-padded with zero channels to a multiple of P; P = 1 for every dtype today, the addressing keeps it for packed dot products):
+channels of one row (P = ``PACK[dtype]``: 2 for bfloat16, a 32-bit word the operand of the
+BF16 dot product ``vdpbf16ps``; else 1. K is the key channel count, padded with zero channels
+to Kp, a multiple of P):
 
     head h: | block 0: line 0 (rows 0..63, channels 0..P-1) | line 1 (channels P..2P-1) | ... |
             | block 1: line 0 (rows 64..127) | ... | ... | block ceil(C/64)-1 (w rows) |
@@ -19,7 +20,7 @@ it replaces had D separate streams a few lines long at a stride of C. Nothing is
 channels (to a multiple of P).
 
 ``KeyRows`` (the torch kernels' layout): transposed (B, Hkv, K, stride) with stride =
-``base.key_row_stride(C)``, the first C columns the ring's rows: ``q @ K^T`` is then a
+``key_row_stride(C)``, the first C columns the ring's rows: ``q @ K^T`` is then a
 row-major GEMM over the sequence.
 
 Both store (B, Hkv, n, K) rows at ring rows ``start ..`` (``write``) and give them back
@@ -34,7 +35,7 @@ __all__ = ["BLOCK", "PACK", "KeyBlocks", "KeyRows", "key_row_stride"]
 
 BLOCK = 64  # rows per block: the C kernel's TILE_T
 # channels per 32-bit word, by storage dtype (the C kernel's kpack)
-PACK = {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1, torch.int8: 4}
+PACK = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 1, torch.int8: 1}
 
 
 class KeyBlocks:

@@ -75,15 +75,15 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
-#ifndef QPIECES
-#define QPIECES 3 /* int8 pieces of a query quantized for VNNI (quantize_query) */
+#ifndef BPIECES
+#define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
 #endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
 #endif
 
-/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also VNNI and BF16 (dot products; int8 scores by
- * VNNI, the other encodings as ISA_AVX512). */
+/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 (bfloat16 scores by vdpbf16ps; the
+ * other encodings as ISA_AVX512). */
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
@@ -122,13 +122,11 @@ typedef struct {
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
     float *q;         /* the head's query (G, D), float32, scaled, in key order */
-    /* int8 with dot products (ISA_AVX512_DOT): the query quantized by quantize_query, made
-     * on the item's first block: per query head QPIECES int8 pieces of key_width channels,
-     * their scale and the bias their sums put on the unsigned keys' dot products */
-    int8_t *qi;
-    float *qis;
-    int32_t *qbias;
-    int qready;
+    /* bfloat16 with dot products (ISA_AVX512_DOT): the query as bfloat16 pieces, made on the
+     * item's first block by split_query_bf16 (qpieces per query head, scores times qmul) */
+    uint16_t *qb;
+    float qmul;
+    int qpieces, qready;
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
@@ -142,13 +140,13 @@ static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC
  * the transposed layout before it was D streams of a few lines each at a stride of C.
  */
 
-/* Channels per 32-bit word of a key line (key_layout.PACK): int8 keeps 4 channels of a row in
- * a word, the operand of a 4-byte dot product (VNNI); the rest 1. The key channels are padded
- * with zero channels to a multiple of it. */
-#ifndef INT8_PACK
-#define INT8_PACK 4
+/* Channels per word of a key line (key_layout.PACK): bfloat16 keeps 2 channels of a row in a
+ * 32-bit word, the operand of vdpbf16ps (and two channels widened by one shift or mask); the
+ * rest 1. The key channels are padded with zero channels to a multiple of it. */
+#ifndef BF16_PACK
+#define BF16_PACK 2
 #endif
-static inline int64_t kpack(int enc) { return enc == ENC_INT8 ? INT8_PACK : 1; }
+static inline int64_t kpack(int enc) { return enc == ENC_BF16 ? BF16_PACK : 1; }
 static inline int64_t key_width(const gqa_cache_t *cc) { return (cc->dk + kpack(cc->enc) - 1) / kpack(cc->enc) * kpack(cc->enc); }
 
 /* Element offset of KV head h's key block holding ring row `phys`, at that row's first word;
@@ -419,22 +417,22 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
                 for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
             }
         }
-    } else { /* lines of 4 channels a word: channel r of a word is its byte r, sign-extended */
-        for (int64_t l = 0; 4 * l < dk; l++) {
-            const char *row = kb + l * kline;
+    } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
+        for (int64_t l = 0; 2 * l < dk; l++) {
+            const char *row = kb + l * kline * 2;
             if (prefetch) {
-                const char *next = kn + l * knline;
-                for (int64_t x = 0; x < knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+                const char *next = kn + l * knline * 2;
+                for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
             }
             __m512i kw[4];
             for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
-#pragma GCC unroll 4
-            for (int r = 0; r < 4; r++) {
-                const int64_t j = 4 * l + r;
+            for (int r = 0; r < 2; r++) {
+                const int64_t j = 2 * l + r;
                 if (j >= dk) break;
                 __m512 kf[4];
                 for (int i = 0; i < ng; i++)
-                    kf[i] = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(kw[i], 24 - 8 * r), 24));
+                    kf[i] = _mm512_castsi512_ps(r == 0 ? _mm512_slli_epi32(kw[i], 16)
+                                                       : _mm512_and_si512(kw[i], _mm512_set1_epi32((int)0xFFFF0000u)));
                 for (int g = 0; g < gt; g++) {
                     const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
                     for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
@@ -570,131 +568,105 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     }
 }
 
-/* The query of one head (G, dk + no, float32, scaled) quantized for int8 dot products: per
- * query head g, s = max |q[g, :dk]| / 127 and QPIECES int8 pieces c_1, c_2, ... with
- * q[g, j] ~ s (c_1[j] + c_2[j] / 254 + c_3[j] / 254^2): each piece codes what the ones before
- * left, so QPIECES = 2 leaves at most s / 508 (1.6e-5 of the largest channel; 3: 6e-8, below
- * float32's rounding of a score). Pieces are padded with zeros to key_width channels; qbias is
- * 128 sum_j c_p[j], what the keys' offset (stored signed, read as unsigned k + 128) adds to a
- * piece's dot product. Portable and deterministic: the same pieces in every ISA and thread. */
-static void quantize_query(const gqa_cache_t *cc, const float *qf, state_t *st) {
+/* bfloat16 with BF16 dot products: the query of one head as bfloat16 pieces per channel,
+ * pairs of channels a word, padded with zeros to key_width channels, in st->qb. A bfloat16
+ * query (a dense cache's) is its own one exact piece, the scores then times qscale (st->qmul);
+ * any other query is qf (scaled) in BPIECES pieces, each what the ones before left (2 hold 16
+ * of float32's 24 bits). Portable and deterministic: the same pieces whichever thread. */
+static void split_query_bf16(const gqa_cache_t *cc, int64_t h, const float *qf, state_t *st) {
     const int64_t G = cc->g, dk = cc->dk, dq = dk + cc->no, kp = key_width(cc);
-    for (int64_t g = 0; g < G; g++) {
-        const float *q = qf + g * dq;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < dk; j++) amax = fmaxf(amax, fabsf(q[j]));
-        const float sc = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-        st->qis[g] = sc;
-        int8_t *pieces = st->qi + g * QPIECES * kp;
-        memset(pieces, 0, (size_t)(QPIECES * kp));
+    const int exact = cc->io == ENC_BF16 && !cc->order;
+    uint16_t *out = st->qb;
+    st->qpieces = exact ? 1 : BPIECES;
+    st->qmul = exact ? cc->qscale : 1.0f;
+    memset(out, 0, (size_t)(G * BPIECES * kp) * sizeof *out);
+    for (int64_t g = 0; g < G; g++)
         for (int64_t j = 0; j < dk; j++) {
-            float r = q[j] * inv;
-            for (int p = 0; p < QPIECES; p++) {
-                float c = rintf(r);
-                c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
-                pieces[p * kp + j] = (int8_t)c;
-                r = (r - c) * 254.0f;
+            if (exact) {
+                out[g * BPIECES * kp + j] = ((const uint16_t *)cc->q)[(h * G + g) * cc->d + j];
+                continue;
+            }
+            float r = qf[g * dq + j];
+            for (int p = 0; p < BPIECES; p++) {
+                const uint16_t b = float_to_bf16(r);
+                out[(g * BPIECES + p) * kp + j] = b;
+                r -= bf16_to_float(b);
             }
         }
-        for (int p = 0; p < QPIECES; p++) {
-            int32_t sum = 0;
-            for (int64_t j = 0; j < kp; j++) sum += pieces[p * kp + j];
-            st->qbias[g * QPIECES + p] = 128 * sum;
-        }
-    }
     st->qready = 1;
 }
 
-#define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16")))
+#define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
-/* int8 scores with VNNI: 4 key channels of a position per 32-bit lane (the int8 key layout)
- * against 4 channels of a query piece, 64 products per instruction in exact int32 sums, a
- * piece at a time into its own accumulators; 32 positions at a time (the accumulators of
- * QPIECES pieces x gt heads x 2 groups of 16 stay in registers). Then the pieces are summed
- * in float (each int32 sum below 2^24 for dk <= 512: exact) and scaled by s and the key scales. */
-AVX512DOT static inline __attribute__((always_inline)) void scores_vnni(
-    const int8_t *qi, const float *qis, const int32_t *qbias, int64_t kp, const float *q, int64_t dk, int64_t no,
-    const char *kb, int64_t kline, const char *kn, int64_t knline, const uint16_t *kob, int64_t c, const float *ks,
-    int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+/* bfloat16 scores with vdpbf16ps: a word of 2 key channels of a position against the same 2
+ * channels of a query piece, every piece into the same float32 accumulators. */
+AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
+    const uint16_t *qb, int pieces, float mul, int64_t kp, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) {
         mask[i] = lanes16(nt, i);
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
-    const __m512i offset = _mm512_set1_epi8((char)0x80);
-    for (int i0 = 0; i0 < ng; i0 += 2) {
-        __m512i ai[QPIECES][TILE_G][2];
-        for (int p = 0; p < QPIECES; p++)
-            for (int g = 0; g < gt; g++) ai[p][g][0] = ai[p][g][1] = _mm512_setzero_si512();
-        const int n2 = ng - i0 < 2 ? ng - i0 : 2;
-        for (int64_t l = 0; 4 * l < kp; l++) {
-            const char *row = kb + l * kline;
-            if (prefetch && i0 == 0) {
-                const char *next = kn + l * knline;
-                for (int64_t x = 0; x < knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-            }
-            __m512i ku[2];
-            for (int i = 0; i < n2; i++)
-                ku[i] = _mm512_xor_si512(_mm512_maskz_loadu_epi32(mask[i0 + i], row + 64 * (i0 + i)), offset);
-            for (int g = 0; g < gt; g++)
-                for (int p = 0; p < QPIECES; p++) {
-                    int32_t word;
-                    memcpy(&word, qi + (g * QPIECES + p) * kp + 4 * l, 4);
-                    const __m512i qw = _mm512_set1_epi32(word);
-                    for (int i = 0; i < n2; i++) ai[p][g][i] = _mm512_dpbusd_epi32(ai[p][g][i], ku[i], qw);
-                }
+    for (int64_t l = 0; 2 * l < kp; l++) {
+        const char *row = kb + l * kline * 2;
+        if (prefetch) {
+            const char *next = kn + l * knline * 2;
+            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
         }
+        __m512i kw[4];
+        for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
         for (int g = 0; g < gt; g++)
-            for (int i = 0; i < n2; i++) {
-                __m512 f = _mm512_setzero_ps();
-                for (int p = QPIECES - 1; p >= 0; p--) /* the smallest piece first */
-                    f = _mm512_fmadd_ps(f, _mm512_set1_ps(1.0f / 254.0f),
-                                        _mm512_cvtepi32_ps(_mm512_sub_epi32(ai[p][g][i], _mm512_set1_epi32(qbias[g * QPIECES + p]))));
-                acc[g][i0 + i] = _mm512_mul_ps(f, _mm512_set1_ps(qis[g]));
+            for (int p = 0; p < pieces; p++) {
+                int32_t word;
+                memcpy(&word, qb + (g * BPIECES + p) * kp + 2 * l, 4);
+                const __m512bh qw = (__m512bh)_mm512_set1_epi32(word);
+                for (int i = 0; i < ng; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)kw[i], qw);
             }
     }
-    scores_int8_finish(ENC_INT8, acc, mask, q, dk, no, kob, c, ks, gt, out);
+    const __m512 m = _mm512_set1_ps(mul);
+    for (int i = 0; i < 4; i++)
+        for (int g = 0; g < gt; g++)
+            _mm512_storeu_ps(out + g * TILE_T + 16 * i,
+                             _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], _mm512_mul_ps(acc[g][i], m)));
 }
 
-/* tile_avx512 with int8 scores by VNNI (the query quantized once per work item). */
+/* tile_avx512 for bfloat16 with its scores by vdpbf16ps (the query split once per work item). */
 AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
-    const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt, const char *kb,
-    int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs, int64_t nt,
-    state_t *st) {
-    const int64_t d = cc->d, dq = cc->dk + cc->no, kp = key_width(cc);
+    const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const char *vb, const float *vs, int64_t nt, state_t *st) {
+    const int64_t d = cc->d, kp = key_width(cc);
     float *p = st->p;
-    const float *q = qf + g0 * dq;
-    const uint16_t *ko = cc->ko + h * cc->no * cc->c + phys;
-    const int8_t *qi = st->qi + g0 * QPIECES * kp;
+    const uint16_t *qb = st->qb + g0 * BPIECES * kp;
     const int pf = g0 == 0 && st->prefetch;
-    if (nt <= 16)
-        scores_vnni(qi, st->qis + g0, st->qbias + g0 * QPIECES, kp, q, cc->dk, cc->no, kb, kline, kn, knline, ko,
-                    cc->c, ks, nt, gt, 1, pf, p);
-    else
-        scores_vnni(qi, st->qis + g0, st->qbias + g0 * QPIECES, kp, q, cc->dk, cc->no, kb, kline, kn, knline, ko,
-                    cc->c, ks, nt, gt, 4, pf, p);
+    if (nt <= 16) scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
+    else scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
     softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_avx512(ENC_INT8, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
-    for (; j0 < d; j0 += 16) pv_avx512(ENC_INT8, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
 }
 
-AVX512DOT static void block_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
-                                     state_t *st) {
-    if (!st->qready) quantize_query(cc, qf, st);
+AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    if (!st->qready) split_query_bf16(cc, h, qf, st);
     int64_t kline, knline = 0;
     const char *kb, *kn, *vb;
     const float *ks, *vs;
-    block_setup_avx512(ENC_INT8, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_dot(cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 3: tile_dot(cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 2: tile_dot(cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            default: tile_dot(cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 4: tile_dot(enc, cc, g0, 4, kb, kline, kn, knline, vb, vs, nt, st); break;
+            case 3: tile_dot(enc, cc, g0, 3, kb, kline, kn, knline, vb, vs, nt, st); break;
+            case 2: tile_dot(enc, cc, g0, 2, kb, kline, kn, knline, vb, vs, nt, st); break;
+            default: tile_dot(enc, cc, g0, 1, kb, kline, kn, knline, vb, vs, nt, st); break;
         }
     }
+}
+AVX512DOT static void block_dot_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
+                                     state_t *st) {
+    block_dot_enc(ENC_BF16, cc, qf, h, phys, nt, st);
 }
 
 AVX512 static void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
@@ -751,7 +723,7 @@ typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, i
 
 static block_fn choose_block(int enc, int isa) {
 #if GQA_HAVE_AVX512
-    if (isa == ISA_AVX512_DOT && enc == ENC_INT8 && INT8_PACK == 4) return block_dot_int8;
+    if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && BF16_PACK == 2) return block_dot_bf16;
     if (isa == ISA_AVX512 || isa == ISA_AVX512_DOT) {
         switch (enc) {
             case ENC_F32: return block_avx512_f32;
@@ -924,10 +896,9 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
     const int64_t G = cc->g, d = cc->d;
     float *p = mem + 2 * G + G * d;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
-    float *q = p + (TILE_G + 2) * TILE_T, *qs = q + G * d; /* then quantize_query's room */
+    float *q = p + (TILE_G + 2) * TILE_T; /* then split_query_bf16's room: G * BPIECES * key_width */
     return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
-                     .vsb = p + (TILE_G + 1) * TILE_T, .q = q, .qis = qs, .qbias = (int32_t *)(qs + G),
-                     .qi = (int8_t *)(qs + G + G * QPIECES)};
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = q, .qb = (uint16_t *)(q + G * d)};
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
@@ -1213,26 +1184,27 @@ static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
-    int64_t line; /* one key column: a strided gather and scatter within the row's block */
-    const int64_t at = key_block(cc, h, row, &line);
+    /* one key column: a strided gather and scatter within the row's block */
     if (el == 4) {
-        float *kk = (float *)k + at, *sv = (float *)saved + h * d;
+        float *kk = (float *)k, *sv = (float *)saved + h * d;
         const float *src = (const float *)nk + h * d;
         for (int64_t j = 0; j < d; j++) {
-            if (restore) kk[j * line] = sv[j];
+            const int64_t at = key_cell(cc, h, j, row);
+            if (restore) kk[at] = sv[j];
             else {
-                sv[j] = kk[j * line];
-                kk[j * line] = src[j];
+                sv[j] = kk[at];
+                kk[at] = src[j];
             }
         }
     } else {
-        uint16_t *kk = (uint16_t *)k + at, *sv = (uint16_t *)saved + h * d;
+        uint16_t *kk = (uint16_t *)k, *sv = (uint16_t *)saved + h * d;
         const uint16_t *src = (const uint16_t *)nk + h * d;
         for (int64_t j = 0; j < d; j++) {
-            if (restore) kk[j * line] = sv[j];
+            const int64_t at = key_cell(cc, h, j, row);
+            if (restore) kk[at] = sv[j];
             else {
-                sv[j] = kk[j * line];
-                kk[j * line] = src[j];
+                sv[j] = kk[at];
+                kk[at] = src[j];
             }
         }
     }
@@ -1266,14 +1238,14 @@ int gqa_avx512_usable(void) {
 #endif
 }
 
-/* Whether the CPU has AVX-512 VNNI and BF16 besides gqa_avx512_usable's. */
+/* Whether the CPU has AVX-512 BF16 besides gqa_avx512_usable's. */
 static int gqa_avx512_dot_usable(void) {
 #if GQA_HAVE_AVX512
     static atomic_int known = -1;
     int v = atomic_load(&known);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512bf16");
+        v = __builtin_cpu_supports("avx512bf16");
         atomic_store(&known, v);
     }
     return v;
@@ -1357,7 +1329,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         heads += cc->n;
         if (call.nsplit[i] > 1) parts += cc->n * call.nsplit[i] * cc->g * (cc->d + 2);
         const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
-                             cc->g * (1 + QPIECES + QPIECES * ((key_width(cc) + 3) / 4)); /* quantize_query's */
+                             cc->g * key_width(cc) * BPIECES / 2 + 1; /* split_query_bf16's */
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
         if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
