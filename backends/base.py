@@ -22,8 +22,8 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from .key_layout import KeyBlocks, KeyRows, key_row_stride
 from .errors import BackendUnavailable, CacheFullError, InputTypeError, InputValueError, RollbackError
+from .key_layout import KeyBlocks, KeyRows
 from .policy import EvictionPolicy, PolicyKind
 from .validation import check_step_tensors, dtype_name
 
@@ -520,7 +520,9 @@ class DenseRingCache(LayerCache):
         """What ``DenseRingCache(spec, key_layout)`` allocates."""
         b, h, c, d = spec.rows_shape
         el = torch.empty((), dtype=spec.dtype).element_size()
-        keys = b * h * c * d * el if key_layout == "rows" else _KEY_STORES[key_layout].nbytes_for((b, h), c, d, spec.dtype)
+        keys = (
+            b * h * c * d * el if key_layout == "rows" else _KEY_STORES[key_layout].nbytes_for((b, h), c, d, spec.dtype)
+        )
         return keys + b * h * c * d * el
 
     @property

@@ -1,21 +1,21 @@
 """The CPU backend: dense float32 / bfloat16 / float16 caches in a ring, the embedded default.
 
-Layout: keys transposed, (B, Hkv, D, K) with K = ``base.key_row_stride(C)`` >= C (the first C
-columns are the ring's rows), values (B, Hkv, C, D), both in the stream dtype. A block of
-positions of one key channel is then contiguous: the compiled kernel (``backends.native``,
-``csrc/gqa_decode.c``) scores a block of 64 positions for the G query heads of a KV head with
-broadcast multiply-adds and no horizontal sums, and torch's fallback ``q @ K^T`` is a row-major
-GEMM over the sequence. Appending writes one key column and one value row; eviction writes
-nothing.
+Layout: values (B, Hkv, C, D) in the stream dtype; keys in the compiled kernel's blocks of 64
+positions (``key_layout.KeyBlocks``: each block one contiguous run of its channels' lines, so
+the kernel (``backends.native``, ``csrc/gqa_decode.c``) reads a block front to back and scores
+its 64 positions for the G query heads of a KV head with broadcast multiply-adds and no
+horizontal sums). torch's fallback keeps float32 keys transposed (``key_layout.KeyRows``, for a
+row-major ``q @ K^T``) and 16-bit keys as rows. Appending writes one key column and one value
+row; eviction writes nothing.
 
 Kernels (``kernel=``): "native" (the default where the library builds and loads) computes the
 whole step in one call: the new token written into its ring row (the overwritten bytes saved
 so a failure restores them), the attention over the resident runs without copying them, the
-output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" pick
-one implementation (tests). "torch" is the fallback where no compiler exists: float32 through
-``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused CPU kernel, which needs keys
-as rows (B, Hkv, C, D), so those caches keep their keys as rows when they are created without
-the native kernel.
+output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" /
+"native-avx512dot" pick one implementation (tests). "torch" is the fallback where no compiler
+exists: float32 through ``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused
+CPU kernel, which needs keys as rows (B, Hkv, C, D), so those caches keep their keys as rows
+when they are created without the native kernel.
 """
 
 from __future__ import annotations

@@ -37,9 +37,9 @@ from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
 from .base import CacheSpec, LayerCache
-from .key_layout import KeyBlocks, KeyRows
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, calibration_bytes, key_outlier_count
+from .key_layout import KeyBlocks, KeyRows
 
 __all__ = [
     "FLOAT16_MAX",

@@ -95,7 +95,7 @@ class KeyBlocks:
 
     def read(self, start: int, stop: int) -> torch.Tensor:
         """Rows ``start .. stop - 1`` as a new (B, Hkv, stop - start, K) tensor."""
-        parts, p = [], self.pack
+        parts = []
         for view, first, m in self._pieces(start, stop):
             if first is None:
                 parts.append(view.transpose(3, 4).reshape(*self.lead, m, self.padded))

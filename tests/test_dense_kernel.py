@@ -91,6 +91,12 @@ POLICY_SHAPES = {
     "strict-wrapped": (EvictionPolicy.strict(150), 200),  # a window that wraps: two runs
     "greedy-wrapped": (EvictionPolicy.greedy(100, 170), 260),
     "sink-wrapped": (EvictionPolicy.sink(130, 5), 300),  # sinks, then a wrapped window: three runs
+    # around the key blocks of 64 rows (key_layout.KeyBlocks): a ring of one block less one, one
+    # block, one block and one row (a last block of one row), wrapped, with and without sinks
+    "strict-block-1": (EvictionPolicy.strict(63), 90),
+    "strict-block": (EvictionPolicy.strict(64), 90),
+    "strict-block+1": (EvictionPolicy.strict(65), 90),
+    "sink-block+1": (EvictionPolicy.sink(65, 3), 90),
 }
 
 

@@ -34,12 +34,13 @@
  * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
  *
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
- * once and widened to float32 in registers. Two implementations of the block: AVX-512 (F, BW,
- * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
- * portable C (the specification the fast path is tested against). The file builds with no
- * -march flag. The AVX-512 block prefetches the next block into L2 (the D key channels are D
- * separate streams, more than the hardware prefetcher follows); bfloat16 is widened to float32
- * in registers. docs/design.md ("The C kernel") has the measurements behind both.
+ * once and widened to float32 in registers. Three implementations of the block, chosen at run
+ * time per cache: AVX-512 (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16),
+ * AVX-512 with BF16 (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16;
+ * the other encodings as AVX-512) and portable C (the specification the fast paths are tested
+ * against). The file builds with no -march flag. The AVX-512 blocks prefetch the next block
+ * into L2 as they go (its key block is one contiguous run, its value rows another).
+ * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
  * fork), the calling thread working too. Parallel calls from several threads are serialized on
@@ -926,8 +927,8 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
-/* Asks for every line of a block at once (its D key rows and nt value rows are that many
- * separate streams): the misses then overlap instead of following one another. */
+/* Asks for every line of an item's first block at once (its key lines and value rows): the
+ * misses then overlap instead of following one another. */
 static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
     const int64_t el = enc_size(cc->enc), d = cc->d;
     int64_t line;
