@@ -21,7 +21,7 @@ reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
 steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors
 given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_usable_isas(d)``;
-``gqa_hadamard_rows``.
+``gqa_hadamard_rows``; ``gqa_read_floor`` (the benchmarks' read floor).
 """
 
 from __future__ import annotations
@@ -222,6 +222,8 @@ class Kernel:
         lib.gqa_threads.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
+        lib.gqa_read_floor.argtypes = [p, i64, i32]
+        lib.gqa_read_floor.restype = ctypes.c_uint32
         self._lib = lib
         self._run = lib.gqa_run
         self._run_ptrs = lib.gqa_run_ptrs
@@ -330,6 +332,14 @@ class Kernel:
         x.q, x.out = q.data_ptr(), out.data_ptr()
         self.run(desc, 1, isa=isa, threads=threads or 0)
         return out
+
+    def read_floor(self, words: torch.Tensor, threads: int = 0) -> int:
+        """Reads a contiguous CPU tensor's bytes once, as 32-bit words summed (the result), on
+        the kernels' pool (``threads``: at most this many, 0: all), in chunks taken in turn as
+        the steps' work items are: the benchmarks' read floor. Releases the GIL."""
+        if not words.is_contiguous() or words.device.type != "cpu" or words.element_size() != 4:
+            raise ValueError("read_floor: a contiguous CPU tensor of 4-byte words")
+        return self._lib.gqa_read_floor(words.data_ptr(), words.numel(), threads)
 
     def hadamard(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ quant.hadamard_rotation(D)`` for float32 CPU rows (..., D), as a new tensor,

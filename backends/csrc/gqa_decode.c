@@ -1422,6 +1422,43 @@ int gqa_run_ptrs(gqa_cache_t *const *ptrs, int64_t ncaches, int threads, int isa
 }
 
 /* ---------------------------------------------------------------------------------------------
+ * The benchmarks' read floor: n 32-bit words read once and summed, on the pool, chunks of 64 KiB
+ * taken from one counter like the attention's work items, so that it reads with the same
+ * threads, scheduled the same way, as the steps it is the floor of (a statically split read
+ * waits for its slowest thread: on a shared machine, for one that is not running). Returns
+ * the sum, so the read cannot be left out.
+ */
+#define FLOOR_CHUNK (1 << 14)
+
+typedef struct {
+    const uint32_t *x;
+    int64_t n;
+    uint32_t part[MAX_THREADS * 16]; /* a line per thread */
+} floor_t;
+
+static void floor_item(void *ctx, int64_t item, int tid) {
+    floor_t *f = ctx;
+    const int64_t a = item * FLOOR_CHUNK, b = a + FLOOR_CHUNK < f->n ? a + FLOOR_CHUNK : f->n;
+    uint32_t sum = 0; /* integer words: the compiler may reassociate, so the loop is vectorized */
+    for (int64_t i = a; i < b; i++) sum += f->x[i];
+    f->part[tid * 16] += sum;
+}
+
+uint32_t gqa_read_floor(const void *x, int64_t n, int threads) {
+    if (threads <= 0) threads = gqa_threads();
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    floor_t *f = calloc(1, sizeof *f);
+    if (!f) return 0;
+    f->x = x;
+    f->n = n;
+    pool_run(floor_item, f, (n + FLOOR_CHUNK - 1) / FLOOR_CHUNK, threads);
+    uint32_t sum = 0;
+    for (int t = 0; t < threads; t++) sum += f->part[t * 16];
+    free(f);
+    return sum;
+}
+
+/* ---------------------------------------------------------------------------------------------
  * The int8 cache's value rotation.
  */
 

@@ -13,7 +13,7 @@ attends over S+1:
   the step's inputs are bound once, so only ``run_with_iobinding`` is timed. It has no bfloat16
   CPU kernel.
 - ``floor``: reading the same number of bytes (the S+1 rows of K and V) once from DRAM, a sum
-  over them viewed as float32 words with the same threads (``common.floor_reader``).
+  over them as 32-bit words on the kernels' own pool (``common.pool_floor_reader``).
 
 Before every timed call a buffer of 3x the last-level cache is written (``common.Evictor``), for
 every implementation and the floor alike; the implementations take turns round after round and
@@ -47,10 +47,10 @@ from .common import (
     Report,
     bench_mode,
     cold_rounds,
-    floor_reader,
     fmt_spread,
     hot_rounds,
     per_round_ratio,
+    pool_floor_reader,
     sample_seconds,
     spread,
     table,
@@ -266,7 +266,7 @@ def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[fl
         ort_step.bind_step(q, nk, nv)
         fns["ort"] = ort_step
     kv_bytes = 2 * B * HKV * (s + 1) * D * keys.element_size()
-    fns["floor"] = floor_reader(kv_bytes)
+    fns["floor"] = pool_floor_reader(kv_bytes)
     del keys, values
     samples = cold_rounds(fns, evict, rounds=rounds, budget_s=budget_s)
     report.add(

@@ -10,7 +10,7 @@ round after round; figures are the median [p10-p90] of the per-round figures):
 - ``float32``: the same through ``get_backend("cpu")`` (what int8 saves against).
 - ``floor``: reading the int8 cache's bytes for the S+1 attended positions once from DRAM
   (``row_bytes`` per position: codes, float16 key channels, scales), a sum over them viewed as
-  float32 words with the same threads (``common.floor_reader``).
+  float32 words with the same threads (``common.pool_floor_reader``).
 
 Accuracy, untimed, on N(0, 1) data and on data with 4 key and value channels 20x larger
 ("outliers"): the first step's output relative L2 error, and the KL divergence of the attention
@@ -37,9 +37,9 @@ from .common import (
     Evictor,
     bench_mode,
     cold_rounds,
-    floor_reader,
     fmt_spread,
     per_round_ratio,
+    pool_floor_reader,
     spread,
     table,
     verdict_spread,
@@ -133,7 +133,7 @@ def run(report) -> None:
         fns = {
             "int8": functools.partial(int8.step, q, nk, nv),
             "float32": functools.partial(f32.step, q, nk, nv),
-            "floor": floor_reader(floor_bytes),
+            "floor": pool_floor_reader(floor_bytes),
         }
         t = cold_rounds(fns, evict, rounds=rounds, budget_s=cfg["budget_s"])
         report.add(

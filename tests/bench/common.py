@@ -18,6 +18,7 @@ from collections.abc import Callable
 import grpc
 import torch
 
+from backends import native
 from tests.metrics_load import free_port
 
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
@@ -292,6 +293,20 @@ def floor_reader(nbytes: int) -> Callable[[], object]:
     both come from DRAM."""
     words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
     return lambda: words.sum()
+
+
+def pool_floor_reader(nbytes: int) -> Callable[[], object]:
+    """The memory floor for the compiled kernels' steps: one read of ``nbytes`` bytes on their
+    own pool (``native.Kernel.read_floor``: chunks taken in turn, as the steps' work items are),
+    so that it reads with the same threads scheduled the same way. torch's sum splits the read
+    statically and waits for its slowest thread: on a shared machine it read at 0.2-5 GB/s
+    beside steps that read faster. Falls back to ``floor_reader`` without the library."""
+    ok, _ = native.available()
+    if not ok:
+        return floor_reader(nbytes)
+    kernel = native.load()
+    words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    return lambda: kernel.read_floor(words)
 
 
 def read_floor_seconds(
