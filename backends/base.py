@@ -24,6 +24,7 @@ from typing import ClassVar
 import torch
 
 from .errors import BackendUnavailable, CacheFullError, InputTypeError, InputValueError, RollbackError
+from .key_layout import KeyBlocks, KeyRows
 from .policy import EvictionPolicy, PolicyKind
 from .validation import check_step_tensors, dtype_name
 
@@ -565,29 +566,40 @@ class LayerCache(abc.ABC):
         self.tokens_seen -= k
 
 
+_KEY_STORES = {"transposed": KeyRows, "blocks": KeyBlocks}
+
+
 class DenseRingCache(LayerCache):
-    """Dense storage in the stream dtype for a ring: values (B, Hkv, C, D); keys as rows
-    (B, Hkv, C, D), or transposed (B, Hkv, D, K) with K = ``key_row_stride(C)`` (the first C
-    columns are the rows). The storage methods of the cpu and cuda caches; allocated once on
+    """Dense storage in the stream dtype for a ring: values (B, Hkv, C, D); keys in one of
+    ``KEY_LAYOUTS``: "rows" (B, Hkv, C, D) like the values, "transposed"
+    (``key_layout.KeyRows``, for torch's GEMMs) or "blocks" (``key_layout.KeyBlocks``, the
+    compiled kernel's). The storage methods of the cpu and cuda caches; allocated once on
     ``spec.device``."""
 
-    def __init__(self, spec: CacheSpec, keys_as_rows: bool):
+    KEY_LAYOUTS = ("rows", "transposed", "blocks")
+
+    def __init__(self, spec: CacheSpec, key_layout: str):
         super().__init__(spec)
         b, h, c, d = spec.rows_shape
-        self._keys_as_rows = keys_as_rows
-        if keys_as_rows:
+        self._key_layout = key_layout
+        self._keys = None
+        if key_layout == "rows":
             self._k = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
         else:
-            self._k = torch.zeros((b, h, d, key_row_stride(c)), dtype=spec.dtype, device=spec.device)[..., :c]
+            self._keys = _KEY_STORES[key_layout]((b, h), c, d, spec.dtype, spec.device)
+            self._k = self._keys.data  # the storage tensor, whatever its layout
         self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
         self._row_bytes = 2 * b * h * d * self._v.element_size()
 
     @staticmethod
-    def storage_nbytes(spec: CacheSpec, keys_as_rows: bool) -> int:
-        """What ``DenseRingCache(spec, keys_as_rows)`` allocates."""
+    def storage_nbytes(spec: CacheSpec, key_layout: str) -> int:
+        """What ``DenseRingCache(spec, key_layout)`` allocates."""
         b, h, c, d = spec.rows_shape
         el = torch.empty((), dtype=spec.dtype).element_size()
-        return b * h * d * (c + (c if keys_as_rows else key_row_stride(c))) * el
+        keys = (
+            b * h * c * d * el if key_layout == "rows" else _KEY_STORES[key_layout].nbytes_for((b, h), c, d, spec.dtype)
+        )
+        return keys + b * h * c * d * el
 
     @property
     def nbytes(self) -> int:
@@ -600,16 +612,16 @@ class DenseRingCache(LayerCache):
 
     def _write_rows(self, start, keys, values):
         n = keys.shape[2]
-        if self._keys_as_rows:
+        if self._keys is None:
             self._k[:, :, start : start + n] = keys
         else:
-            self._k[:, :, :, start : start + n] = keys.transpose(2, 3)
+            self._keys.write(start, keys)
         self._v[:, :, start : start + n] = values
 
     def _read_rows(self, start, stop):
-        if self._keys_as_rows:
+        if self._keys is None:
             return self._k[:, :, start:stop].clone(), self._v[:, :, start:stop].clone()
-        return self._k[:, :, :, start:stop].transpose(2, 3).clone(), self._v[:, :, start:stop].clone()
+        return self._keys.read(start, stop), self._v[:, :, start:stop].clone()
 
     def _save_rows(self, start, stop):
         return self._read_rows(start, stop)
@@ -654,13 +666,6 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def create_cache(self, spec: CacheSpec) -> LayerCache: ...
-
-
-def key_row_stride(capacity: int) -> int:
-    """Elements between a transposed key cache's channel rows: the capacity, padded to whole
-    64-element groups once that costs under 1/63 more (C >= 4032), so that the kernels' blocks
-    of 64 positions of one channel are whole cache lines."""
-    return capacity if capacity < 64 * 63 else -(-capacity // 64) * 64
 
 
 def dense_nbytes(spec: CacheSpec) -> int:

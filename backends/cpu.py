@@ -1,21 +1,21 @@
 """The CPU backend: dense float32 / bfloat16 / float16 caches in a ring, the embedded default.
 
-Layout: keys transposed, (B, Hkv, D, K) with K = ``base.key_row_stride(C)`` >= C (the first C
-columns are the ring's rows), values (B, Hkv, C, D), both in the stream dtype. A block of
-positions of one key channel is then contiguous: the compiled kernel (``backends.native``,
-``csrc/gqa_decode.c``) scores a block of 64 positions for the G query heads of a KV head with
-broadcast multiply-adds and no horizontal sums, and torch's fallback ``q @ K^T`` is a row-major
-GEMM over the sequence. Appending writes one key column and one value row; eviction writes
-nothing.
+Layout: values (B, Hkv, C, D) in the stream dtype; keys in the compiled kernel's blocks of 64
+positions (``key_layout.KeyBlocks``: each block one contiguous run of its channels' lines, so
+the kernel (``backends.native``, ``csrc/gqa_decode.c``) reads a block front to back and scores
+its 64 positions for the G query heads of a KV head with broadcast multiply-adds and no
+horizontal sums). torch's fallback keeps float32 keys transposed (``key_layout.KeyRows``, for a
+row-major ``q @ K^T``) and 16-bit keys as rows. Appending writes one key column and one value
+row; eviction writes nothing.
 
 Kernels (``kernel=``): "native" (the default where the library builds and loads) computes the
 whole step in one call: the new token written into its ring row (the overwritten bytes saved
 so a failure restores them), the attention over the resident runs without copying them, the
-output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" pick
-one implementation (tests). "torch" is the fallback where no compiler exists: float32 through
-``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused CPU kernel, which needs keys
-as rows (B, Hkv, C, D), so those caches keep their keys as rows when they are created without
-the native kernel.
+output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" /
+"native-avx512dot" pick one implementation (tests). "torch" is the fallback where no compiler
+exists: float32 through ``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused
+CPU kernel, which needs keys as rows (B, Hkv, C, D), so those caches keep their keys as rows
+when they are created without the native kernel.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_n
 log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
-KERNELS = ("native", "native-portable", "native-avx512", "torch")
+KERNELS = ("native", "native-portable", "native-avx512", "native-avx512dot", "torch")
 
 
 @functools.cache
@@ -48,15 +48,17 @@ def default_kernel() -> str:
     return "torch"
 
 
-def _keys_as_rows(dtype: torch.dtype, kernel: str) -> bool:
-    return kernel == "torch" and dtype in _FUSED_DTYPES
+def _key_layout(dtype: torch.dtype, kernel: str) -> str:
+    if kernel != "torch":
+        return "blocks"
+    return "rows" if dtype in _FUSED_DTYPES else "transposed"
 
 
 def dense_cpu_nbytes(spec: CacheSpec, kernel: str | None = None) -> int:
     """What ``DenseCache(spec, kernel)`` allocates for keys and values: keys with their rows
     padded (``key_row_stride``) unless they are stored as rows. (The native step's saved row,
     one position's bytes, is not counted: the service's reservation is the cache's storage.)"""
-    return DenseRingCache.storage_nbytes(spec, _keys_as_rows(spec.dtype, kernel or default_kernel()))
+    return DenseRingCache.storage_nbytes(spec, _key_layout(spec.dtype, kernel or default_kernel()))
 
 
 class DenseCache(DenseRingCache):
@@ -65,7 +67,7 @@ class DenseCache(DenseRingCache):
             kernel = default_kernel()
         if kernel not in KERNELS:
             raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
-        super().__init__(spec, _keys_as_rows(spec.dtype, kernel))
+        super().__init__(spec, _key_layout(spec.dtype, kernel))
         d = spec.head_dim
         self.kernel = kernel
         if kernel.startswith("native"):
@@ -86,7 +88,7 @@ class DenseCache(DenseRingCache):
         x.enc = x.io = enc
         x.flags = native.ISA[isa] << native.FLAG_ISA_SHIFT
         x.n, x.g, x.d, x.c = n, s.group_size, s.head_dim, s.capacity
-        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), s.head_dim, 0, 0
+        x.kstride, x.dk, x.no, x.scale_stride = self._keys.head_stride, s.head_dim, 0, 0
         x.qscale = 1.0 / math.sqrt(s.head_dim)
         x.k, x.v, x.saved = self._k.data_ptr(), self._v.data_ptr(), self._saved.data_ptr()
         return x
@@ -95,7 +97,7 @@ class DenseCache(DenseRingCache):
         s = self.spec
         n = s.batch_size * s.num_kv_heads
         v = self._v.view(n, s.capacity, s.head_dim)
-        if self._keys_as_rows:
+        if self._key_layout == "rows":
             q = query.reshape(n, s.group_size, s.head_dim)
             k = self._k.view(n, s.capacity, s.head_dim)
             out = attend_rows(
@@ -103,7 +105,7 @@ class DenseCache(DenseRingCache):
             )
             return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
         q = scaled_query(query, s.num_kv_heads)
-        k = self._k.view(n, s.head_dim, s.capacity)
+        k = self._k.view(n, s.head_dim, s.capacity)  # "transposed" (the torch kernel's)
         out = attend(q, [k[:, :, a:b] for a, b in runs], [v[:, a:b] for a, b in runs])
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
 

@@ -96,7 +96,7 @@ class CUDACache(DenseRingCache):
     def __init__(self, spec: CacheSpec, attention: str = "triton", kernel_config=None):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention: expected one of {ATTENTION_PATHS}, got {attention!r}")
-        super().__init__(spec, keys_as_rows=True)
+        super().__init__(spec, key_layout="rows")
         self.attention = attention
         self.kernel_config = kernel_config
         n = spec.batch_size * spec.num_kv_heads

@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 
 # "native" runs the compiled kernel (``backends.native``) with the fastest implementation this
 # CPU has; "native-<isa>" picks one (the tests run each).
-NATIVE_ISAS = ("portable", "avx512")
+NATIVE_ISAS = ("portable", "avx512", "avx512dot")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
 
 
@@ -149,7 +149,7 @@ class Int8Cache(Int8Storage):
                     f"(this CPU: {', '.join(self._native.isas(spec.head_dim))})"
                 )
         self.kernel = kernel
-        super().__init__(spec, scale_dtype, rotate, key_outliers)
+        super().__init__(spec, scale_dtype, rotate, key_outliers, key_blocks=self._native is not None)
         if self._native is not None:
             self._attach_native(self._native, self._make_desc())
             self._sync_native()
@@ -327,7 +327,7 @@ class Int8Cache(Int8Storage):
         if self._rotated:
             x.flags |= native.FLAG_ROTATE
         x.n, x.g, x.d, x.c = n, s.group_size, d, s.capacity
-        x.kstride, x.dk, x.no, x.scale_stride = self._k.stride(2), d - o, o, s.capacity
+        x.kstride, x.dk, x.no, x.scale_stride = self._keys.head_stride, d - o, o, s.capacity
         x.qscale = 1.0 / math.sqrt(d)
         x.k, x.v, x.ks, x.vs = self._k.data_ptr(), self._v.data_ptr(), self._ks.data_ptr(), self._vs.data_ptr()
         x.ko = self._ko.data_ptr() if o else None
@@ -353,18 +353,18 @@ class Int8Cache(Int8Storage):
         n, d, o = s.batch_size * s.num_kv_heads, s.head_dim, self.outliers
         q = scaled_query(query, s.num_kv_heads)  # (N, G, D) float32
         q = q.gather(2, self._key_order.view(n, 1, d).expand_as(q))  # in the stored key order
-        k = self._k.view(n, d - o, s.capacity)  # rows stay evenly spaced (padded)
         v = self._v.view(n, s.capacity, d)
         ko = self._ko.view(n, o, s.capacity)
         ks, vs = self._ks.view(n, s.capacity), self._vs.view(n, s.capacity)
         if self.kernel.startswith("native"):  # reads float16 scales itself, by row
-            out = self._native.attend(q, k, v, ks, vs, runs, ko if o else None, isa=self._isa)
+            out = self._native.attend(q, self._keys, v, ks, vs, runs, ko if o else None, isa=self._isa)
         else:
             ks, vs = gather_scales(ks, runs), gather_scales(vs, runs)
             bias = None
             if o:  # the outlier channels' scores, in float
                 kov = torch.cat([ko[:, :, a:b] for a, b in runs], dim=2).to(torch.float32)
                 bias = torch.bmm(q[:, :, d - o :], kov)
+            k = self._k.view(n, d - o, s.capacity)  # transposed, rows evenly spaced (padded)
             kernel = attend_int_mm if self.kernel == "int_mm" else attend_blocks
             out = kernel(q[:, :, : d - o].contiguous(), k, v, ks, vs, runs, bias)
         out = self._rotate(out)
@@ -406,7 +406,8 @@ class Int8Backend(Backend):
         return []
 
     def cache_nbytes(self, spec: CacheSpec) -> int:
-        return int8_nbytes(spec, self.scale_dtype, self.key_outliers)
+        kernel = default_kernel(spec.device) if self.kernel == "auto" else self.kernel
+        return int8_nbytes(spec, self.scale_dtype, self.key_outliers, key_blocks=kernel.startswith("native"))
 
     def create_cache(self, spec: CacheSpec) -> LayerCache:
         self.check(spec)

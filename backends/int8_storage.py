@@ -3,10 +3,10 @@
 Per (batch, KV head) and ring row, with O = ``int8_calibration.key_outlier_count(D)`` outlier
 key channels and C = ``spec.capacity`` rows:
 
-- key codes, transposed: (B, Hkv, D - O, K) int8 with K = ``base.key_row_stride(C)`` (the
-  first C columns are the ring's rows; padded to whole 64-byte lines from C = 4032 on, under
-  1/64 more), one row per coded channel, so that a block of positions of one channel is
-  contiguous;
+- key codes of the D - O coded channels: in blocks of 64 positions (``key_layout.KeyBlocks``,
+  the compiled kernel's layout, nothing padded) for the native kernels, or transposed
+  (``key_layout.KeyRows``: (B, Hkv, D - O, K), K = ``key_row_stride(C)``, padded to whole
+  64-byte lines from C = 4032 on, under 1/64 more) for the torch kernels;
 - key outlier channels: (B, Hkv, O, C) float16, kept as they are;
 - value codes: (B, Hkv, C, D) int8, of the values rotated by the normalized Hadamard matrix H
   (``quant.hadamard_rotation``; symmetric and orthonormal, so ``x @ H @ H == x`` and the
@@ -36,9 +36,10 @@ import torch
 from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
-from .base import CacheSpec, LayerCache, key_row_stride
+from .base import CacheSpec, LayerCache
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, calibration_bytes, key_outlier_count
+from .key_layout import KeyBlocks, KeyRows
 
 __all__ = [
     "FLOAT16_MAX",
@@ -58,15 +59,20 @@ def position_bytes(head_dim: int, outliers: int, scale_bytes: int) -> int:
     return (head_dim - outliers) + 2 * outliers + head_dim + 2 * scale_bytes
 
 
-def int8_nbytes(spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS) -> int:
+def int8_nbytes(
+    spec: CacheSpec, scale_dtype: torch.dtype, key_outliers: int = KEY_OUTLIERS, key_blocks: bool = True
+) -> int:
     """What ``Int8Cache`` allocates: per position and KV head, D - O key codes, O float16 key
-    outlier channels, D value codes and two scales (key rows padded to 64 bytes once C >= 4032,
-    under 1/64 more), plus ``fixed_bytes`` per KV head. The Hadamard matrix is shared per D
-    (``shared_rotation``), not a layer's."""
+    outlier channels, D value codes and two scales, plus ``fixed_bytes`` per KV head; with
+    ``key_blocks`` False (the torch kernels' transposed keys) the key rows' padding to 64 bytes
+    once C >= 4032 (under 1/64 more). The Hadamard matrix is shared per D (``shared_rotation``),
+    not a layer's."""
     b, h, c, d = spec.rows_shape
     o = key_outlier_count(d, key_outliers)
     scale = torch.empty((), dtype=scale_dtype).element_size()
-    return b * h * (c * position_bytes(d, o, scale) + (d - o) * (key_row_stride(c) - c) + fixed_bytes(d, o, scale))
+    store = KeyBlocks if key_blocks else KeyRows
+    keys = store.nbytes_for((b, h), c, d - o, torch.int8)
+    return keys + b * h * (c * (position_bytes(d, o, scale) - (d - o)) + fixed_bytes(d, o, scale))
 
 
 def fixed_bytes(d: int, o: int, scale: int) -> int:
@@ -132,7 +138,14 @@ class Int8Storage(LayerCache):
     bytes stay reserved in ``nbytes`` either way.
     """
 
-    def __init__(self, spec: CacheSpec, scale_dtype: torch.dtype, rotate: bool, key_outliers: int = KEY_OUTLIERS):
+    def __init__(
+        self,
+        spec: CacheSpec,
+        scale_dtype: torch.dtype,
+        rotate: bool,
+        key_outliers: int = KEY_OUTLIERS,
+        key_blocks: bool = True,
+    ):
         super().__init__(spec)
         self.scale_dtype = scale_dtype
         b, h, c, d = spec.rows_shape
@@ -147,9 +160,9 @@ class Int8Storage(LayerCache):
         if torch.device(dev).type == "cpu" and native.available()[0]:
             self._hadamard = native.load().hadamard
         self.outliers = o = key_outlier_count(d, key_outliers)
-        # Key rows (one channel, every position) are padded to whole 64-byte lines once that
-        # costs under 1/64 of a row: the kernel then reads whole lines per block of positions.
-        self._k = torch.zeros((b, h, d - o, key_row_stride(c)), dtype=torch.int8, device=dev)[..., :c]
+        # the key codes: blocks for the compiled kernel, transposed rows for torch's
+        self._keys = (KeyBlocks if key_blocks else KeyRows)((b, h), c, d - o, torch.int8, dev)
+        self._k = self._keys.data
         self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
         self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
@@ -217,7 +230,7 @@ class Int8Storage(LayerCache):
         o = self.outliers
         ordered = keys.to(torch.float32).gather(3, self._key_index.expand(b, h, n, d))
         kc, ks = quantize_int8(ordered[..., : d - o], scale_dtype=self.scale_dtype, name="key", check=False)
-        self._k[:, :, :, start : start + n] = kc.transpose(2, 3)
+        self._keys.write(start, kc)
         self._ks[:, :, start : start + n] = ks
         self._ko[:, :, :, start : start + n] = ordered[..., d - o :].to(torch.float16).transpose(2, 3)
 
@@ -230,7 +243,7 @@ class Int8Storage(LayerCache):
 
     def _write_codes(self, start: int, rows: Int8Rows) -> None:
         n = rows.key_codes.shape[2]
-        self._k[:, :, :, start : start + n] = rows.key_codes.transpose(2, 3)
+        self._keys.write(start, rows.key_codes)
         self._ko[:, :, :, start : start + n] = rows.key_outliers.transpose(2, 3)
         self._v[:, :, start : start + n] = rows.value_codes
         self._ks[:, :, start : start + n] = rows.key_scales
@@ -238,7 +251,7 @@ class Int8Storage(LayerCache):
 
     def _codes(self, start: int, stop: int) -> Int8Rows:
         return Int8Rows(
-            self._k[:, :, :, start:stop].transpose(2, 3),
+            self._keys.read(start, stop),
             self._v[:, :, start:stop],
             self._ks[:, :, start:stop],
             self._vs[:, :, start:stop],

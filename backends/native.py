@@ -41,6 +41,8 @@ from pathlib import Path
 
 import torch
 
+from .key_layout import KeyBlocks
+
 __all__ = [
     "ENC",
     "ISA",
@@ -77,7 +79,8 @@ def _cflags() -> tuple[str, ...]:
 
 LIBS = ("-lm",)
 # implementation choice passed to the kernel (the C enum)
-ISA = {"auto": 0, "portable": 1, "avx512": 2}
+# "avx512dot": AVX-512 with the VNNI and BF16 dot products (int8 scores by VNNI), where the CPU has them
+ISA = {"auto": 0, "portable": 1, "avx512": 2, "avx512dot": 3}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -345,7 +348,8 @@ class Kernel:
 
         q (N, G, Dk + O) float32 contiguous, already scaled, its channels in the cache's key
         order (the Dk coded channels, then the O outlier channels); k (N, Dk, C) int8 with unit
-        position stride (rows may be padded, see ``Int8Cache``); ko (N, O, C) float16 contiguous
+        position stride (copied into the kernel's ``key_layout.KeyBlocks``), or a ``KeyBlocks``
+        of (1, N) heads, C rows and Dk channels (a cache's own storage, read in place); ko (N, O, C) float16 contiguous
         or None (O = 0); v (N, C, D) int8 contiguous; ks, vs (N, C) float32 or float16 scales
         of every row, contiguous; runs the physical (a, b) runs of the attended rows, at most
         ``MAX_RUNS``. Returns (N, G, D) float32. ``threads``: at most this many of the pool
@@ -353,22 +357,23 @@ class Kernel:
         """
         n, g, dq = q.shape
         c, d = v.shape[1], v.shape[2]
-        dk = k.shape[1]
+        if isinstance(k, KeyBlocks):
+            if k.data.dtype != torch.int8 or (k.lead[0] * k.lead[1], k.capacity) != (n, c):
+                raise ValueError(f"int8 kernel: key blocks must be int8 of {n} heads and {c} rows")
+            blocks, dk = k, k.channels
+        else:
+            dk = k.shape[1]
         no = 0 if ko is None else ko.shape[1]
         for name, t in (("q", q), ("v", v)) + ((("ko", ko),) if ko is not None else ()):
             if not t.is_contiguous() or t.device.type != "cpu":
                 raise ValueError(f"int8 kernel: {name} must be a contiguous CPU tensor")
         if dq != dk + no:
             raise ValueError(f"int8 kernel: q has {dq} channels, the keys {dk} coded + {no} outlier")
-        if (
-            k.device.type != "cpu"
-            or k.stride(2) != 1
-            or (n > 1 and k.stride(0) != dk * k.stride(1))
-            or k.shape != (n, dk, c)
-        ):
-            raise ValueError(
-                f"int8 kernel: k must be ({n}, {dk}, {c}) with unit position stride and rows evenly spaced"
-            )
+        if not isinstance(k, KeyBlocks):
+            if k.device.type != "cpu" or k.dtype != torch.int8 or k.stride(2) != 1 or k.shape != (n, dk, c):
+                raise ValueError(f"int8 kernel: k must be int8 ({n}, {dk}, {c}) with unit position stride")
+            blocks = KeyBlocks((1, n), c, dk, torch.int8)
+            blocks.write(0, k.unsqueeze(0).transpose(2, 3))
         if ko is not None and (ko.dtype != torch.float16 or ko.shape != (n, no, c)):
             raise ValueError(f"int8 kernel: ko must be float16 ({n}, {no}, {c})")
         if (
@@ -386,10 +391,10 @@ class Kernel:
         desc = (CacheDesc * 1)()
         x = desc[0]
         x.enc, x.io, x.flags = ENC["int8"], ENC["float32"], FLAG_HALF_SCALES if ks.dtype == torch.float16 else 0
-        x.n, x.g, x.d, x.c, x.kstride, x.dk, x.no, x.scale_stride = n, g, d, c, k.stride(1) if dk else c, dk, no, c
+        x.n, x.g, x.d, x.c, x.kstride, x.dk, x.no, x.scale_stride = n, g, d, c, blocks.head_stride, dk, no, c
         x.set_runs(runs)
         x.write_row, x.qscale = -1, 1.0
-        x.k, x.v, x.ks, x.vs = k.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr()
+        x.k, x.v, x.ks, x.vs = blocks.data.data_ptr(), v.data_ptr(), ks.data_ptr(), vs.data_ptr()
         x.ko = None if ko is None else ko.data_ptr()
         x.q, x.out = q.data_ptr(), out.data_ptr()
         self.run(desc, 1, isa=isa, threads=threads or 0)

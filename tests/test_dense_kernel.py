@@ -34,7 +34,7 @@ KERNEL = native.load()  # this project's machines have a C compiler: failing to 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIMS = [1, 2, 64, 80, 128, 256]
 GROUPS = [1, 4, 5, 8]
-ISAS = ["portable", "avx512"]
+ISAS = ["portable", "avx512", "avx512dot"]
 HKV = 2
 
 
@@ -45,7 +45,7 @@ def _dt(d):
 def _params():
     for isa in ISAS:
         for d in HEAD_DIMS:
-            if isa == "avx512" and d % 16:
+            if isa.startswith("avx512") and d % 16:
                 continue  # by design the AVX-512 blocks take D in multiples of 16 (portable C does the rest)
             usable = isa in KERNEL.isas(d)
             for g in GROUPS:
@@ -91,6 +91,12 @@ POLICY_SHAPES = {
     "strict-wrapped": (EvictionPolicy.strict(150), 200),  # a window that wraps: two runs
     "greedy-wrapped": (EvictionPolicy.greedy(100, 170), 260),
     "sink-wrapped": (EvictionPolicy.sink(130, 5), 300),  # sinks, then a wrapped window: three runs
+    # around the key blocks of 64 rows (key_layout.KeyBlocks): a ring of one block less one, one
+    # block, one block and one row (a last block of one row), wrapped, with and without sinks
+    "strict-block-1": (EvictionPolicy.strict(63), 90),
+    "strict-block": (EvictionPolicy.strict(64), 90),
+    "strict-block+1": (EvictionPolicy.strict(65), 90),
+    "sink-block+1": (EvictionPolicy.sink(65, 3), 90),
 }
 
 
@@ -311,9 +317,17 @@ def test_torch_fallback_when_the_library_is_unavailable(monkeypatch, caplog):
         cpu.default_kernel.cache_clear()
 
 
+@pytest.mark.parametrize("kernel", ["native", "torch"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
-def test_reserved_bytes_count_the_key_row_padding(dtype):
+def test_reserved_bytes_count_the_key_layout(dtype, kernel):
+    """The compiled kernel's key blocks pad nothing (a shorter last block); torch's transposed
+    float32 keys pad their rows to whole lines from C = 4032 on."""
     spec = CacheSpec(1, 4, 2, 64, dtype, EvictionPolicy.none(5000))
-    cache = CPUBackend().create_cache(spec)
-    assert CPUBackend().cache_nbytes(spec) == cache.nbytes
-    assert cache._k.stride(2) == 5056 and cache.nbytes < 2 * 2 * 64 * 5000 * cache._v.element_size() * 65 / 64
+    backend = CPUBackend(kernel)
+    cache = backend.create_cache(spec)
+    el = cache._v.element_size()
+    assert backend.cache_nbytes(spec) == cache.nbytes
+    if kernel == "native":
+        assert cache.nbytes == 2 * 2 * 64 * 5000 * el
+    elif dtype == torch.float32:
+        assert cache._k.stride(2) == 5056 and cache.nbytes == 2 * 64 * (5000 + 5056) * el

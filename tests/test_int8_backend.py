@@ -294,22 +294,25 @@ def test_default_scales_are_float16_and_meet_the_ratio():
     assert cache.row_bytes / (2 * 8 * 128 * 2) <= BYTES_RATIO_TARGET
 
 
-def test_long_key_rows_are_padded_to_lines_and_counted():
-    """From C = 4032 each key row (one channel, every position) is padded to 64-byte lines, under
-    1/64 more; the reservation counts what is allocated, and the ratio target still holds."""
+@pytest.mark.parametrize("kernel", ["native", "blocks"])
+def test_key_storage_is_counted_padded_only_for_torch_kernels(kernel):
+    """The compiled kernel's key blocks (``key_layout.KeyBlocks``) pad nothing; the torch
+    kernels' transposed key rows are padded to 64-byte lines from C = 4032 on, under 1/64 more.
+    The reservation counts what is allocated, and the ratio target still holds."""
     b, hq, hkv, d, c = 1, 8, 2, 128, 5000
-    backend = Int8Backend()
+    backend = Int8Backend(kernel=kernel)
     spec = _spec(hq, hkv, d, policy=EvictionPolicy.strict(c))
     cache = backend.create_cache(spec)
-    padded, o = 5056, cache.outliers
+    padded, o = (c if kernel == "native" else 5056), cache.outliers
     row = (d - o) + 2 * o + d + 2 * 2
     expected = b * hkv * ((d - o) * padded + 2 * o * c + d * c + 2 * c * 2 + CALIBRATION_TOKENS * d * 4 + 8 * d + row)
     assert backend.cache_nbytes(spec) == cache.nbytes == expected
-    assert cache._k.stride(-2) == padded and cache._k.shape[-1] == c
     assert cache.row_bytes / (2 * b * hkv * d * 2) <= BYTES_RATIO_TARGET
-    # below the threshold nothing is padded
-    small = backend.create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(4000)))
-    assert small._k.stride(-2) == 4000
+    if kernel == "blocks":
+        assert cache._k.stride(-2) == padded and cache._k.shape[-1] == c
+        # below the threshold nothing is padded
+        small = backend.create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(4000)))
+        assert small._k.stride(-2) == 4000
 
 
 @pytest.mark.parametrize("d,expected", [(128, 4), (64, 4), (16, 2), (8, 1), (7, 0), (1, 0)])

@@ -10,9 +10,10 @@
  * over the attended positions, which lie in the cache's ring as a few physical runs [a, b)
  * (a wrapped window, sinks plus window), read where they are, never copied.
  *
- * Encodings (gqa_cache_t.enc). Dense: keys (N, D, kstride) transposed (a block of positions of
- * one channel is contiguous; rows kstride >= C apart), values (N, C, D), both in the stream
- * dtype. int8: key codes (N, dk, kstride) of the dk coded channels, `no` outlier channels
+ * Encodings (gqa_cache_t.enc). Dense: keys in blocks (key_block / key_cell below, defined by
+ * backends/key_layout.py: per KV head, TILE_T ring rows at a time, each block one contiguous
+ * run of its channels' rows; heads kstride elements apart), values (N, C, D), both in the
+ * stream dtype. int8: key codes in blocks likewise, of the dk coded channels, `no` outlier channels
  * ko (N, no, C) float16, value codes (N, C, D), scales (N, C) float32 or float16 by physical
  * position (row n at ks + n * scale_stride), so that
  *
@@ -33,12 +34,13 @@
  * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
  *
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
- * once and widened to float32 in registers. Two implementations of the block: AVX-512 (F, BW,
- * VL, DQ; chosen at run time per cache when the CPU has it and D is a multiple of 16) and
- * portable C (the specification the fast path is tested against). The file builds with no
- * -march flag. The AVX-512 block prefetches the next block into L2 (the D key channels are D
- * separate streams, more than the hardware prefetcher follows); bfloat16 is widened to float32
- * in registers. docs/design.md ("The C kernel") has the measurements behind both.
+ * once and widened to float32 in registers. Three implementations of the block, chosen at run
+ * time per cache: AVX-512 (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16),
+ * AVX-512 with BF16 (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16;
+ * the other encodings as AVX-512) and portable C (the specification the fast paths are tested
+ * against). The file builds with no -march flag. The AVX-512 blocks prefetch the next block
+ * into L2 as they go (its key block is one contiguous run, its value rows another).
+ * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
  * fork), the calling thread working too. Parallel calls from several threads are serialized on
@@ -75,11 +77,16 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+#ifndef BPIECES
+#define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
+#endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
 #endif
 
-enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2 };
+/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 (bfloat16 scores by vdpbf16ps; the
+ * other encodings as ISA_AVX512). */
+enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
 #define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
@@ -94,14 +101,14 @@ typedef struct {
     int32_t flags; /* FLAG_* */
     int32_t nruns;
     int64_t n, g, d, c; /* KV heads (B * Hkv), query heads per KV head, head width, capacity */
-    int64_t kstride;    /* keys: elements from one channel's row to the next (>= c) */
+    int64_t kstride;    /* keys: elements from one KV head's key blocks to the next (>= c * dk) */
     int64_t dk, no;     /* key channels stored in `enc`, and as float16 outliers (int8 only) */
     int64_t scale_stride;
     int64_t runs[2 * MAX_RUNS]; /* physical [a, b) pairs in logical order */
     int64_t write_row;          /* the ring row the new token goes to; -1: attention only */
     float qscale;               /* q is multiplied by it (1/sqrt(D), or 1 when pre-scaled) */
     int32_t status;             /* out: 0, or -errno for this cache (its rows restored) */
-    void *k, *v;                /* keys (N, dk, kstride), values (N, C, D) */
+    void *k, *v;                /* keys in blocks (key_block), values (N, C, D) */
     const void *ks, *vs;        /* int8: scales */
     const uint16_t *ko;         /* int8: outlier channels (N, no, C) float16 bits */
     const void *q;              /* (N, G, D) in io; int8: channels in the stored key order, or
@@ -130,9 +137,47 @@ typedef struct {
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
     float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    /* bfloat16 with dot products (ISA_AVX512_DOT): the query as bfloat16 pieces, made on the
+     * item's first block by split_query_bf16 (qpieces per query head, scores times qmul) */
+    uint16_t *qb;
+    float qmul;
+    int qpieces, qready;
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The key layout, as backends/key_layout.py's KeyBlocks defines it (the one definition): per KV
+ * head, the C ring rows in blocks of TILE_T (the last one C mod TILE_T rows when shorter), one
+ * block after the other; a block of w rows holds its dk channels as dk / P lines of w words of
+ * P channels (kpack: 4 for int8, else 1; dk padded to a multiple of P). A
+ * block of positions is then one contiguous run (D x 64 elements), read front to back, where
+ * the transposed layout before it was D streams of a few lines each at a stride of C.
+ */
+
+/* Channels per word of a key line (key_layout.PACK): bfloat16 keeps 2 channels of a row in a
+ * 32-bit word, the operand of vdpbf16ps (and two channels widened by one shift or mask); the
+ * rest 1. The key channels are padded with zero channels to a multiple of it. */
+#ifndef BF16_PACK
+#define BF16_PACK 2
+#endif
+static inline int64_t kpack(int enc) { return enc == ENC_BF16 ? BF16_PACK : 1; }
+static inline int64_t key_width(const gqa_cache_t *cc) { return (cc->dk + kpack(cc->enc) - 1) / kpack(cc->enc) * kpack(cc->enc); }
+
+/* Element offset of KV head h's key block holding ring row `phys`, at that row's first word;
+ * *line: the elements from one line (P channels, w rows) to the next in that block. */
+static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t *line) {
+    const int64_t p = kpack(cc->enc), b0 = phys - phys % TILE_T, w = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
+    *line = w * p;
+    return h * cc->kstride + b0 * key_width(cc) + (phys - b0) * p;
+}
+
+/* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
+static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
+    int64_t line;
+    const int64_t at = key_block(cc, h, row, &line), p = kpack(cc->enc);
+    return at + (j / p) * line + j % p;
+}
 
 /* ---------------------------------------------------------------------------------------------
  * Scalar conversions (IEEE binary16 and bfloat16, round to nearest even).
@@ -252,7 +297,8 @@ static void block_scales(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t
 static inline __attribute__((always_inline)) void block_portable_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     const int64_t d = cc->d, c = cc->c, G = cc->g, dk = cc->dk, no = cc->no, dq = dk + no, el = enc_size(enc);
-    const char *kb = (const char *)cc->k + (h * dk * cc->kstride + phys) * el;
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
     const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) block_scales(cc, h, phys, nt, st, &ks, &vs);
@@ -262,8 +308,9 @@ static inline __attribute__((always_inline)) void block_portable_enc(
         for (int64_t t = 0; t < nt; t++) sc[t] = 0.0f;
         for (int64_t j = 0; j < dk; j++) {
             const float qj = q[j];
-            const char *row = kb + j * cc->kstride * el;
-            for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t);
+            const int64_t p = kpack(enc);
+            const char *row = kb + ((j / p) * line + j % p) * el;
+            for (int64_t t = 0; t < nt; t++) sc[t] += qj * load_elem(enc, row, t * p);
         }
         if (enc == ENC_INT8) {
             for (int64_t t = 0; t < nt; t++) sc[t] *= ks[t];
@@ -330,32 +377,12 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
     }
 }
 
-/* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
- * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
-AVX512 static inline __attribute__((always_inline)) void scores_avx512(
-    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kstride, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
-    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
-    const int64_t dq = dk + no, el = enc_size(enc);
-    __m512 acc[TILE_G][4];
-    __mmask16 mask[4];
-    for (int i = 0; i < 4; i++) {
-        mask[i] = lanes16(nt, i);
-        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
-    }
-    for (int64_t j = 0; j < dk; j++) {
-        const char *row = kb + j * kstride * el;
-        /* each channel's lines of the next block (see the header), when the item reads it */
-        if (prefetch) {
-            for (int64_t x = 0; x < TILE_T * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * el + x, _MM_HINT_T1);
-        }
-        __m512 kf[4];
-        for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
-        for (int g = 0; g < gt; g++) {
-            const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
-            for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
-        }
-    }
+/* The end of a block's scores: int8's key scales and float16 outlier channels, then the scores
+ * of the block's lanes to out[g * TILE_T + t] (-inf past nt). */
+AVX512 static inline __attribute__((always_inline)) void scores_int8_finish(
+    const int enc, __m512 acc[TILE_G][4], const __mmask16 *mask, const float *q, int64_t dk, int64_t no,
+    const uint16_t *kob, int64_t c, const float *ks, const int gt, float *out) {
+    const int64_t dq = dk + no;
     if (enc == ENC_INT8) {
         for (int i = 0; i < 4; i++) {
             const __m512 s = _mm512_maskz_loadu_ps(mask[i], ks + 16 * i);
@@ -373,6 +400,62 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     for (int i = 0; i < 4; i++)
         for (int g = 0; g < gt; g++)
             _mm512_storeu_ps(out + g * TILE_T + 16 * i, _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], acc[g][i]));
+}
+
+/* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
+ * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
+AVX512 static inline __attribute__((always_inline)) void scores_avx512(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int ng,
+    const int prefetch, float *out) {
+    /* kb: the block's keys, channel lines kline elements apart; kn: the next block's (knline) */
+    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
+    const int64_t dq = dk + no, el = enc_size(enc);
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) {
+        mask[i] = lanes16(nt, i);
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
+    }
+    if (kpack(enc) == 1) {
+        for (int64_t j = 0; j < dk; j++) {
+            const char *row = kb + j * kline * el;
+            /* the next block's line of this channel (see the header), when the item reads it */
+            if (prefetch) {
+                const char *next = kn + j * knline * el;
+                for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            __m512 kf[4];
+            for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+            for (int g = 0; g < gt; g++) {
+                const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
+                for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+            }
+        }
+    } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
+        for (int64_t l = 0; 2 * l < dk; l++) {
+            const char *row = kb + l * kline * 2;
+            if (prefetch) {
+                const char *next = kn + l * knline * 2;
+                for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            __m512i kw[4];
+            for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            for (int r = 0; r < 2; r++) {
+                const int64_t j = 2 * l + r;
+                if (j >= dk) break;
+                __m512 kf[4];
+                for (int i = 0; i < ng; i++)
+                    kf[i] = _mm512_castsi512_ps(r == 0 ? _mm512_slli_epi32(kw[i], 16)
+                                                       : _mm512_and_si512(kw[i], _mm512_set1_epi32((int)0xFFFF0000u)));
+                for (int g = 0; g < gt; g++) {
+                    const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
+                    for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
+                }
+            }
+        }
+    }
+    scores_int8_finish(enc, acc, mask, q, dk, no, kob, c, ks, gt, out);
 }
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv registers of
@@ -435,27 +518,35 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
 /* Scores, online softmax and the weighted sum of the values for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
-    const char *kb, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st) {
+    const char *kb, int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs,
+    int64_t nt, state_t *st) {
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
     const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
     if (nt <= 16)
-        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 1, pf, p);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 1, pf, p);
     else
-        scores_avx512(enc, q, cc->dk, cc->no, kb, cc->kstride, ko, cc->c, ks, nt, gt, 4, pf, p);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 4, pf, p);
     softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
     for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
     for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
 }
 
-AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
-    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+/* A block's addresses: its keys kb (lines kline elements apart), the next block's kn (knline;
+ * kb when the item does not read it), its values vb, and int8's scales as float32 (ks, vs). */
+AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
+    const int enc, const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st, const char **kbp,
+    int64_t *kline, const char **knp, int64_t *knline, const char **vbp, const float **ksp, const float **vsp) {
     const int64_t d = cc->d, c = cc->c, el = enc_size(enc);
-    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
-    const char *vb = (const char *)cc->v + (h * c + phys) * d * el;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, kline) * el, *kn = kb;
+    *knline = 0;
+    if (st->prefetch) kn = (const char *)cc->k + key_block(cc, h, phys + nt, knline) * el;
+    *kbp = kb;
+    *knp = kn;
+    *vbp = (const char *)cc->v + (h * c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) {
         const int64_t at = h * cc->scale_stride + phys;
@@ -472,14 +563,125 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
             vs = (const float *)cc->vs + at;
         }
     }
+    *ksp = ks;
+    *vsp = vs;
+}
+
+AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    int64_t kline, knline;
+    const char *kb, *kn, *vb;
+    const float *ks, *vs;
+    block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, vb, ks, vs, nt, st); break;
-            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, vb, ks, vs, nt, st); break;
-            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, vb, ks, vs, nt, st); break;
-            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, vb, ks, vs, nt, st); break;
+            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
         }
     }
+}
+
+/* bfloat16 with BF16 dot products: the query of one head as bfloat16 pieces per channel,
+ * pairs of channels a word, padded with zeros to key_width channels, in st->qb. A bfloat16
+ * query (a dense cache's) is its own one exact piece, the scores then times qscale (st->qmul);
+ * any other query is qf (scaled) in BPIECES pieces, each what the ones before left (2 hold 16
+ * of float32's 24 bits). Portable and deterministic: the same pieces whichever thread. */
+static void split_query_bf16(const gqa_cache_t *cc, int64_t h, const float *qf, state_t *st) {
+    const int64_t G = cc->g, dk = cc->dk, dq = dk + cc->no, kp = key_width(cc);
+    const int exact = cc->io == ENC_BF16 && !cc->order;
+    uint16_t *out = st->qb;
+    st->qpieces = exact ? 1 : BPIECES;
+    st->qmul = exact ? cc->qscale : 1.0f;
+    memset(out, 0, (size_t)(G * BPIECES * kp) * sizeof *out);
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < dk; j++) {
+            if (exact) {
+                out[g * BPIECES * kp + j] = ((const uint16_t *)cc->q)[(h * G + g) * cc->d + j];
+                continue;
+            }
+            float r = qf[g * dq + j];
+            for (int p = 0; p < BPIECES; p++) {
+                const uint16_t b = float_to_bf16(r);
+                out[(g * BPIECES + p) * kp + j] = b;
+                r -= bf16_to_float(b);
+            }
+        }
+    st->qready = 1;
+}
+
+#define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+/* bfloat16 scores with vdpbf16ps: a word of 2 key channels of a position against the same 2
+ * channels of a query piece, every piece into the same float32 accumulators. */
+AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
+    const uint16_t *qb, int pieces, float mul, int64_t kp, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) {
+        mask[i] = lanes16(nt, i);
+        for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
+    }
+    for (int64_t l = 0; 2 * l < kp; l++) {
+        const char *row = kb + l * kline * 2;
+        if (prefetch) {
+            const char *next = kn + l * knline * 2;
+            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+        }
+        __m512i kw[4];
+        for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+        for (int g = 0; g < gt; g++)
+            for (int p = 0; p < pieces; p++) {
+                int32_t word;
+                memcpy(&word, qb + (g * BPIECES + p) * kp + 2 * l, 4);
+                const __m512bh qw = (__m512bh)_mm512_set1_epi32(word);
+                for (int i = 0; i < ng; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)kw[i], qw);
+            }
+    }
+    const __m512 m = _mm512_set1_ps(mul);
+    for (int i = 0; i < 4; i++)
+        for (int g = 0; g < gt; g++)
+            _mm512_storeu_ps(out + g * TILE_T + 16 * i,
+                             _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], _mm512_mul_ps(acc[g][i], m)));
+}
+
+/* tile_avx512 for bfloat16 with its scores by vdpbf16ps (the query split once per work item). */
+AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
+    const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const char *vb, const float *vs, int64_t nt, state_t *st) {
+    const int64_t d = cc->d, kp = key_width(cc);
+    float *p = st->p;
+    const uint16_t *qb = st->qb + g0 * BPIECES * kp;
+    const int pf = g0 == 0 && st->prefetch;
+    if (nt <= 16) scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
+    else scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
+    softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    int64_t j0 = 0;
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
+}
+
+AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
+    const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    if (!st->qready) split_query_bf16(cc, h, qf, st);
+    int64_t kline, knline = 0;
+    const char *kb, *kn, *vb;
+    const float *ks, *vs;
+    block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
+            case 4: tile_dot(enc, cc, g0, 4, kb, kline, kn, knline, vb, vs, nt, st); break;
+            case 3: tile_dot(enc, cc, g0, 3, kb, kline, kn, knline, vb, vs, nt, st); break;
+            case 2: tile_dot(enc, cc, g0, 2, kb, kline, kn, knline, vb, vs, nt, st); break;
+            default: tile_dot(enc, cc, g0, 1, kb, kline, kn, knline, vb, vs, nt, st); break;
+        }
+    }
+}
+AVX512DOT static void block_dot_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
+                                     state_t *st) {
+    block_dot_enc(ENC_BF16, cc, qf, h, phys, nt, st);
 }
 
 AVX512 static void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
@@ -536,7 +738,8 @@ typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, i
 
 static block_fn choose_block(int enc, int isa) {
 #if GQA_HAVE_AVX512
-    if (isa == ISA_AVX512) {
+    if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && BF16_PACK == 2) return block_dot_bf16;
+    if (isa == ISA_AVX512 || isa == ISA_AVX512_DOT) {
         switch (enc) {
             case ENC_F32: return block_avx512_f32;
             case ENC_BF16: return block_avx512_bf16;
@@ -709,8 +912,9 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
     const int64_t G = cc->g, d = cc->d;
     float *p = mem + 2 * G + G * d;
     p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    float *q = p + (TILE_G + 2) * TILE_T; /* then split_query_bf16's room: G * BPIECES * key_width */
     return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
-                     .vsb = p + (TILE_G + 1) * TILE_T, .q = p + (TILE_G + 2) * TILE_T};
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = q, .qb = (uint16_t *)(q + G * d)};
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
@@ -744,13 +948,14 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
-/* Asks for every line of a block at once (its D key rows and nt value rows are that many
- * separate streams): the misses then overlap instead of following one another. */
+/* Asks for every line of an item's first block at once (its key lines and value rows): the
+ * misses then overlap instead of following one another. */
 static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
     const int64_t el = enc_size(cc->enc), d = cc->d;
-    const char *kb = (const char *)cc->k + (h * cc->dk * cc->kstride + phys) * el;
-    for (int64_t j = 0; j < cc->dk; j++)
-        for (int64_t x = 0; x < nt * el; x += 64) __builtin_prefetch(kb + j * cc->kstride * el + x, 0, 3);
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
+    for (int64_t j = 0; j < key_width(cc) / kpack(cc->enc); j++)
+        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, 3);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
 }
@@ -945,7 +1150,7 @@ static void int8_swap_row(const gqa_cache_t *cc, int restore) {
         char *cells[4];
         int64_t sizes[4];
         for (int64_t j = 0; j < dk; j++) {
-            char *cell = (char *)cc->k + (h * dk + j) * cc->kstride + row;
+            char *cell = (char *)cc->k + key_cell(cc, h, j, row);
             if (restore) *cell = sv[j];
             else sv[j] = *cell;
         }
@@ -993,7 +1198,7 @@ static int int8_write(const gqa_cache_t *cc, float *buf) {
     int8_swap_row(cc, 0);
     const int half = cc->flags & FLAG_HALF_SCALES;
     for (int64_t h = 0; h < n; h++) {
-        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[(h * dk + j) * cc->kstride + row] = kcodes[h * dk + j];
+        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[key_cell(cc, h, j, row)] = kcodes[h * dk + j];
         for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
         memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
         const int64_t at = h * cc->scale_stride + row;
@@ -1014,24 +1219,27 @@ static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
-    if (el == 4) { /* one key column: a strided gather and scatter */
-        float *kk = (float *)k + row, *sv = (float *)saved;
-        const float *src = (const float *)nk;
-        for (int64_t x = h * d; x < (h + 1) * d; x++) {
-            if (restore) kk[x * cc->kstride] = sv[x];
+    /* one key column: a strided gather and scatter within the row's block */
+    if (el == 4) {
+        float *kk = (float *)k, *sv = (float *)saved + h * d;
+        const float *src = (const float *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            const int64_t at = key_cell(cc, h, j, row);
+            if (restore) kk[at] = sv[j];
             else {
-                sv[x] = kk[x * cc->kstride];
-                kk[x * cc->kstride] = src[x];
+                sv[j] = kk[at];
+                kk[at] = src[j];
             }
         }
     } else {
-        uint16_t *kk = (uint16_t *)k + row, *sv = (uint16_t *)saved;
-        const uint16_t *src = (const uint16_t *)nk;
-        for (int64_t x = h * d; x < (h + 1) * d; x++) {
-            if (restore) kk[x * cc->kstride] = sv[x];
+        uint16_t *kk = (uint16_t *)k, *sv = (uint16_t *)saved + h * d;
+        const uint16_t *src = (const uint16_t *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            const int64_t at = key_cell(cc, h, j, row);
+            if (restore) kk[at] = sv[j];
             else {
-                sv[x] = kk[x * cc->kstride];
-                kk[x * cc->kstride] = src[x];
+                sv[j] = kk[at];
+                kk[at] = src[j];
             }
         }
     }
@@ -1065,16 +1273,36 @@ int gqa_avx512_usable(void) {
 #endif
 }
 
+/* Whether the CPU has AVX-512 BF16 besides gqa_avx512_usable's. */
+static int gqa_avx512_dot_usable(void) {
+#if GQA_HAVE_AVX512
+    static atomic_int known = -1;
+    int v = atomic_load(&known);
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512bf16");
+        atomic_store(&known, v);
+    }
+    return v;
+#else
+    return 0;
+#endif
+}
+
 /* The implementations that can run here for head width d (a bit per ISA_* value). */
 int gqa_usable_isas(int64_t d) {
     int m = 1 << ISA_PORTABLE;
-    if (gqa_avx512_usable() && d % 16 == 0) m |= 1 << ISA_AVX512;
+    if (gqa_avx512_usable() && d % 16 == 0) {
+        m |= 1 << ISA_AVX512;
+        if (gqa_avx512_dot_usable()) m |= 1 << ISA_AVX512_DOT;
+    }
     return m;
 }
 
 static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *chosen) {
     if (cc->enc < ENC_F32 || cc->enc > ENC_INT8 || cc->io < ENC_F32 || cc->io > ENC_F16) return -EINVAL;
-    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->kstride < cc->c) return -EINVAL;
+    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->dk < 0 || cc->kstride < cc->c * key_width(cc))
+        return -EINVAL;
     if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
     if (cc->enc == ENC_INT8) {
         if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;
@@ -1092,8 +1320,9 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
     }
     const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
     if (own) isa = own;
-    if (isa == ISA_AUTO) isa = usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
-    if (isa < ISA_PORTABLE || isa > ISA_AVX512 || !(usable & (1 << isa))) return -ENOTSUP;
+    if (isa == ISA_AUTO)
+        isa = usable & (1 << ISA_AVX512_DOT) ? ISA_AVX512_DOT : usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
+    if (isa < ISA_PORTABLE || isa > ISA_AVX512_DOT || !(usable & (1 << isa))) return -ENOTSUP;
     *attended = s;
     *chosen = isa;
     return 0;
@@ -1182,7 +1411,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
         if (rc) return rc;
         cc->status = 0;
         call.block[i] = choose_block(cc->enc, chosen);
-        call.wide[i] = chosen == ISA_AVX512;
+        call.wide[i] = chosen >= ISA_AVX512;
         call.nsplit[i] = (call.s[i] + SPLIT_T - 1) / SPLIT_T;
         call.item_off[i] = items;
         call.head_off[i] = heads;
@@ -1197,7 +1426,8 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
             items += (cc->n + call.hpi[i] - 1) / call.hpi[i];
         }
         heads += cc->n;
-        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16;
+        const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
+                             cc->g * key_width(cc) * BPIECES / 2 + 1; /* split_query_bf16's */
         if (need > scratch) scratch = need;
         work += cc->n * call.s[i];
         if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
@@ -1522,7 +1752,7 @@ int64_t gqa_layout(int64_t *out, int64_t n) {
 #define OFFSET(f) (int64_t) offsetof(gqa_cache_t, f),
         LAYOUT_FIELDS(OFFSET)
 #undef OFFSET
-        MAX_RUNS, ISA_AUTO, ISA_PORTABLE, ISA_AVX512, ENC_F32, ENC_BF16, ENC_F16, ENC_INT8, FLAG_HALF_SCALES,
+        MAX_RUNS, ISA_AUTO, ISA_PORTABLE, ISA_AVX512, ISA_AVX512_DOT, ENC_F32, ENC_BF16, ENC_F16, ENC_INT8, FLAG_HALF_SCALES,
         FLAG_FAIL_AFTER_WRITE, FLAG_ROTATE, FLAG_RECIPROCAL, FLAG_ISA_SHIFT, POLICY_NONE, POLICY_STRICT,
         POLICY_GREEDY, POLICY_SINK, R_T, R_RESIDENT, R_FIRST, R_LAST, R_EVICTED, R_REACH, R_ATTENDED, R_WRITE_ROW, R_COLS};
     const int64_t count = (int64_t)(sizeof v / sizeof v[0]);
