@@ -18,7 +18,6 @@ from collections.abc import Callable
 import grpc
 import torch
 
-from backends import native
 from tests.metrics_load import free_port
 
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
