@@ -1219,27 +1219,30 @@ static void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *k = cc->k, *v = cc->v, *saved = cc->saved;
     const char *nk = cc->new_k, *nv = cc->new_v;
-    /* one key column: a strided gather and scatter within the row's block */
+    /* one key column: a strided gather and scatter within the row's block, its offsets walked
+     * line by line (key_cell's arithmetic without a division per channel) */
+    int64_t line;
+    const int64_t first = key_block(cc, h, row, &line), p = kpack(cc->enc);
     if (el == 4) {
-        float *kk = (float *)k, *sv = (float *)saved + h * d;
+        float *kk = (float *)k + first, *sv = (float *)saved + h * d;
         const float *src = (const float *)nk + h * d;
         for (int64_t j = 0; j < d; j++) {
-            const int64_t at = key_cell(cc, h, j, row);
-            if (restore) kk[at] = sv[j];
+            float *cell = kk + (j / p) * line + j % p;
+            if (restore) *cell = sv[j];
             else {
-                sv[j] = kk[at];
-                kk[at] = src[j];
+                sv[j] = *cell;
+                *cell = src[j];
             }
         }
     } else {
-        uint16_t *kk = (uint16_t *)k, *sv = (uint16_t *)saved + h * d;
+        uint16_t *kk = (uint16_t *)k + first, *sv = (uint16_t *)saved + h * d;
         const uint16_t *src = (const uint16_t *)nk + h * d;
         for (int64_t j = 0; j < d; j++) {
-            const int64_t at = key_cell(cc, h, j, row);
-            if (restore) kk[at] = sv[j];
+            uint16_t *cell = kk + (j / p) * line + j % p;
+            if (restore) *cell = sv[j];
             else {
-                sv[j] = kk[at];
-                kk[at] = src[j];
+                sv[j] = *cell;
+                *cell = src[j];
             }
         }
     }
