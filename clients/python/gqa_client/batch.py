@@ -23,21 +23,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import queue
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import grpc
 
 from .api import gqa_pb2, gqa_pb2_grpc
-from .client import DEFAULT_CHUNK_BYTES, add_prefill, policy_fields
+from .client import DEFAULT_CHUNK_BYTES, _QueuedCall, add_prefill, policy_fields
 from .errors import CallFailed, GqaError, Refused, refusal
 from .snapshot import Snapshot, as_snapshot
 from .tensors import decode, dtype_name, encode_into
 
 __all__ = ["BatchSession", "BatchStepOutput", "BatchRollbackOutput", "PREFILL_CHUNK_BYTES", "prefill_chunks"]
 
-_END = object()
 # The largest prefill message ``add`` sends: 4 MiB, gRPC's default receive limit, less room for
 # the message's other fields.
 PREFILL_CHUNK_BYTES = (4 << 20) - (64 << 10)
@@ -111,10 +109,13 @@ def _rows(values, n: int) -> list[list[int]]:
     return [values[i * width : (i + 1) * width] for i in range(n)]
 
 
-class BatchSession:
+class BatchSession(_QueuedCall):
     """One ``Batch`` RPC. ``target`` is a ``grpc.Channel`` or an ``AttentionServiceStub``
     (``Client.batch`` passes its own, with its token). ``opened`` is the server's ``BatchOpened``;
-    ``dtype`` the session's dtype name. ``CallFailed`` if the server refuses the open."""
+    ``dtype`` the session's dtype name. ``CallFailed`` if the server refuses the open. Use as a
+    context manager, or call ``close`` (the server frees every sequence) or ``cancel``."""
+
+    _what = "session"
 
     def __init__(
         self,
@@ -133,39 +134,21 @@ class BatchSession:
         stub = target if hasattr(target, "Batch") else gqa_pb2_grpc.AttentionServiceStub(target)
         self.dtype: str = dtype_name(dtype)
         self.num_layers = num_layers
-        self._requests: queue.Queue = queue.Queue()
         self._rid = 0
-        self.closed = False
-        self._requests.put(
-            gqa_pb2.BatchRequest(
-                request_id=0,
-                open=gqa_pb2.BatchOpen(
-                    backend=backend,
-                    dtype=gqa_pb2.DType.Value(f"DTYPE_{self.dtype.upper()}"),
-                    num_query_heads=num_query_heads,
-                    num_kv_heads=num_kv_heads,
-                    head_dim=head_dim,
-                    num_layers=num_layers,
-                ),
-            )
+        first = gqa_pb2.BatchRequest(
+            request_id=0,
+            open=gqa_pb2.BatchOpen(
+                backend=backend,
+                dtype=gqa_pb2.DType.Value(f"DTYPE_{self.dtype.upper()}"),
+                num_query_heads=num_query_heads,
+                num_kv_heads=num_kv_heads,
+                head_dim=head_dim,
+                num_layers=num_layers,
+            ),
         )
-        self._call = stub.Batch(iter(self._requests.get, _END), metadata=metadata, timeout=timeout)
-        try:
-            self.opened: gqa_pb2.BatchOpened = self._next().opened
-        except BaseException:
-            self._requests.put(_END)
-            raise
+        self.opened: gqa_pb2.BatchOpened = self._start(stub.Batch, [first], metadata=metadata, timeout=timeout).opened
 
     # -- plumbing ---------------------------------------------------------------------------
-    def _next(self) -> gqa_pb2.BatchResponse:
-        try:
-            return next(self._call)
-        except grpc.RpcError as exc:
-            self.closed = True
-            raise CallFailed.from_rpc(exc) from None
-        except StopIteration:
-            self.closed = True
-            raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the session") from None
 
     def _send(self, **kind) -> int:
         """Sends one request (``kind``: the oneof field and its message); its request id."""
@@ -289,32 +272,3 @@ class BatchSession:
             chunks.append(piece.chunk)
             if piece.chunk.last:
                 return Snapshot(chunks)
-
-    # -- lifetime -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Half-closes the RPC (the server frees every sequence) and waits for its end."""
-        if self.closed:
-            return
-        self.closed = True
-        self._requests.put(_END)
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise CallFailed.from_rpc(exc) from None
-
-    def cancel(self) -> None:
-        """Ends the RPC at once (the server frees every sequence)."""
-        self.closed = True
-        self._call.cancel()
-        self._requests.put(_END)
-
-    def __enter__(self) -> "BatchSession":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self.cancel()

@@ -329,7 +329,66 @@ class _Base:
 _END = object()
 
 
-class DecodeStream:
+class _QueuedCall:
+    """A blocking bidirectional call fed from a request queue (gRPC's sending thread reads it):
+    the plumbing ``DecodeStream`` and ``batch.BatchSession`` share. ``closed`` once the call
+    ended or was ended; ``_what`` names it in errors ("stream", "session")."""
+
+    _what = "stream"
+    closed = False
+
+    def _start(self, method, first: Sequence, **kwargs):
+        """Starts ``method`` with ``first`` queued; the first reply (``CallFailed`` if none)."""
+        self._requests: queue.Queue = queue.Queue()
+        for request in first:
+            self._requests.put(request)
+        self._call = method(iter(self._requests.get, _END), **kwargs)
+        try:
+            return self._next()
+        except BaseException:
+            self._requests.put(_END)
+            raise
+
+    def _next(self):
+        try:
+            return next(self._call)
+        except grpc.RpcError as exc:
+            self.closed = True
+            raise CallFailed.from_rpc(exc) from None
+        except StopIteration:
+            self.closed = True
+            raise CallFailed(grpc.StatusCode.UNKNOWN, f"the server ended the {self._what}") from None
+
+    def close(self) -> None:
+        """Half-closes the call and waits for its end; the server frees its caches."""
+        if self.closed:
+            return
+        self.closed = True
+        self._requests.put(_END)
+        try:
+            for _ in self._call:
+                pass
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise CallFailed.from_rpc(exc) from None
+
+    def cancel(self) -> None:
+        """Ends the call at once (the server frees its caches)."""
+        self.closed = True
+        self._call.cancel()
+        self._requests.put(_END)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+        else:
+            self.cancel()
+
+
+class DecodeStream(_QueuedCall):
     """One ``Decode`` stream: each call sends one request and waits for its reply.
 
     ``opened`` is the server's ``StreamOpened`` (stream id, backend, policy, capacity, bytes
@@ -338,31 +397,12 @@ class DecodeStream:
     """
 
     def __init__(self, stub: gqa_pb2_grpc.AttentionServiceStub, first: Sequence[gqa_pb2.DecodeRequest], metadata=None):
-        self._requests: queue.Queue = queue.Queue()
-        for request in first:
-            self._requests.put(request)
-        self._call = stub.Decode(iter(self._requests.get, _END), metadata=metadata)
         self._rid = 0
-        self._closed = False
-        try:
-            self.opened: gqa_pb2.StreamOpened = self._next().opened
-        except BaseException:
-            self._requests.put(_END)
-            raise
+        self.opened: gqa_pb2.StreamOpened = self._start(stub.Decode, first, metadata=metadata).opened
         self.dtype: str = dtype_name(self.opened.dtype)
 
-    def _next(self) -> gqa_pb2.DecodeResponse:
-        try:
-            return next(self._call)
-        except grpc.RpcError as exc:
-            self._closed = True
-            raise CallFailed.from_rpc(exc) from None
-        except StopIteration:
-            self._closed = True
-            raise CallFailed(grpc.StatusCode.UNKNOWN, "the server ended the stream") from None
-
     def _send(self, request: gqa_pb2.DecodeRequest) -> None:
-        if self._closed:
+        if self.closed:
             raise CallFailed(grpc.StatusCode.CANCELLED, "the stream is closed")
         self._requests.put(request)
 
@@ -396,34 +436,6 @@ class DecodeStream:
         while not chunks[-1].last:
             chunks.append(_snapshot_chunk(self._reply(rid)))
         return Snapshot(chunks)
-
-    def close(self) -> None:
-        """Half-closes the stream and waits for its end; the server frees its caches."""
-        if self._closed:
-            return
-        self._closed = True
-        self._requests.put(_END)
-        try:
-            for _ in self._call:
-                pass
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:
-                raise CallFailed.from_rpc(exc) from None
-
-    def cancel(self) -> None:
-        """Ends the stream at once (the server frees its caches)."""
-        self._closed = True
-        self._call.cancel()
-        self._requests.put(_END)
-
-    def __enter__(self) -> "DecodeStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.close()
-        else:
-            self.cancel()
 
 
 class Client(_Base):
