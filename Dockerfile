@@ -62,7 +62,7 @@ ENV PATH=/opt/venv/bin:$PATH \
 WORKDIR /tmp
 EXPOSE 50051 9464
 # Healthy once the backends are probed and while not draining: GET /readyz on the metrics port
-# (HTTP health follows the gRPC health status; service/http_pages.py). No curl in the image:
+# (HTTP health follows the gRPC health status; service/metrics/pages.py). No curl in the image:
 # the venv's python asks. It needs metrics on (GQA_METRICS_PORT nonzero).
 HEALTHCHECK --interval=10s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import os, urllib.request; host = os.environ.get('GQA_METRICS_HOST', '') or '127.0.0.1'; host = '127.0.0.1' if host in ('0.0.0.0', '::', '[::]') else host; urllib.request.urlopen('http://%s:%s/readyz' % (host, os.environ.get('GQA_METRICS_PORT', '9464')), timeout=4)"]

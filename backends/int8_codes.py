@@ -2,7 +2,7 @@
 
 ``Int8Cache.export_quantized`` / ``load_quantized`` move a cache's resident positions as
 ``Int8Rows`` exactly as stored (bit-exact round trip), and ``export_state`` / ``load_state``
-wrap them in the dict that ``service.snapshot`` serialises. This module holds what does not
+wrap them in the dict that ``service.engine.snapshot`` serialises. This module holds what does not
 depend on a cache's ring: joining rows, checking imported ones, and the state's keys.
 
 The state (``encoding`` ``STATE_ENCODING``, "int8"), for a cache of B batch rows, Hkv KV heads, head width D, O

@@ -206,7 +206,7 @@ class ServerConfig:
     log_level: str = "INFO"
     """logging level"""
 
-    # -- transport security and authentication (service/security.py) --------------------------
+    # -- transport security and authentication (service/transport/security.py) --------------------------
     # Optional in deployments: the Helm chart renders them only when set (``optional_env``).
     tls_cert_file: str = field(default="", metadata={"optional_env": True})
     """PEM certificate chain: serve TLS instead of plaintext

@@ -1,8 +1,8 @@
 """Builds and runs the grpc.aio server: the attention service, health, reflection, reaper.
 
-With ``config.metrics_port`` nonzero the server also records metrics (``service.metrics``): the
+With ``config.metrics_port`` nonzero the server also records metrics (``service.metrics.recorder``): the
 engine's observer, an outermost interceptor for the ``grpc_server_*`` families, and /metrics on
-``config.host:metrics_port``, beside HTTP health and the status page (``service.http_pages``).
+``config.host:metrics_port``, beside HTTP health and the status page (``service.metrics.pages``).
 With 0 none of them exists, so metrics off costs nothing.
 
 ``Server`` owns one event loop's worth of state. ``run(config)`` serves until SIGTERM/SIGINT
@@ -29,13 +29,13 @@ from backends import native
 
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
-from .engine import Engine, EngineObserver
+from .engine.engine import Engine, EngineObserver
+from .engine.tensors import tune_allocator
 from .errors import Unavailable
-from .http_pages import READY, pages
-from .metrics import ObserverFanOut, ServiceMetrics
-from .security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
-from .servicer import AttentionServicer
-from .tensors import tune_allocator
+from .metrics.pages import READY, pages
+from .metrics.recorder import ObserverFanOut, ServiceMetrics
+from .transport.security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
+from .transport.servicer import AttentionServicer
 
 __all__ = ["Server", "ServerThread", "run"]
 
@@ -124,7 +124,7 @@ class Server:
         self.drain_summary: str | None = None
 
     def readiness(self) -> str:
-        """``http_pages.READY`` while the gRPC health status is SERVING, else why not."""
+        """``metrics.pages.READY`` while the gRPC health status is SERVING, else why not."""
         return self._readiness
 
     @property

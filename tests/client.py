@@ -8,7 +8,7 @@ import grpc
 import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
-from service.tensors import from_proto, to_proto
+from service.engine.tensors import from_proto, to_proto
 from service.vocab import POLICY_ENUMS, TORCH_TO_DTYPE
 
 _END = object()

@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
-from service.tensors import to_proto
+from service.engine.tensors import to_proto
 from service.vocab import POLICY_ENUMS
 
 POLICIES = POLICY_ENUMS  # the policy's name -> its wire enum

@@ -20,9 +20,9 @@ from gqa_client import BatchSession, CallFailed, Refused
 from gqa_client.batch import prefill_chunks
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
-from service.engine import EngineObserver
+from service.engine.engine import EngineObserver
+from service.engine.tensors import to_proto
 from service.server import ServerThread
-from service.tensors import to_proto
 from service.vocab import POLICY_ENUMS
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 from tests.conftest import assert_close_to_oracle
@@ -106,9 +106,9 @@ def prefills(g, lengths, dtype):
 def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
     import numpy as np
 
-    from service.batch_rpc import step_reply_bytes
+    from service.engine.plane import NotFound, StepResult
     from service.errors import InvalidArgument
-    from service.plane import NotFound, StepResult
+    from service.transport.batch_rpc import step_reply_bytes
 
     g = torch.Generator().manual_seed(n)
     output = torch.randn(n, 32, 128, generator=g).to(dtype)
@@ -134,8 +134,8 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
 
 
 def test_a_refused_message_reply_is_status_and_layer_only():
-    from service.batch_rpc import step_reply_bytes
     from service.errors import InvalidArgument
+    from service.transport.batch_rpc import step_reply_bytes
 
     raw = step_reply_bytes(5, 2, None, refused=InvalidArgument("step.layer: 9 is out of range"))
     want = gqa_pb2.BatchResponse(

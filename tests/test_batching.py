@@ -18,10 +18,10 @@ from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from service.config import ServerConfig
-from service.engine import Engine, EngineObserver
+from service.engine.engine import Engine, EngineObserver
+from service.engine.tensors import from_proto
 from service.errors import ServiceError
 from service.server import ServerThread
-from service.tensors import from_proto
 from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request, wait_until
 
 # Steps always go to the workers here (no inline compute), so that batches form.
@@ -266,7 +266,7 @@ def test_step_errors_map_to_statuses_by_type():
     ValueError/TypeError out of a computation is a fault of ours (INTERNAL); no room is
     RESOURCE_EXHAUSTED."""
     from backends.errors import CacheFullError, InputTypeError, InputValueError
-    from service.batcher import classify_step_error
+    from service.engine.batcher import classify_step_error
 
     def code(exc):
         return classify_step_error(exc, "test").code

@@ -290,7 +290,7 @@ def test_expected_failures_are_one_line(case, busy_port, tmp_path):
 
 
 def test_sizes_take_units():
-    from service.cli import build_parser
+    from service.cli.main import build_parser
     from service.config import from_args
 
     args = build_parser().parse_args(

@@ -128,7 +128,7 @@ def test_healthcheck_asks_readyz_and_fails_unless_serving():
     nothing listens."""
     from prometheus_client import CollectorRegistry
 
-    from service.metrics_http import MetricsHttpServer
+    from service.metrics.listener import MetricsHttpServer
     from tests.metrics_load import free_port
 
     command = [sys.executable, *_healthcheck()[1:]]

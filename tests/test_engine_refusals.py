@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from service.config import ServerConfig
-from service.engine import Engine, EngineObserver
+from service.engine.engine import Engine, EngineObserver
 from service.errors import InvalidArgument
 
 

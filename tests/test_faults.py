@@ -143,7 +143,7 @@ def test_unknown_exceptions_become_a_fixed_internal_status(monkeypatch):
     with ServerThread(BASE) as srv, grpc.insecure_channel(srv.address) as ch:
 
         def boom():
-            raise RuntimeError(f"{ROOT}/service/engine.py: secret state")
+            raise RuntimeError(f"{ROOT}/service/engine/engine.py: secret state")
 
         monkeypatch.setattr(srv.engine, "bytes_in_use", boom)
         with pytest.raises(grpc.RpcError) as info:
@@ -158,7 +158,7 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
     import threading
 
     from backends import batch
-    from service.engine import Stream
+    from service.engine.engine import Stream
 
     release = threading.Event()
     touched: list[int] = []

@@ -1,11 +1,11 @@
-"""service.grpc_handlers: each of the four handler kinds maps to its behaviour and factory."""
+"""service.transport.handlers: each of the four handler kinds maps to its behaviour and factory."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from service.grpc_handlers import handler_kind
+from service.transport.handlers import handler_kind
 
 
 def _behavior(request, context):  # never called

@@ -390,8 +390,8 @@ def test_http_probes_ask_the_metrics_port(helm_env, tmp_path):
     for probe, route in paths.items():
         assert "grpc" not in container[probe], probe
         assert container[probe]["httpGet"] == {"path": route, "port": metrics}, probe
-    # The listener serves exactly these paths (service/http_pages.py).
-    from service.http_pages import health_routes
+    # The listener serves exactly these paths (service/metrics/pages.py).
+    from service.metrics.pages import health_routes
 
     assert set(paths.values()) <= set(health_routes(lambda: "SERVING"))
 

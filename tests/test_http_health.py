@@ -21,7 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from service.metrics_http import MetricsHttpServer
+from service.metrics.listener import MetricsHttpServer
 from tests.client import Session, open_message
 from tests.metrics_load import free_port
 
@@ -177,7 +177,7 @@ def test_readyz_waits_for_the_backend_probe(monkeypatch):
 
     from service.config import ServerConfig
     from service.server import ServerThread
-    from service.servicer import AttentionServicer
+    from service.transport.servicer import AttentionServicer
 
     gate, probing = threading.Event(), threading.Event()
     probe = AttentionServicer.backend_infos

@@ -25,8 +25,8 @@ from backends.base import CacheSpec
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
+from service.engine.tensors import from_proto, to_proto
 from service.server import ServerThread
-from service.tensors import from_proto, to_proto
 from tests.client import open_message, wait_until
 
 STREAMS = int(os.environ.get("GQA_SOAK_STREAMS", "256"))

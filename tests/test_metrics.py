@@ -15,9 +15,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
-from service.metrics import GRPC_CODE_NAMES, LATENCY_BUCKETS
+from service.engine.tensors import to_proto
+from service.metrics.recorder import GRPC_CODE_NAMES, LATENCY_BUCKETS
 from service.server import ServerThread
-from service.tensors import to_proto
 from tests.metrics_load import Shape, free_port, open_request, run_stream, step_requests
 
 SERVICE = "gqa.v1.AttentionService"
@@ -262,7 +262,7 @@ def _sample(families, family: str, name: str | None = None, **labels) -> float:
 
 
 def test_saturation_gauges_read_the_engine_views_at_scrape_time(server, monkeypatch):
-    from service.engine import Engine
+    from service.engine.engine import Engine
 
     fams = _families(server)
     assert _sample(fams, "gqa_steps_waiting") == server.engine.steps_waiting
@@ -328,7 +328,7 @@ THREAD_GROWTH_BOUND = 4
 def test_idle_connections_do_not_pin_threads_and_a_scrape_still_gets_through(server):
     import socket
 
-    from service.metrics_http import MAX_CONNECTIONS
+    from service.metrics.listener import MAX_CONNECTIONS
 
     host, port = server.server.metrics_address.rsplit(":", 1)
     _scrape(server)
@@ -355,7 +355,7 @@ def test_idle_connection_is_closed_after_the_timeout():
 
     from prometheus_client import CollectorRegistry
 
-    from service.metrics_http import MetricsHttpServer
+    from service.metrics.listener import MetricsHttpServer
 
     http = MetricsHttpServer(CollectorRegistry(), "127.0.0.1", 0, timeout_s=0.2)
     try:
@@ -417,7 +417,7 @@ def test_bulk_step_counts_equal_as_many_single_observations(value):
     """``steps_done`` of n steps (a Batch message) leaves every series exactly as n steps of one
     each (Decode steps) do: histogram buckets, sums and counts, the ok counter, evictions and
     bytes written."""
-    from service.metrics import ServiceMetrics
+    from service.metrics.recorder import ServiceMetrics
 
     bulk, single = ServiceMetrics(), ServiceMetrics()
     labels = ("cpu", "float32", "strict")

@@ -19,12 +19,12 @@ import pytest
 import torch
 
 from backends import batch
-from service import engine as engine_module
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
-from service.engine import Engine
+from service.engine import engine as engine_module
+from service.engine.engine import Engine
+from service.engine.tensors import to_proto
 from service.server import ServerThread
-from service.tensors import to_proto
 from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request, wait_until
 
 BASE = ServerConfig(address="127.0.0.1:0", metrics_port=0, idle_timeout_s=3600.0)

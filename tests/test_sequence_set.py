@@ -1,4 +1,4 @@
-"""service.plane.SequenceSet without a server: closes from other threads (the drain, the idle
+"""service.engine.plane.SequenceSet without a server: closes from other threads (the drain, the idle
 reaper) reach the owner's next message, whatever the owner did with its arrays meanwhile."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from service.config import ServerConfig
-from service.engine import Engine
+from service.engine.engine import Engine
 
 HQ, HKV, D = 4, 2, 16
 
@@ -62,7 +62,7 @@ def test_a_close_while_the_owner_grows_its_arrays_still_refuses_that_sequence(en
 def test_a_close_landing_while_the_owner_copies_its_arrays_is_not_lost(engine, monkeypatch):
     """The interleaving that lost a mark when closes wrote the per-slot array themselves: the
     owner has copied the array to grow it, the close lands, then the owner keeps the copy."""
-    import service.plane
+    import service.engine.plane
 
     shape = engine.session_shape(
         backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
@@ -81,7 +81,7 @@ def test_a_close_landing_while_the_owner_copies_its_arrays_is_not_lost(engine, m
             engine.close(victim, "idle")  # the reaper's thread, between the copy and its use
         return grown
 
-    monkeypatch.setattr(service.plane.np, "concatenate", concatenate_then_close)
+    monkeypatch.setattr(service.engine.plane.np, "concatenate", concatenate_then_close)
     _open(engine, sequences, 17)
     monkeypatch.undo()
     assert landed

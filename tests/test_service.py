@@ -12,8 +12,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
+from service.engine.tensors import from_proto, to_proto
 from service.server import ServerThread
-from service.tensors import from_proto, to_proto
 from tests.client import CHANNEL_OPTIONS, Session, open_message, step_request, wait_until
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attended_positions, attention_ref, decode_step_ref
@@ -498,9 +498,9 @@ def test_connection_age_never_cuts_an_open_stream():
 def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dtype, evicted):
     """The step reply the servicer encodes itself (around the output's bytes) is upb's message."""
     from backends.base import StepOutcome
-    from service.report import StepReport
-    from service.servicer import _StepReply
-    from service.tensors import NAME_TO_DTYPE
+    from service.engine.report import StepReport
+    from service.engine.tensors import NAME_TO_DTYPE
+    from service.transport.servicer import _StepReply
 
     out = torch.randn(2, 4, 8).to(dtype)
     outcome = StepOutcome(out, 300, 5, 295, 299, evicted, 512, 0)

@@ -6,9 +6,9 @@ import grpc
 import pytest
 import torch
 
-from service import snapshot
 from service.api import gqa_pb2
 from service.config import ConfigError, ServerConfig, load_snapshot_key
+from service.engine import snapshot
 from service.server import ServerThread
 from tests.client import CHANNEL_OPTIONS, Session, open_message
 

@@ -373,8 +373,8 @@ def test_status_page_says_when_the_server_is_gone(server):
     """The page keeps its last figures and says the listener no longer answers."""
     from playwright.sync_api import sync_playwright
 
-    from service.http_pages import pages
-    from service.metrics_http import MetricsHttpServer
+    from service.metrics.listener import MetricsHttpServer
+    from service.metrics.pages import pages
 
     http = MetricsHttpServer(server.server.metrics.registry, "127.0.0.1", 0, routes=pages(lambda: "SERVING"))
     problems: list[str] = []

@@ -1,4 +1,4 @@
-"""``service.wire``: whatever it reads from a request's bytes is what upb parses from them.
+"""``service.transport.wire``: whatever it reads from a request's bytes is what upb parses from them.
 
 Step requests (Batch and Decode) built by upb, the same fields re-encoded by hand in shuffled
 order with unknown fields and unpacked repeated fields, truncations and byte flips of them, and
@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api import gqa_pb2
-from service.wire import DecodeStepLayout, packed_varints, read_decode_step, read_step_request, varint
+from service.transport.wire import DecodeStepLayout, packed_varints, read_decode_step, read_step_request, varint
 
 U64 = st.integers(0, 2**64 - 1)
 TENSOR = st.tuples(

@@ -42,7 +42,7 @@ from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2
 from service.config import ServerConfig
-from service.tensors import NAME_TO_DTYPE, to_proto
+from service.engine.tensors import NAME_TO_DTYPE, to_proto
 
 from .common import (
     median_seconds,

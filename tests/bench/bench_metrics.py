@@ -40,7 +40,7 @@ def _steps_per_second(address: str, shape: Shape, policy: str, window: int, step
 def _recorder_cost_us() -> float:
     """Microseconds the recorder adds to one Decode step (``steps_done`` of one step): the
     noise-free lower bound of the cost, to read next to the end-to-end ratio on a busy machine."""
-    from service.metrics import ServiceMetrics
+    from service.metrics.recorder import ServiceMetrics
 
     metrics = ServiceMetrics()
     labels = ("cpu", "float32", "strict")

@@ -37,7 +37,7 @@ from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2
 from service.config import ServerConfig
-from service.tensors import to_proto
+from service.engine.tensors import to_proto
 
 from .common import (
     median_seconds,
@@ -134,7 +134,7 @@ asyncio.run(main())
 SERVICE_SERVER = r"""
 import asyncio, os, sys, threading, time
 from service.config import from_args
-from service.engine import EngineObserver
+from service.engine.engine import EngineObserver
 from service.server import Server
 
 STATS = sys.argv[1]

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import grpc
 
-from .config import ConfigError, ServerConfig
-from .errors import InvalidArgument, ServiceError
-from .grpc_handlers import handler_kind, passes_bytes
+from ..config import ConfigError, ServerConfig
+from ..errors import InvalidArgument, ServiceError
+from .handlers import handler_kind, passes_bytes
 
 __all__ = [
     "server_credentials",

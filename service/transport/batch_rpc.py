@@ -1,12 +1,12 @@
 """The ``Batch`` stream: many sequences per message, one batched computation per step message.
 
 Translation only, like the servicer: protobuf in, calls on the engine's data plane for the
-session (``service.plane.SequenceSet``, which ``Engine.sequence_set`` makes), bytes out. A
+session (``service.engine.plane.SequenceSet``, which ``Engine.sequence_set`` makes), bytes out. A
 session shares backend, dtype, heads, head width and layer count; each of its sequences is an
 engine ``Stream`` of batch size 1, admitted and built like a ``Decode`` stream (the byte
 budget, ``max_streams``, the idle reaper and the drain apply to it exactly as to a ``Decode``
 stream; the idle timeout is the session's). A step message is read from its bytes
-(``service.wire``: the ids one numpy array, the tensors views of the request), planned on the
+(``service.transport.wire``: the ids one numpy array, the tensors views of the request), planned on the
 event loop (ids -> slots, refusals), computed by the engine's compute workers with the Decode
 streams' steps (one ``CacheSet.step``), and its reply encoded on the worker around the output
 buffer (``step_reply_bytes``). Refusals are per sequence and in-band; only a broken protocol,
@@ -24,15 +24,16 @@ import grpc
 import numpy as np
 import torch
 
-from . import snapshot, wire
-from .api import gqa_pb2
-from .config import ServerConfig
-from .engine import Admission, Engine, Stream, StreamConfig
-from .errors import InvalidArgument, ServiceError
-from .plane import FIELDS, NotFound, SequenceSet, SetShape, StepResult
+from ..api import gqa_pb2
+from ..config import ServerConfig
+from ..engine import snapshot
+from ..engine.engine import Admission, Engine, Stream, StreamConfig
+from ..engine.plane import FIELDS, NotFound, SequenceSet, SetShape, StepResult
+from ..engine.tensors import from_proto
+from ..errors import InvalidArgument, ServiceError
+from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
+from . import wire
 from .security import malformed_request
-from .tensors import from_proto
-from .vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 from .wire import packed_varints, varint
 
 __all__ = ["serve", "NotFound", "step_reply_bytes"]
@@ -551,7 +552,7 @@ _session_ids = iter(range(1, 1 << 62))
 async def serve(engine: Engine, config: ServerConfig, context):
     """The handler of one Batch RPC (the servicer's ``Batch`` yields what this yields). Requests
     arrive as their bytes (``AttentionServicer.Batch.raw_requests``): step messages are read by
-    ``service.wire`` without copying their tensors, the others parsed here. Replies are yielded
+    ``service.transport.wire`` without copying their tensors, the others parsed here. Replies are yielded
     rather than written through the context: an echo server's round trip of a 64-sequence
     reply was 1.16-1.33 ms yielding and 1.37-4.75 ms writing (bfloat16, 5 interleaved rounds,
     busy VM, docs/design.md)."""

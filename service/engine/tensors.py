@@ -13,9 +13,9 @@ import warnings
 
 import torch
 
-from .api import gqa_pb2
-from .errors import InvalidArgument
-from .vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE  # noqa: F401 (re-exported)
+from ..api import gqa_pb2
+from ..errors import InvalidArgument
+from ..vocab import DTYPE_NAMES, DTYPE_TO_TORCH, NAME_TO_DTYPE, TORCH_TO_DTYPE  # noqa: F401 (re-exported)
 
 __all__ = ["from_proto", "to_proto", "tune_allocator", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE", "DTYPE_NAMES"]
 

@@ -2,7 +2,7 @@
 
 ``GrpcServerMetrics`` is a server interceptor measuring unary and streaming RPCs alike, message
 counts included, under go-grpc-prometheus' names, labels and Go's spelling of the codes, so
-its dashboards and alerts work unchanged. Part of ``service.metrics`` (which re-exports it).
+its dashboards and alerts work unchanged. Part of ``service.metrics.recorder`` (which re-exports it).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from .grpc_handlers import handler_kind
+from ..transport.handlers import handler_kind
 
 __all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS"]
 

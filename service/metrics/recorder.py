@@ -6,10 +6,10 @@ Three parts, bundled by ``ServiceMetrics`` (one per server, on its own registry)
   a step's report, a refusal); it turns them into ``gqa_*`` updates. Gauges that describe the
   engine's state (active streams, cache bytes, the budget) are read from the engine at scrape
   time, so they can never drift from it.
-- ``GrpcServerMetrics`` (``service.metrics_grpc``): a grpc.aio server interceptor exporting the ``grpc_server_*`` families
+- ``GrpcServerMetrics`` (``service.metrics.rpc``): a grpc.aio server interceptor exporting the ``grpc_server_*`` families
   under the names and labels of go-grpc-prometheus, for unary and streaming RPCs alike, message
   counts included.
-- ``serve_http`` (``service.metrics_http``): the exposition on its own port, one thread and a
+- ``serve_http`` (``service.metrics.listener``): the exposition on its own port, one thread and a
   bounded number of connections, with the process and platform collectors.
 
 Labels take bounded values only (backend, dtype, policy, outcome, reason, gRPC method and code);
@@ -38,11 +38,11 @@ from prometheus_client import (
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from . import __version__
-from .engine import Engine, Stream
-from .metrics_grpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
-from .metrics_http import MetricsHttpServer, serve_http
-from .report import EngineObserver
+from .. import __version__
+from ..engine.engine import Engine, Stream
+from ..engine.report import EngineObserver
+from .listener import MetricsHttpServer, serve_http
+from .rpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
 
 __all__ = [
     "ServiceMetrics",
@@ -455,7 +455,7 @@ class ServiceMetrics:
         self.recorder.bind(engine)
 
     def start_http(self, host: str, port: int, routes: dict | None = None) -> MetricsHttpServer:
-        """/metrics on ``host:port``, with ``routes`` (``metrics_http.Route``) beside it."""
+        """/metrics on ``host:port``, with ``routes`` (``listener.Route``) beside it."""
         self.http = serve_http(self.registry, host, port, routes=routes)
         return self.http
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from importlib import resources
 
-from .metrics_http import Route
+from .listener import Route
 
 __all__ = ["READY", "health_routes", "status_page", "pages"]
 

@@ -5,10 +5,10 @@ answered in-band and the stream goes on; a broken protocol, a refused open, the 
 and shutdown end the RPC with a status (``_abort``, the one place exceptions become statuses).
 Any other exception becomes INTERNAL with a fixed message (the traceback goes to the log, never
 to the client). Only validation says INVALID_ARGUMENT: what a backend raises while computing
-is INTERNAL (``service.batcher.classify_step_error``).
+is INTERNAL (``service.engine.batcher.classify_step_error``).
 
-A Decode stream's session (read-ahead, back-pressure, forced close) is ``service.session``;
-its steps go to the engine's batcher (``service.batcher``) after integer checks against the
+A Decode stream's session (read-ahead, back-pressure, forced close) is ``service.transport.session``;
+its steps go to the engine's batcher (``service.engine.batcher``) after integer checks against the
 stream's shapes, and come back as reply messages built on the compute worker. Opens and
 restores are admitted here (cheap) and built on the pool, never on the event loop.
 """
@@ -23,16 +23,15 @@ import time
 import grpc
 import torch
 
-from . import __version__, batch_rpc, snapshot
-from .api import gqa_pb2, gqa_pb2_grpc
-from .config import ServerConfig
-from .engine import Admission, Engine, Stream
-from .errors import InvalidArgument, ServiceError
-from .report import StepReport, classify_step_error
-from .security import malformed_request
-from .session import EOF, StreamClosed, StreamSession
-from .tensors import from_proto, to_proto
-from .vocab import (
+from .. import __version__
+from ..api import gqa_pb2, gqa_pb2_grpc
+from ..config import ServerConfig
+from ..engine import snapshot
+from ..engine.engine import Admission, Engine, Stream
+from ..engine.report import StepReport, classify_step_error
+from ..engine.tensors import from_proto, to_proto
+from ..errors import InvalidArgument, ServiceError
+from ..vocab import (
     DTYPE_NAMES,
     NAME_TO_DTYPE,
     POLICY_ENUMS,
@@ -40,6 +39,9 @@ from .vocab import (
     TORCH_DTYPES,
     TORCH_TO_DTYPE,
 )
+from . import batch_rpc
+from .security import malformed_request
+from .session import EOF, StreamClosed, StreamSession
 from .wire import DecodeStepLayout, read_decode_step, varint
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
@@ -181,13 +183,13 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             ),
         )
 
-    # -- Batch (service.batch_rpc) -----------------------------------------------------------
+    # -- Batch (service.transport.batch_rpc) -----------------------------------------------------------
     async def Batch(self, request_iterator, context):
         async for reply in batch_rpc.serve(self.engine, self.config, context):
             yield reply
 
     # Batch reads its requests as bytes (step messages without copying their tensors; see
-    # service.wire); the status interceptor gives it no deserializer.
+    # service.transport.wire); the status interceptor gives it no deserializer.
     Batch.raw_requests = True
 
     # -- Decode -----------------------------------------------------------------------------
@@ -270,7 +272,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             if not self.sessions:
                 self._no_sessions.set()
 
-    # Decode reads its requests as bytes too: a step is read by service.wire (its tensors views
+    # Decode reads its requests as bytes too: a step is read by service.transport.wire (its tensors views
     # of the request), anything else parsed here by the runtime; its step replies are bytes.
     Decode.raw_requests = True
 

@@ -1,7 +1,7 @@
 """What the ``gqa-serve`` subcommands share: exit statuses, the one-line error, the argparse
 types, and the connection flags of the client commands (``demo``, ``bench``).
 
-Imported by ``cli``, ``cli_server`` and ``loadgen``; imports none of them (no cycle).
+Imported by ``main``, ``commands`` and ``loadgen``; imports none of them (no cycle).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import re
 import sys
 
-from .config import ConfigError
+from ..config import ConfigError
 
 __all__ = [
     "EXIT_USAGE",

@@ -22,8 +22,8 @@ import asyncio
 from collections import deque
 from typing import Any
 
-from .engine import Engine, Stream
-from .errors import ServiceError
+from ..engine.engine import Engine, Stream
+from ..errors import ServiceError
 
 __all__ = ["StreamSession", "StreamClosed", "EOF"]
 

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .api import gqa_pb2
+from ..api import gqa_pb2
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import StreamConfig
-from .errors import InvalidArgument
+from ..errors import InvalidArgument
 from .tensors import from_proto, to_proto
 
 __all__ = ["encode", "decode", "signature", "check_size", "MAX_CHUNKS", "MAX_TOKENS", "DEFAULT_CHUNK_BYTES"]

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .cli_common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail, plain  # noqa: F401 (re-exported)
+from .common import EXIT_FAILURE, EXIT_USAGE, OneLineParser, fail, plain  # noqa: F401 (re-exported)
 
 __all__ = ["main", "fail", "OneLineParser"]
 
@@ -102,7 +102,7 @@ output: {"output", "new_key_cache", "new_value_cache"} as nested lists."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
 
     parser = OneLineParser(prog="gqa-serve", description=plain(__doc__.splitlines()[0]))
     parser.add_argument("--version", action="version", version=f"gqa-serve {__version__}")
@@ -118,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
     step.add_argument("--json", help="the input object, instead of reading stdin")
     step.set_defaults(func=cmd_step)
 
-    from .cli_server import add_commands
+    from .commands import add_commands
 
     add_commands(sub)
 
@@ -134,6 +134,3 @@ def main(argv: list[str] | None = None) -> int:
         print("gqa-serve: interrupted", file=sys.stderr)
         return 130
 
-
-if __name__ == "__main__":
-    sys.exit(main())

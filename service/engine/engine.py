@@ -2,7 +2,7 @@
 
 No gRPC here: the servicer translates protobuf to the calls below and ``ServiceError`` codes
 back to statuses, and the engine is tested without a server. Stats go to one observer
-(``service.metrics`` turns them into Prometheus updates), so nothing here imports
+(``service.metrics.recorder`` turns them into Prometheus updates), so nothing here imports
 ``prometheus_client`` either.
 
 Admission and allocation are separate: ``admit`` checks the limits and reserves the bytes
@@ -13,7 +13,7 @@ abandoned while it builds (its RPC was cancelled) is released at once by ``aband
 build then drops what it allocated instead of registering the stream. ``active_streams``
 counts admissions being built, so ``max_streams`` holds against concurrent opens.
 
-Steps go through the batcher (``service.batcher``): ``submit_step`` queues one and returns an
+Steps go through the batcher (``service.engine.batcher``): ``submit_step`` queues one and returns an
 asyncio future; a compute worker runs the steps of many streams in one ``step_many`` call.
 A stream's steps are submitted one at a time by its own handler, so a ``Stream`` needs no lock.
 """
@@ -38,9 +38,8 @@ from backends.policy import EvictionPolicy, PolicyError
 from backends.reference import gqa_decode_step
 from backends.validation import check_cache_tensors, check_heads, check_step_tensors
 
-from .batcher import Batcher, PendingJob, PendingStep
-from .config import ServerConfig, load_snapshot_key
-from .errors import (
+from ..config import ServerConfig, load_snapshot_key
+from ..errors import (
     DeadlineExceeded,
     FailedPrecondition,
     Internal,
@@ -49,9 +48,10 @@ from .errors import (
     ServiceError,
     Unavailable,
 )
+from ..vocab import TORCH_DTYPES
+from .batcher import Batcher, PendingJob, PendingStep
 from .plane import SequenceSet, SetShape
 from .report import EngineObserver, StepReport, classify_step_error
-from .vocab import TORCH_DTYPES
 
 __all__ = [
     "Engine",
@@ -218,9 +218,9 @@ class Engine:
         self._reserved = 0
         self._ids = itertools.count(1)
         self.draining = False
-        # Signs and checks snapshots (service.snapshot); None: snapshots carry a CRC only.
+        # Signs and checks snapshots (service.engine.snapshot); None: snapshots carry a CRC only.
         self.snapshot_key: bytes | None = load_snapshot_key(config)
-        # Kept by service.batch_rpc on the event loop: sequences open in Batch sessions.
+        # Kept by service.transport.batch_rpc on the event loop: sequences open in Batch sessions.
         self.batch_sequences = 0
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0
@@ -243,7 +243,7 @@ class Engine:
         """Open streams, and streams admitted and still being allocated."""
         return len(self._streams) + self._admitting
 
-    # Saturation, read at scrape time by ``service.metrics``; the batcher keeps them.
+    # Saturation, read at scrape time by ``service.metrics.recorder``; the batcher keeps them.
     @property
     def steps_waiting(self) -> int:
         """Steps accepted and waiting for a compute worker."""
@@ -523,7 +523,7 @@ class Engine:
         )
 
     def sequence_set(self, shape: SetShape) -> SequenceSet:
-        """An empty data plane for one Batch session (``service.plane``)."""
+        """An empty data plane for one Batch session (``service.engine.plane``)."""
         return SequenceSet(shape, self.observer, Activity(self.clock()))
 
     def touch_set(self, sequences: SequenceSet) -> None:

@@ -6,7 +6,7 @@ step replies, encoded around the output buffer).
 An interceptor that wraps a handler's behaviour must rebuild a handler of the same kind (unary
 or streaming, each side); ``handler_kind`` is the one place that says which behaviour a
 handler carries and which factory rebuilds it. Used by the status-mapping interceptor
-(``service.security``) and the metrics interceptor (``service.metrics_grpc``).
+(``service.transport.security``) and the metrics interceptor (``service.metrics.rpc``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ import torch
 from backends import batch as batch_module
 from backends.base import LayerCache, StepOutcome
 
-from .errors import Internal, InvalidArgument, ServiceError, Unavailable
+from ..errors import Internal, InvalidArgument, ServiceError, Unavailable
 from .report import EngineObserver, StepReport, classify_step_error
 
 if TYPE_CHECKING:  # pragma: no cover

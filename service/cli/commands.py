@@ -1,12 +1,13 @@
 """The ``serve``, ``demo`` and ``bench`` subcommands (imported by ``cli`` on use, to keep ``step``
-light). The flags and helpers the commands share are ``service.cli_common``'s."""
+light). The flags and helpers the commands share are ``service.cli.common``'s."""
 
 from __future__ import annotations
 
 import argparse
 import socket
 
-from .cli_common import (
+from ..config import ConfigError, add_arguments, from_args
+from .common import (
     EXIT_FAILURE,
     add_client_arguments,
     client_from_args,
@@ -14,7 +15,6 @@ from .cli_common import (
     non_negative_int,
     positive_int,
 )
-from .config import ConfigError, add_arguments, from_args
 
 DEMO_DESCRIPTION = """\
 Opens one Decode stream against a running server and sends STEPS decode steps of random data,
@@ -41,7 +41,7 @@ def add_commands(sub) -> None:
         description=DEMO_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    from .vocab import DTYPE_CHOICES, POLICY_CHOICES
+    from ..vocab import DTYPE_CHOICES, POLICY_CHOICES
 
     add_client_arguments(demo)
     shape = demo.add_argument_group("the stream")
@@ -118,7 +118,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         reason = _check_port(config.host, port, flags)
         if reason:
             return fail(reason, EXIT_FAILURE)
-    from .server import run
+    from ..server import run
 
     try:
         return run(config)

@@ -272,8 +272,8 @@ def plot(result: LoadResult, summary: dict, path: str | pathlib.Path) -> None:
 
 # -- the command ---------------------------------------------------------------------------------
 def add_command(sub) -> None:
-    from .cli_common import add_client_arguments, non_negative_int, plain, positive_int
-    from .vocab import DTYPE_CHOICES, POLICY_CHOICES
+    from ..vocab import DTYPE_CHOICES, POLICY_CHOICES
+    from .common import add_client_arguments, non_negative_int, plain, positive_int
 
     bench = sub.add_parser(
         "bench",
@@ -325,8 +325,8 @@ def add_command(sub) -> None:
 def cmd_bench(args: argparse.Namespace) -> int:
     from gqa_client import GqaError
 
-    from .cli_common import EXIT_FAILURE, fail
-    from .config import ConfigError
+    from ..config import ConfigError
+    from .common import EXIT_FAILURE, fail
 
     if args.heads % args.kv_heads:
         return fail(f"--heads {args.heads} is not a multiple of --kv-heads {args.kv_heads}")
@@ -370,7 +370,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 async def _main(args: argparse.Namespace, config: LoadConfig) -> LoadResult:
     from gqa_client import AsyncClient
 
-    from .cli_common import client_from_args
+    from .common import client_from_args
 
     async with client_from_args(args, client_class=AsyncClient) as client:
         bar = _progress(config, quiet=args.quiet)

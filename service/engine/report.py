@@ -1,9 +1,9 @@
 """What the engine's data plane reports: a step's record, the observer of plain stats, and the
 one way an exception a step raised becomes a status.
 
-Shared by the engine (``service.engine``), the batcher (``service.batcher``) and the Batch
-session's data plane (``service.plane``), so none of them imports another for these, and the
-metrics (``service.metrics``) implement ``EngineObserver`` without importing the engine's
+Shared by the engine (``service.engine.engine``), the batcher (``service.engine.batcher``) and the Batch
+session's data plane (``service.engine.plane``), so none of them imports another for these, and the
+metrics (``service.metrics.recorder``) implement ``EngineObserver`` without importing the engine's
 machinery.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from backends.base import StepOutcome
 from backends.errors import CacheFullError, InvalidInput
 
-from .errors import Internal, InvalidArgument, ResourceExhausted, ServiceError
+from ..errors import Internal, InvalidArgument, ResourceExhausted, ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import Stream
@@ -39,7 +39,7 @@ class StepReport:
 
 
 class EngineObserver:
-    """Receives plain stats; the default does nothing. ``service.metrics`` implements it.
+    """Receives plain stats; the default does nothing. ``service.metrics.recorder`` implements it.
 
     Steps are reported in bulk, per message and label set: ``steps_done`` counts ``n`` steps
     that succeeded with the same queue wait and compute time (a Decode step is n=1; a Batch
