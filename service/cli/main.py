@@ -133,4 +133,3 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("gqa-serve: interrupted", file=sys.stderr)
         return 130
-
