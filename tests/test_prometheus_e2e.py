@@ -169,7 +169,7 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
         # present, the worker count the engine's, utilisation a fraction (the dashboard's query).
         for family in SATURATION_FAMILIES:
             assert poll(api, f'count({family}{{job="gqa"}})', lambda v: v >= 1) is not None, family
-        workers = service.engine.engine.compute_workers
+        workers = service.engine.compute_workers
         assert poll(api, 'sum(gqa_compute_workers{job="gqa"})', lambda v: v == workers) == workers
         utilisation = poll(
             api,
