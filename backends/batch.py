@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from .base import LayerCache, StepOutcome
+from .base import LayerCache
+from .contract import StepOutcome
 
 __all__ = ["BatchStep", "step_many"]
 

@@ -33,7 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backends import batch as batch_module
-from backends.base import LayerCache, StepOutcome
+from backends.base import LayerCache
+from backends.contract import StepOutcome
 
 from .errors import Internal, InvalidArgument, ServiceError, Unavailable
 from .report import EngineObserver, StepReport, classify_step_error

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends import batch
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from service.config import ServerConfig

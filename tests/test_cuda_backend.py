@@ -22,7 +22,7 @@ import torch
 
 from backends import cuda as cuda_backend
 from backends import registry
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cuda import CUDABackend, CUDACache, DeviceFacts
 from backends.errors import BackendUnavailable
 from backends.policy import EvictionPolicy

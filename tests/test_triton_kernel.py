@@ -182,7 +182,7 @@ def _worker(path: str) -> None:
     import triton
 
     from backends import triton_decode as td
-    from backends.base import CacheSpec
+    from backends.contract import CacheSpec
     from backends.cuda import CUDACache
     from backends.policy import EvictionPolicy
 
@@ -255,8 +255,8 @@ def _worker(path: str) -> None:
 
 def _batched_worker(config) -> dict:
     from backends import triton_decode as td
-    from backends.base import CacheSpec
     from backends.batch import BatchStep, step_many
+    from backends.contract import CacheSpec
     from backends.cuda import CUDACache
     from backends.errors import CacheFullError
     from backends.policy import EvictionPolicy
