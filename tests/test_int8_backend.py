@@ -1,4 +1,4 @@
-"""The int8 backend at two levels (STYLE.md, "Quantized caches at two levels"):
+"""The int8 backend at two levels:
 
 - kernel correctness: its output against the float64 oracle run on the *dequantized* cache
   (what it stores), to float rounding of the exchanged dtype;

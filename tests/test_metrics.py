@@ -249,7 +249,7 @@ def test_live_exposition_passes_promtool_check_metrics(server):
     assert done.returncode == 0, (done.stdout + done.stderr).decode()
 
 
-# -- saturation, batches, device memory (Contract 3) ---------------------------------------------
+# -- saturation, batches, device memory (README, "Metrics, dashboard and alerts") ----------------
 def _families(server) -> dict:
     return {f.name: f for f in text_string_to_metric_families(_scrape(server).decode())}
 
