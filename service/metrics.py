@@ -40,24 +40,19 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from . import __version__
 from .engine import Engine, Stream
-from .metrics_grpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
+from .metrics_grpc import GrpcServerMetrics
 from .metrics_http import MetricsHttpServer, serve_http
 from .report import EngineObserver
 
 __all__ = [
     "ServiceMetrics",
     "MetricsRecorder",
-    "GrpcServerMetrics",
     "ObserverFanOut",
-    "serve_http",
-    "MetricsHttpServer",
     "LATENCY_BUCKETS",
-    "RPC_BUCKETS",
     "LIFETIME_BUCKETS",
     "BATCH_BUCKETS",
     "OPEN_REFUSAL_REASONS",
     "STEP_REFUSAL_CODES",
-    "GRPC_CODE_NAMES",
 ]
 
 # A decode step on a CPU takes tens of microseconds for a small head, milliseconds for a long

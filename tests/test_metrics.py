@@ -15,7 +15,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
-from service.metrics import GRPC_CODE_NAMES, LATENCY_BUCKETS
+from service.metrics import LATENCY_BUCKETS
+from service.metrics_grpc import GRPC_CODE_NAMES
 from service.server import ServerThread
 from service.tensors import to_proto
 from tests.metrics_load import Shape, free_port, open_request, run_stream, step_requests
