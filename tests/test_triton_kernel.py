@@ -381,6 +381,23 @@ def _aot_worker(path: str) -> None:
 
     from backends import triton_decode as td
 
+    def compile_ptx(fn, sig: dict, const: dict, attrs: dict) -> str:
+        names = fn.arg_names
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
+        )
+        return kernel.asm["ptx"]
+
+    def load_forms(ptx: str) -> dict:
+        return dict(
+            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
+            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
+            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
+        )
+
     fn = td._split_kernel
     names = fn.arg_names
     report = {}
@@ -417,18 +434,8 @@ def _aot_worker(path: str) -> None:
             for n in names
             if sig[n].startswith("*") or n.startswith("stride") or n == "chunk"
         }
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(
-            src,
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
-        )
-        ptx = kernel.asm["ptx"]
-        report[f"{dtype}-{'int8' if quant else 'dense'}"] = dict(
-            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
-            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
-            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
-        )
+        ptx = compile_ptx(fn, sig, const, attrs)
+        report[f"{dtype}-{'int8' if quant else 'dense'}"] = load_forms(ptx)
     # The batched kernel reads its caches through addresses in a descriptor: the alignment hint
     # on the cast pointers must survive, or every K/V load would be scalar.
     fn = td._batched_kernel
@@ -450,18 +457,9 @@ def _aot_worker(path: str) -> None:
             for n in names
         }
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(
-            src,
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
-        )
-        ptx = kernel.asm["ptx"]
+        ptx = compile_ptx(fn, sig, const, attrs)
         report[f"{dtype}-batched"] = dict(
-            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
-            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
-            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
-            acq_rel_atomic=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+            load_forms(ptx), acq_rel_atomic=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx))
         )
     with open(path, "w") as f:
         json.dump(report, f)
