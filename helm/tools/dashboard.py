@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from dashboard_panels import DS, latency_and_throughput, process, stats, streams_and_cache, symptoms
+from dashboard_panels import DS, errors, latency_and_throughput, process, saturation, stats, streams_and_cache
 
 # Hidden constants holding the error definitions of the alerts (set from values by the chart).
 CONSTANTS = {
@@ -130,7 +130,7 @@ def _annotations() -> list[dict]:
 
 def build(alerts: Mapping) -> dict:
     """The dashboard for the chart's ``alerts`` values."""
-    wide = symptoms(alerts) + latency_and_throughput() + streams_and_cache() + process()
+    wide = errors(alerts) + saturation(alerts) + latency_and_throughput() + streams_and_cache() + process()
     panels = _grid(stats(alerts), wide)
     annotations = _annotations()
     variables = _variables(alerts)

@@ -165,8 +165,8 @@ def stats(alerts: Mapping) -> list[dict]:
     ]
 
 
-def symptoms(alerts: Mapping) -> list[dict]:
-    """What the alerts watch, one line per pod, their thresholds drawn."""
+def errors(alerts: Mapping) -> list[dict]:
+    """Error ratios per pod, with the alerts' thresholds (the symptoms come first)."""
     return [
         series(
             "Error ratio",
@@ -185,6 +185,12 @@ def symptoms(alerts: Mapping) -> list[dict]:
             [(step_error_ratio("instance"), "{{instance}}")],
             _line(alerts, "Step error ratio"),
         ),
+    ]
+
+
+def saturation(alerts: Mapping) -> list[dict]:
+    """Queue wait, worker use and limits used, per pod, with the alerts' thresholds."""
+    return [
         series(
             "p99 queue wait by pod",
             "p99 of the time steps waited for a compute worker, per pod (the GqaQueueWaitHigh alert).",
