@@ -16,7 +16,8 @@ copy; the cache copies the token in), computes, maps the outcome to a ``StepRepo
 off the event loop too.
 
 No gRPC here. The batcher keeps the saturation views the metrics read (``waiting``,
-``in_flight``, ``busy_seconds``; README, "Metrics, dashboard and alerts") and calls ``observer.batch_done`` once per kernel group.
+``in_flight``, ``busy_seconds``; README, "Metrics, dashboard and alerts") and calls
+``observer.batch_done`` once per kernel group.
 """
 
 from __future__ import annotations

@@ -41,8 +41,9 @@ log = logging.getLogger("gqa.plane")
 _NO_REFUSALS: list = []
 
 # Step tensors are views of the request's (immutable) bytes; a step never writes its inputs
-# (``LayerCache.step``'s contract, backends/base.py), so torch's warning about a read-only buffer does not apply. torch gives it once
-# per process: take it here, silenced, rather than in a client's first step.
+# (``LayerCache.step``'s contract, backends/base.py), so torch's warning about a read-only
+# buffer does not apply. torch gives it once per process: take it here, silenced, rather than
+# in a client's first step.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(bytes(4), dtype=torch.float32)
