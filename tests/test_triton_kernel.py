@@ -483,20 +483,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    path = tmp_path_factory.mktemp("triton-interpret") / "results.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def _run_worker(args: list[str], env: dict, what: str) -> None:
+    """Runs this module as a script (``__main__`` below) from the repository root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_triton_kernel", str(path)],
+        [sys.executable, "-m", "tests.test_triton_kernel", *args],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    path = tmp_path_factory.mktemp("triton-interpret") / "results.pt"
+    _run_worker([str(path)], dict(os.environ, TRITON_INTERPRET="1"), "interpreter worker")
     return torch.load(path, weights_only=False)
 
 
@@ -691,16 +695,7 @@ def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
 
     path = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_triton_kernel", "--aot", str(path)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"ahead-of-time compile failed:\n{proc.stdout}\n{proc.stderr}"
+    _run_worker(["--aot", str(path)], env, "ahead-of-time compile")
     report = json.loads(path.read_text())
     assert len(report) == len(AOT_VARIANTS) + 2
     for name, counts in report.items():
