@@ -21,11 +21,12 @@ full-precision copy of the cache is never materialized.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
 
-__all__ = ["attend", "attend_rows"]
+__all__ = ["attend", "attend_rows", "scaled_query"]
 
 _BLOCK = 2048
 
@@ -97,3 +98,9 @@ def attend_rows(
     for out, w in zip(outs, weights):
         total.addcmul_(out.float(), w)
     return total
+
+
+def scaled_query(query: torch.Tensor, num_kv_heads: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """(B, Hq, D) -> (B*Hkv, G, D) in ``dtype``, multiplied by 1/sqrt(D): the ``q`` above."""
+    b, hq, d = query.shape
+    return query.reshape(b * num_kv_heads, hq // num_kv_heads, d).to(dtype) * (1.0 / math.sqrt(d))

@@ -22,7 +22,8 @@ from typing import NamedTuple
 
 import torch
 
-from .base import LayerCache, StepOutcome
+from .base import LayerCache
+from .contract import StepOutcome
 
 __all__ = ["BatchStep", "step_many"]
 
@@ -83,9 +84,21 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
     if len({id(s.cache) for s in steps}) != len(steps):
         raise ValueError("step_many: a cache appears twice in one batch")
     results: list[StepOutcome | Exception | None] = [None] * len(steps)
-    groups: dict[int, list] = {}  # id(kernel) -> [(slot, cache, out, q, k, v)]
-    kernels = {}
-    by_class: dict = {}  # a cache class's own batched step (``step_group``, e.g. cuda) -> slots
+    native, by_class = _sort(steps, results)
+    for kernel, members in native.values():
+        _step_native(kernel, members, steps, results)
+    for step_group, slots in by_class.items():
+        for i, result in zip(slots, step_group([steps[i] for i in slots])):
+            results[i] = result if isinstance(result, Exception) else _into(steps[i].out, result)
+    return results  # type: ignore[return-value]
+
+
+def _sort(steps: Sequence[BatchStep], results: list) -> tuple[dict, dict]:
+    """Puts each step where it runs: refused now (its exception in ``results``), stepped in
+    Python now, or returned: ``native`` (id(kernel) -> (kernel, [(slot, cache, out, q, k, v)]),
+    tensors checked and contiguous) and ``by_class`` (a cache class's ``step_group`` -> slots)."""
+    native: dict[int, tuple] = {}
+    by_class: dict = {}
     for i, s in enumerate(steps):
         cache, q, k, v, out = s
         if out is not None:
@@ -105,45 +118,42 @@ def step_many(steps: Sequence[BatchStep]) -> list[StepOutcome | Exception]:
                 results[i] = exc
                 continue
             kernel = cache._native
-            members = groups.get(id(kernel))
-            if members is None:
-                members = groups[id(kernel)] = []
-                kernels[id(kernel)] = kernel
+            if id(kernel) not in native:
+                native[id(kernel)] = (kernel, [])
             if out is None:
                 out = torch.empty_like(cache._out_like)
-            members.append((i, cache, out, q.contiguous(), k.contiguous(), v.contiguous()))
+            native[id(kernel)][1].append((i, cache, out, q.contiguous(), k.contiguous(), v.contiguous()))
             continue
         _step_python(cache, s, results, i)
-    for key, members in groups.items():
-        n = len(members)
-        addrs = (ctypes.c_void_p * n)(*[ctypes.addressof(m[1]._state) for m in members])
-        io = (ctypes.c_void_p * (4 * n))(
-            *[p for m in members for p in (m[3].data_ptr(), m[4].data_ptr(), m[5].data_ptr(), m[2].data_ptr())]
-        )
-        res = (ctypes.c_int64 * (7 * n))()
-        status = (ctypes.c_int32 * n)()
-        kernel = kernels[key]
-        try:
-            rc = kernel.step(addrs, n, io, None, None, res, 7, status, 0, 0)
-            if rc:
-                kernel.raise_for(rc)
-        except Exception as exc:  # the whole call refused: nothing was written
-            for i, *_ in members:
-                results[i] = exc
-            continue
-        for j, (i, cache, out, *_) in enumerate(members):
-            st = status[j]
-            if st == 0:
-                r = res[7 * j : 7 * j + 7]
-                results[i] = StepOutcome(out, r[0], r[1], r[2], r[3], r[4], cache.row_bytes, 0, r[6])
-            elif st == -errno.EAGAIN:  # this cache's step takes the Python path now
-                _step_python(cache, steps[i], results, i)
-            else:
-                results[i] = cache.step_error(st)
-    for step_group, slots in by_class.items():
-        for i, result in zip(slots, step_group([steps[i] for i in slots])):
-            results[i] = result if isinstance(result, Exception) else _into(steps[i].out, result)
-    return results  # type: ignore[return-value]
+    return native, by_class
+
+
+def _step_native(kernel, members: list, steps: Sequence[BatchStep], results: list) -> None:
+    """One ``gqa_step`` call for ``members`` (``_sort``'s), each row's outcome into its slot."""
+    n = len(members)
+    addrs = (ctypes.c_void_p * n)(*[ctypes.addressof(m[1]._state) for m in members])
+    io = (ctypes.c_void_p * (4 * n))(
+        *[p for m in members for p in (m[3].data_ptr(), m[4].data_ptr(), m[5].data_ptr(), m[2].data_ptr())]
+    )
+    res = (ctypes.c_int64 * (7 * n))()
+    status = (ctypes.c_int32 * n)()
+    try:
+        rc = kernel.step(addrs, n, io, None, None, res, 7, status, 0, 0)
+        if rc:
+            kernel.raise_for(rc)
+    except Exception as exc:  # the whole call refused: nothing was written
+        for i, *_ in members:
+            results[i] = exc
+        return
+    for j, (i, cache, out, *_) in enumerate(members):
+        st = status[j]
+        if st == 0:
+            r = res[7 * j : 7 * j + 7]
+            results[i] = StepOutcome(out, r[0], r[1], r[2], r[3], r[4], cache.row_bytes, 0, r[6])
+        elif st == -errno.EAGAIN:  # this cache's step takes the Python path now
+            _step_python(cache, steps[i], results, i)
+        else:
+            results[i] = cache.step_error(st)
 
 
 def _step_python(cache: LayerCache, s: BatchStep, results: list, i: int) -> None:

@@ -27,8 +27,10 @@ import math
 import torch
 
 from . import native
-from .attention import attend, attend_rows
-from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, scaled_query
+from .attention import attend, attend_rows, scaled_query
+from .base import LayerCache
+from .contract import Backend, CacheSpec, Capabilities
+from .dense import DenseRingCache
 
 __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_nbytes"]
 

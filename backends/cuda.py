@@ -31,7 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Backend, CacheSpec, Capabilities, DenseRingCache, LayerCache, StepOutcome, dense_nbytes, merge_runs
+from .base import LayerCache
+from .contract import Backend, CacheSpec, Capabilities, StepOutcome
+from .dense import DenseRingCache, dense_nbytes
+from .ring import merge_runs
 
 __all__ = [
     "ATTENTION_PATHS",

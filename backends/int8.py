@@ -68,7 +68,9 @@ import torch
 import quant.int8 as quant_int8
 
 from . import native
-from .base import Backend, CacheSpec, Capabilities, LayerCache, scaled_query
+from .attention import scaled_query
+from .base import LayerCache
+from .contract import Backend, CacheSpec, Capabilities
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, choose_key_channels, chooses_again, key_outlier_count
 from .int8_codes import STATE_ENCODING, check_quantized, join_rows, rows_from_state, state_from_rows

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import CacheSpec
+from .contract import CacheSpec
 from .int8_calibration import CALIBRATION_TOKENS
 from .int8_storage import Int8Rows
 from .validation import dtype_name

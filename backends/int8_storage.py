@@ -36,7 +36,8 @@ import torch
 from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
 from . import native
-from .base import CacheSpec, LayerCache
+from .base import LayerCache
+from .contract import CacheSpec
 from .errors import InputValueError
 from .int8_calibration import CALIBRATION_TOKENS, KEY_OUTLIERS, calibration_bytes, key_outlier_count
 from .key_layout import KeyBlocks, KeyRows

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 
-from .base import Backend, Capabilities
+from .contract import Backend, Capabilities
 from .errors import BackendUnavailable
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "BackendInfo", "describe", "get_backend"]

@@ -307,18 +307,23 @@ def _check_kv(name: str, t: torch.Tensor, n: int, d: int, query: torch.Tensor) -
         raise ValueError(f"{name}: device {t.device} differs from query's {query.device}")
 
 
-def _launch(query, keys, values, key_scales, value_scales, runs, num_kv_heads, scale, config, num_splits):
+def _check_launch(query, keys, values, runs, num_kv_heads) -> tuple[int, int, list[int], int]:
+    """Refuses tensors ``_launch`` cannot read; returns N = B*Hkv, G, the run arguments, the total."""
     b, hq, d = query.shape
     if num_kv_heads < 1 or hq % num_kv_heads:
         raise ValueError(f"query: {hq} heads is not a multiple of num_kv_heads={num_kv_heads}")
-    g = hq // num_kv_heads
     n = b * num_kv_heads
     _check_kv("keys", keys, n, d, query)
     _check_kv("values", values, n, d, query)
     if values.shape != keys.shape:
         raise ValueError(f"values: shape {tuple(values.shape)} differs from keys {tuple(keys.shape)}")
     run_args, total = _normalize_runs(runs, keys.shape[1])
+    return n, hq // num_kv_heads, run_args, total
 
+
+def _launch(query, keys, values, key_scales, value_scales, runs, num_kv_heads, scale, config, num_splits):
+    b, hq, d = query.shape
+    n, g, run_args, total = _check_launch(query, keys, values, runs, num_kv_heads)
     if num_splits is None:
         splits, chunk = plan_splits(total, n, _num_sms(query.device), config)
     else:
@@ -375,23 +380,29 @@ def _launch(query, keys, values, key_scales, value_scales, runs, num_kv_heads, s
         num_stages=config.num_stages,
     )
     if not direct:
-        _combine_kernel[(n * g,)](
-            o_part,
-            lse,
-            out,
-            splits,
-            o_part.stride(0),
-            o_part.stride(1),
-            o_part.stride(2),
-            lse.stride(0),
-            lse.stride(1),
-            G=g,
-            D=d,
-            SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
-            D_PAD=triton.next_power_of_2(d),
-            num_warps=4 if d >= 128 else 1,
-        )
+        _combine(o_part, lse, out, splits, n, g, d)
     return out
+
+
+def _combine(o_part: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, splits: int, n: int, g: int, d: int) -> None:
+    """Merges the ``splits`` partial outputs of each of the N*G query rows into ``out`` by
+    log-sum-exp."""
+    _combine_kernel[(n * g,)](
+        o_part,
+        lse,
+        out,
+        splits,
+        o_part.stride(0),
+        o_part.stride(1),
+        o_part.stride(2),
+        lse.stride(0),
+        lse.stride(1),
+        G=g,
+        D=d,
+        SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        D_PAD=triton.next_power_of_2(d),
+        num_warps=4 if d >= 128 else 1,
+    )
 
 
 def decode_attention(
@@ -689,6 +700,98 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t.clone(memory_format=torch.contiguous_format)  # a new allocation: aligned
 
 
+class _Layout(NamedTuple):
+    """Per cache of a ``decode_batched`` launch (int64 arrays, one entry a step): its programs'
+    sizes and where its slices of the launch's flat buffers start (offsets in those buffers'
+    units: output elements, partial-output rows, split counters, saved rows)."""
+
+    heads: np.ndarray  # B*Hkv
+    totals: np.ndarray  # attended rows
+    splits: np.ndarray  # splits of ``chunk`` rows
+    writes: np.ndarray  # bool: the step writes its row
+    out_off: np.ndarray
+    part_n: np.ndarray  # partial-output rows: 0 for a step in one split (it writes ``out`` directly)
+    part_off: np.ndarray
+    count_n: np.ndarray  # split counters: 0 for a step in one split
+    count_off: np.ndarray
+    saved_n: np.ndarray  # saved rows: 0 for a step that writes nothing
+    saved_off: np.ndarray
+
+
+def _layout(steps: Sequence[BatchedStep], runs: list[tuple[list[int], int]], chunk: int, g: int, d: int) -> _Layout:
+    heads = np.array([s.query.shape[0] * s.num_kv_heads for s in steps], dtype=np.int64)
+    totals = np.array([t for _, t in runs], dtype=np.int64)
+    splits = -(-totals // chunk)
+    writes = np.array([s.row >= 0 for s in steps])
+    many = splits > 1
+    part_n = np.where(many, heads * splits, 0)
+    count_n = np.where(many, heads, 0)
+    saved_n = np.where(writes, heads, 0)
+
+    def starts(sizes: np.ndarray) -> np.ndarray:
+        return np.cumsum(sizes) - sizes
+
+    return _Layout(
+        heads, totals, splits, writes, starts(heads * g * d), part_n, starts(part_n), count_n, starts(count_n),
+        saved_n, starts(saved_n),
+    )  # fmt: skip
+
+
+def _descriptors(steps, runs, lay: _Layout, chunk: int, queries, new_k, new_v) -> np.ndarray:
+    """One row of ``_DESC_FIELDS`` a step: the addresses and numbers its programs read."""
+    run_args = np.array([r for r, _ in runs], dtype=np.int64).reshape(len(steps), 5)
+    columns = dict(
+        q=[t.data_ptr() for t in queries],
+        k=[st.keys.data_ptr() for st in steps],
+        v=[st.values.data_ptr() for st in steps],
+        cap=[st.keys.shape[1] for st in steps],
+        s0=run_args[:, 0],
+        l0=run_args[:, 1],
+        s1=run_args[:, 2],
+        l1=run_args[:, 3],
+        s2=run_args[:, 4],
+        total=lay.totals,
+        chunk=chunk,
+        splits=lay.splits,
+        out=lay.out_off,
+        part=lay.part_off,
+        count=lay.count_off,
+        row=[st.row for st in steps],
+        new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
+        new_v=[t.data_ptr() if t is not None else 0 for t in new_v],
+        saved=lay.saved_off,
+    )
+    desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
+    for name, values in columns.items():
+        desc[:, _DESC_FIELDS.index(name)] = values
+    return desc
+
+
+def _work_lists(lay: _Layout) -> tuple[np.ndarray, np.ndarray]:
+    """(cache, head, split) per attention program; (cache, head) per row-writing program."""
+    heads, splits, writes = lay.heads, lay.splits, lay.writes
+    per = heads * splits
+    cache_of = np.repeat(np.arange(len(heads)), per)
+    local = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
+    split_of = np.repeat(splits, per)
+    work = np.stack([cache_of, local // split_of, local % split_of], 1)
+    w_heads = heads[writes]
+    w_cache = np.repeat(np.flatnonzero(writes), w_heads)
+    w_local = np.arange(w_heads.sum()) - np.repeat(np.cumsum(w_heads) - w_heads, w_heads)
+    return work, np.stack([w_cache, w_local], 1)
+
+
+def _packed(desc, work, write_work, n_counts: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The launch's int64 tables (descriptors, attention work, write work, zeroed split
+    counters) in one host buffer, copied to the device once."""
+    packed_np = np.concatenate([desc.ravel(), work.ravel(), write_work.ravel(), np.zeros(n_counts, np.int64)])
+    packed = torch.from_numpy(packed_np)
+    if device.type != "cpu":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    a, b, c = desc.size, desc.size + work.size, desc.size + work.size + write_work.size
+    return packed[:a], packed[a:b], packed[b:c], packed[c:]
+
+
 def decode_batched(
     steps: Sequence[BatchedStep],
     *,
@@ -715,77 +818,30 @@ def decode_batched(
     runs = [_check_batched(s, key) for s in steps]
 
     chunk = config.split_tokens
-    heads = np.array([s.query.shape[0] * s.num_kv_heads for s in steps], dtype=np.int64)
-    totals = np.array([t for _, t in runs], dtype=np.int64)
-    splits = -(-totals // chunk)
-    writes = np.array([s.row >= 0 for s in steps])
-    many = splits > 1
-    out_off = np.cumsum(heads * g * d) - heads * g * d
-    part_n = np.where(many, heads * splits, 0)
-    part_off = np.cumsum(part_n) - part_n
-    count_n = np.where(many, heads, 0)
-    count_off = np.cumsum(count_n) - count_n
-    saved_n = np.where(writes, heads, 0)
-    saved_off = np.cumsum(saved_n) - saved_n
-
+    lay = _layout(steps, runs, chunk, g, d)
+    # aligned copies where needed, kept alive here until the launches have read them
     queries = [_aligned(s.query) for s in steps]
     new_k = [_aligned(s.new_key) if s.row >= 0 else None for s in steps]
     new_v = [_aligned(s.new_value) if s.row >= 0 else None for s in steps]
-    run_args = np.array([r for r, _ in runs], dtype=np.int64).reshape(len(steps), 5)
-    columns = dict(
-        q=[t.data_ptr() for t in queries],
-        k=[st.keys.data_ptr() for st in steps],
-        v=[st.values.data_ptr() for st in steps],
-        cap=[st.keys.shape[1] for st in steps],
-        s0=run_args[:, 0],
-        l0=run_args[:, 1],
-        s1=run_args[:, 2],
-        l1=run_args[:, 3],
-        s2=run_args[:, 4],
-        total=totals,
-        chunk=chunk,
-        splits=splits,
-        out=out_off,
-        part=part_off,
-        count=count_off,
-        row=[st.row for st in steps],
-        new_k=[t.data_ptr() if t is not None else 0 for t in new_k],
-        new_v=[t.data_ptr() if t is not None else 0 for t in new_v],
-        saved=saved_off,
-    )
-    desc = np.zeros((len(steps), _DESC_W), dtype=np.int64)
-    for name, values in columns.items():
-        desc[:, _DESC_FIELDS.index(name)] = values
-
-    # (cache, head, split) per attention program; (cache, head) per row-writing program.
-    per = heads * splits
-    cache_of = np.repeat(np.arange(len(steps)), per)
-    local = np.arange(per.sum()) - np.repeat(np.cumsum(per) - per, per)
-    split_of = np.repeat(splits, per)
-    work = np.stack([cache_of, local // split_of, local % split_of], 1)
-    w_heads = heads[writes]
-    w_cache = np.repeat(np.flatnonzero(writes), w_heads)
-    w_local = np.arange(w_heads.sum()) - np.repeat(np.cumsum(w_heads) - w_heads, w_heads)
-    write_work = np.stack([w_cache, w_local], 1)
-    packed_np = np.concatenate([desc.ravel(), work.ravel(), write_work.ravel(), np.zeros(int(count_n.sum()), np.int64)])
-    packed = torch.from_numpy(packed_np)
-    if device.type != "cpu":
-        packed = packed.pin_memory().to(device, non_blocking=True)
-    a, b, c = desc.size, desc.size + work.size, desc.size + work.size + write_work.size
-    desc_t, work_t, write_t, count_t = packed[:a], packed[a:b], packed[b:c], packed[c:]
+    desc = _descriptors(steps, runs, lay, chunk, queries, new_k, new_v)
+    work, write_work = _work_lists(lay)
+    desc_t, work_t, write_t, count_t = _packed(desc, work, write_work, int(lay.count_n.sum()), device)
 
     d_pad = max(_MIN_DOT, triton.next_power_of_2(d))
     g_pad = max(_MIN_DOT, triton.next_power_of_2(g))
-    saved = torch.empty((max(1, int(saved_n.sum())), 2, d), dtype=dtype, device=device)
+    saved = torch.empty((max(1, int(lay.saved_n.sum())), 2, d), dtype=dtype, device=device)
     if len(write_work):
         with _on(device):
             _write_rows_kernel[(len(write_work),)](desc_t, write_t, saved, D=d, D_PAD=d_pad, DESC_W=_DESC_W)
-    out = torch.empty(int((heads * g * d).sum()), dtype=dtype, device=device)
-    n_part = int(part_n.sum())
+    out = torch.empty(int((lay.heads * g * d).sum()), dtype=dtype, device=device)
+    n_part = int(lay.part_n.sum())
     part = torch.empty((max(1, n_part) * g, d), dtype=torch.float32, device=device)
     lse = torch.empty(max(1, n_part) * g, dtype=torch.float32, device=device)
     qk_scale = (1.0 / math.sqrt(d) if scale is None else scale) * _LOG2E
-    saves = [saved[o : o + h] if w else None for o, h, w in zip(saved_off.tolist(), heads.tolist(), writes.tolist())]
+    saves = [
+        saved[o : o + h] if w else None
+        for o, h, w in zip(lay.saved_off.tolist(), lay.heads.tolist(), lay.writes.tolist())
+    ]
     try:
         with _on(device):
             _launch_batched(
@@ -810,7 +866,9 @@ def decode_batched(
     except BaseException:
         restore_rows(steps, saves)
         raise
-    outputs = [out[o : o + h * g * d].view(s.query.shape) for o, h, s in zip(out_off.tolist(), heads.tolist(), steps)]
+    outputs = [
+        out[o : o + h * g * d].view(s.query.shape) for o, h, s in zip(lay.out_off.tolist(), lay.heads.tolist(), steps)
+    ]
     return outputs, saves
 
 

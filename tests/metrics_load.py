@@ -17,8 +17,6 @@ from service.api import gqa_pb2, gqa_pb2_grpc
 from service.engine.tensors import to_proto
 from service.vocab import POLICY_ENUMS
 
-POLICIES = POLICY_ENUMS  # the policy's name -> its wire enum
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -58,7 +56,7 @@ def open_request(
             num_kv_heads=shape.kv_heads,
             head_dim=shape.head_dim,
             num_layers=shape.layers,
-            policy=POLICIES[policy],
+            policy=POLICY_ENUMS[policy],
             window=window,
             capacity=capacity,
             sink_tokens=sinks,

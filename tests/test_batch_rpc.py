@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from gqa_client import BatchSession, CallFailed, Refused

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from backends import batch
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from service.config import ServerConfig
@@ -87,7 +87,7 @@ def _script(i: int):
 
 
 def _alone(spec, layers, prefill, steps) -> list[torch.Tensor]:
-    """The same stream, one step at a time, in process (``cache.step`` alone: Contract 1)."""
+    """The same stream, one step at a time, in process (``cache.step`` alone, the reference ``step_many`` matches bit for bit)."""
     caches = [get_backend("cpu").create_cache(spec) for _ in range(layers)]
     for layer, (k, v) in prefill.items():
         caches[layer].prefill(k, v)

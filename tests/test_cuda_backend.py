@@ -22,7 +22,7 @@ import torch
 
 from backends import cuda as cuda_backend
 from backends import registry
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cuda import CUDABackend, CUDACache, DeviceFacts
 from backends.errors import BackendUnavailable
 from backends.policy import EvictionPolicy
@@ -222,6 +222,15 @@ def test_gpu_cache_matches_oracle(heads, attention, policy, dtype):
     assert (cache._k.data_ptr(), cache._v.data_ptr()) == ptr, "the cache was reallocated"
 
 
+def _grouped_ref(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor) -> torch.Tensor:
+    """float64 attention of ``q`` (B, Hq, D) over ``kk``/``vv`` (B, Hkv, n, D), each query head
+    over its group's KV head; (B, Hq, D)."""
+    b, hq, d = q.shape
+    hkv = kk.shape[1]
+    qq = q.double().view(b, hkv, hq // hkv, d)
+    return (torch.softmax(qq @ kk.double().transpose(-1, -2) / math.sqrt(d), -1) @ vv.double()).view(b, hq, d)
+
+
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("dtype", GPU_DTYPES, ids=str)
@@ -246,10 +255,8 @@ def test_gpu_kernel_long_and_wrapped_sequences(dtype, total):
     out = decode_attention(q, keys, values, runs, num_kv_heads=hkv)
     kk = keys[:, rows].double().view(b, hkv, total, d)
     vv = values[:, rows].double().view(b, hkv, total, d)
-    qq = q.double().view(b, hkv, hq // hkv, d)
-    ref = torch.softmax(qq @ kk.transpose(-1, -2) / math.sqrt(d), -1) @ vv
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), ref.view(b, hq, d), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.double(), _grouped_ref(q, kk, vv), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu
@@ -272,10 +279,8 @@ def test_gpu_int8_kernel_matches_dequantized_oracle(dtype):
     n = len(rows)
     kk = deq[0][:, rows].view(b, hkv, n, d)
     vv = deq[1][:, rows].view(b, hkv, n, d)
-    qq = q.double().view(b, hkv, hq // hkv, d)
-    ref = torch.softmax(qq @ kk.transpose(-1, -2) / math.sqrt(d), -1) @ vv
     atol, rtol = TOLERANCES[dtype]
-    torch.testing.assert_close(out.double(), ref.view(b, hq, d), atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.double(), _grouped_ref(q, kk, vv), atol=atol, rtol=rtol)
 
 
 @pytest.mark.gpu

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from backends import cpu, native
-from backends.base import CacheSpec
 from backends.batch import BatchStep, step_many
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend, DenseCache
 from backends.errors import CacheFullError
 from backends.int8 import Int8Backend

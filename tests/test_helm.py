@@ -193,10 +193,7 @@ def test_every_server_setting_comes_from_values_and_parses(rendered, name):
     expected = {k for k, f in fields.items() if not f.metadata.get("optional_env")}
     rendered_names = {k for k in env if k.startswith("GQA_")}
     assert expected <= rendered_names, expected - rendered_names
-    # Contract 4's settings of the server branch, rendered ahead of their merge; once they are
-    # fields of ServerConfig this allowance is empty and the check above covers them.
-    pending = {"GQA_BATCH_MAX_DELAY_US", "GQA_BATCH_MAX_STEPS", "GQA_KERNEL_THREADS"} - set(fields)
-    assert rendered_names <= set(fields) | pending, rendered_names - set(fields) - pending
+    assert rendered_names <= set(fields), rendered_names - set(fields)
     # The service's own parser accepts what the chart renders (no 2.1e+09 for an int, bytes for
     # a quantity); file paths exist only in the pod.
     config = from_args(None, {k: v for k, v in env.items() if not k.endswith("_FILE")})

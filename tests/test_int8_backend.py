@@ -1,4 +1,4 @@
-"""The int8 backend at two levels (STYLE.md, "Quantized caches at two levels"):
+"""The int8 backend at two levels:
 
 - kernel correctness: its output against the float64 oracle run on the *dequantized* cache
   (what it stores), to float rounding of the exchanged dtype;
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from backends import native
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import CacheFullError
 from backends.int8 import KERNELS, Int8Backend, Int8Cache, Int8Rows, key_outlier_count
@@ -693,7 +693,7 @@ def test_native_step_failure_after_the_write_restores_bytes(monkeypatch):
 
 RSS_SCRIPT = """
 import sys, torch
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.int8 import Int8Backend
 from backends.policy import EvictionPolicy
 

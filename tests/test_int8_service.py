@@ -6,7 +6,7 @@ import grpc
 import pytest
 import torch
 
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.int8 import Int8Backend
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2

@@ -72,7 +72,7 @@ def test_a_state_exported_before_the_key_blocks_restores_into_them(name, kernel)
     this layout (transposed keys): a sink ring of 100 rows (a last block of 36), turned."""
     saved = torch.load(FIXTURE, weights_only=False)[name]
     spec_dtype = saved["output"].dtype
-    from backends.base import CacheSpec
+    from backends.contract import CacheSpec
     from backends.cpu import DenseCache
     from backends.policy import EvictionPolicy
 

@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
 from backends.errors import RollbackError
 from backends.policy import EvictionPolicy

@@ -21,7 +21,7 @@ import grpc
 import torch
 
 from backends import registry
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig

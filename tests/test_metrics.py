@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
 from service.engine.tensors import to_proto
-from service.metrics.recorder import GRPC_CODE_NAMES, LATENCY_BUCKETS
+from service.metrics.recorder import LATENCY_BUCKETS
+from service.metrics.rpc import GRPC_CODE_NAMES
 from service.server import ServerThread
 from tests.metrics_load import Shape, free_port, open_request, run_stream, step_requests
 
@@ -249,7 +250,7 @@ def test_live_exposition_passes_promtool_check_metrics(server):
     assert done.returncode == 0, (done.stdout + done.stderr).decode()
 
 
-# -- saturation, batches, device memory (Contract 3) ---------------------------------------------
+# -- saturation, batches, device memory (README, "Metrics, dashboard and alerts") ----------------
 def _families(server) -> dict:
     return {f.name: f for f in text_string_to_metric_families(_scrape(server).decode())}
 

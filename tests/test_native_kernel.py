@@ -249,7 +249,7 @@ def test_the_server_log_says_which_kernel_serves(monkeypatch, caplog):
 
 
 def _spec():
-    from backends.base import CacheSpec
+    from backends.contract import CacheSpec
     from backends.policy import EvictionPolicy
 
     return CacheSpec(1, 4, 2, 32, torch.float32, EvictionPolicy.none(16))

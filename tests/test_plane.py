@@ -10,12 +10,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from backends import native
-from backends.base import CacheSpec, merge_runs
+from backends.contract import CacheSpec
 from backends.cpu import DenseCache
 from backends.errors import CacheFullError, InputValueError, RollbackError
 from backends.plane import FIELDS, CacheSet
 from backends.policy import EvictionPolicy, PolicyKind
 from backends.registry import get_backend
+from backends.ring import merge_runs, position_runs, row_of
 
 ok, why = native.available()
 pytestmark = pytest.mark.skipif(not ok, reason=f"the native kernel does not load here: {why}")
@@ -34,11 +35,21 @@ def policies(draw) -> EvictionPolicy:
     return EvictionPolicy.sink(window, draw(st.integers(0, 4)))
 
 
-def _expected(cache, t: int) -> list[int]:
-    """What policy.py (and base's ring arithmetic) says of the step from T = t."""
-    p = cache.policy
-    runs, write_row, attended, resident, first, last, evicted = cache._plan_ranges(t)
-    return [t + 1, resident, first, last, evicted, p.rollback_reach(t + 1), attended, write_row], list(runs)
+def _expected(policy: EvictionPolicy, t: int) -> tuple[list[int], list[tuple[int, int]]]:
+    """What policy.py and ring.py say of the step from T = t: its numbers, its row runs."""
+    u = t + 1
+    attended, resident = policy.attended(u), policy.resident(u)
+    numbers = [
+        u,
+        policy.resident_length(u),
+        resident[0].start,
+        resident[-1].stop - 1,
+        policy.evicted_by_step(t),
+        policy.rollback_reach(u),
+        sum(len(r) for r in attended),
+        row_of(policy, t),
+    ]
+    return numbers, position_runs(policy, attended)
 
 
 def _desc(policy: EvictionPolicy, t: int) -> native.CacheDesc:
@@ -57,8 +68,7 @@ def test_the_c_plan_is_the_policy(policy, t):
     if not policy.has_room(t):
         assert rc == -28 and not numbers  # ENOSPC: policy none, full
         return
-    cache = DenseCache(CacheSpec(1, 1, 1, 16, torch.float32, policy), "torch")
-    want, want_runs = _expected(cache, t)
+    want, want_runs = _expected(policy, t)
     assert rc == 0
     assert numbers == want
     assert runs == merge_runs(want_runs)
@@ -99,7 +109,7 @@ def test_the_library_state_steps_as_the_policy(policy, ops, seed):
                         cache.step(q, k, v)
                     continue
                 o = cache.step(q, k, v)
-                want, _ = _expected(cache, t)
+                want, _ = _expected(policy, t)
                 got = [o.tokens_seen, o.resident, o.first_position, o.last_position, o.evicted_tokens]
                 assert got == want[:5]
                 assert o.attended == want[6]

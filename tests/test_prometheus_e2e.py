@@ -165,7 +165,7 @@ def test_prometheus_scrapes_latency_streams_evictions_and_saturation(service, pr
             lambda v: not math.isnan(v),
         )
         assert p99 is not None and 0 < p99 <= 10, p99
-        # The saturation and batch families (Contract 3) are scraped under load: every one
+        # The saturation and batch families (README's metrics table) are scraped under load: every one
         # present, the worker count the engine's, utilisation a fraction (the dashboard's query).
         for family in SATURATION_FAMILIES:
             assert poll(api, f'count({family}{{job="gqa"}})', lambda v: v >= 1) is not None, family

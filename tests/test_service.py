@@ -497,7 +497,7 @@ def test_connection_age_never_cuts_an_open_stream():
 @pytest.mark.parametrize("evicted", [0, 3])
 def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dtype, evicted):
     """The step reply the servicer encodes itself (around the output's bytes) is upb's message."""
-    from backends.base import StepOutcome
+    from backends.contract import StepOutcome
     from service.engine.report import StepReport
     from service.engine.tensors import NAME_TO_DTYPE
     from service.transport.servicer import _StepReply

@@ -182,7 +182,7 @@ def _worker(path: str) -> None:
     import triton
 
     from backends import triton_decode as td
-    from backends.base import CacheSpec
+    from backends.contract import CacheSpec
     from backends.cuda import CUDACache
     from backends.policy import EvictionPolicy
 
@@ -255,8 +255,8 @@ def _worker(path: str) -> None:
 
 def _batched_worker(config) -> dict:
     from backends import triton_decode as td
-    from backends.base import CacheSpec
     from backends.batch import BatchStep, step_many
+    from backends.contract import CacheSpec
     from backends.cuda import CUDACache
     from backends.errors import CacheFullError
     from backends.policy import EvictionPolicy
@@ -381,6 +381,23 @@ def _aot_worker(path: str) -> None:
 
     from backends import triton_decode as td
 
+    def compile_ptx(fn, sig: dict, const: dict, attrs: dict) -> str:
+        names = fn.arg_names
+        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
+        kernel = triton.compile(
+            src,
+            target=GPUTarget("cuda", 90, 32),
+            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
+        )
+        return kernel.asm["ptx"]
+
+    def load_forms(ptx: str) -> dict:
+        return dict(
+            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
+            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
+            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
+        )
+
     fn = td._split_kernel
     names = fn.arg_names
     report = {}
@@ -417,18 +434,8 @@ def _aot_worker(path: str) -> None:
             for n in names
             if sig[n].startswith("*") or n.startswith("stride") or n == "chunk"
         }
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(
-            src,
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
-        )
-        ptx = kernel.asm["ptx"]
-        report[f"{dtype}-{'int8' if quant else 'dense'}"] = dict(
-            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
-            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
-            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
-        )
+        ptx = compile_ptx(fn, sig, const, attrs)
+        report[f"{dtype}-{'int8' if quant else 'dense'}"] = load_forms(ptx)
     # The batched kernel reads its caches through addresses in a descriptor: the alignment hint
     # on the cast pointers must survive, or every K/V load would be scalar.
     fn = td._batched_kernel
@@ -450,18 +457,9 @@ def _aot_worker(path: str) -> None:
             for n in names
         }
         attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if sig[n].startswith("*")}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
-        kernel = triton.compile(
-            src,
-            target=GPUTarget("cuda", 90, 32),
-            options=dict(num_warps=td.DEFAULT_CONFIG.num_warps, num_stages=td.DEFAULT_CONFIG.num_stages),
-        )
-        ptx = kernel.asm["ptx"]
+        ptx = compile_ptx(fn, sig, const, attrs)
         report[f"{dtype}-batched"] = dict(
-            vector_or_async=len(re.findall(r"cp\.async\.cg\.shared\.global|ld\.global\.v4", ptx)),
-            scalar_b16=len(re.findall(r"ld\.global\.b16", ptx)),
-            mma=len(re.findall(r"\bmma\.sync|wgmma", ptx)),
-            acq_rel_atomic=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx)),
+            load_forms(ptx), acq_rel_atomic=len(re.findall(r"atom\.global\.gpu\.acq_rel\.add", ptx))
         )
     with open(path, "w") as f:
         json.dump(report, f)
@@ -485,20 +483,24 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def interpreted(tmp_path_factory):
-    path = tmp_path_factory.mktemp("triton-interpret") / "results.pt"
-    env = dict(os.environ, TRITON_INTERPRET="1")
+def _run_worker(args: list[str], env: dict, what: str) -> None:
+    """Runs this module as a script (``__main__`` below) from the repository root."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_triton_kernel", str(path)],
+        [sys.executable, "-m", "tests.test_triton_kernel", *args],
         cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"interpreter worker failed:\n{proc.stdout}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{what} failed:\n{proc.stdout}\n{proc.stderr}"
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    path = tmp_path_factory.mktemp("triton-interpret") / "results.pt"
+    _run_worker([str(path)], dict(os.environ, TRITON_INTERPRET="1"), "interpreter worker")
     return torch.load(path, weights_only=False)
 
 
@@ -693,16 +695,7 @@ def test_kernel_compiles_for_hopper_with_vector_loads_and_mma(tmp_path):
 
     path = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.test_triton_kernel", "--aot", str(path)],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"ahead-of-time compile failed:\n{proc.stdout}\n{proc.stderr}"
+    _run_worker(["--aot", str(path)], env, "ahead-of-time compile")
     report = json.loads(path.read_text())
     assert len(report) == len(AOT_VARIANTS) + 2
     for name, counts in report.items():

@@ -30,12 +30,45 @@ def _capacity(args: argparse.Namespace) -> int:
 
 def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
     """Runs the demo on ``client`` (a ``gqa_client.Client``); returns the figures in us."""
+    stream = _open(client, args, out)
     generator = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=generator).to(dtype)
 
+    round_trips, computes = [], []
+    evictions = evicted = 0
+    last = None
+    progress = _Progress(args.steps, out)
+    with stream:
+        for i in range(args.steps):
+            query, key, value = (
+                rnd(1, args.heads, args.head_dim),
+                rnd(1, args.kv_heads, args.head_dim),
+                rnd(1, args.kv_heads, args.head_dim),
+            )
+            t0 = time.perf_counter()
+            last = stream.step(i % args.layers, query, key, value)
+            round_trips.append(time.perf_counter() - t0)
+            computes.append(last.compute_ns / 1e9)
+            evictions += last.evicted
+            evicted += last.evicted_tokens
+            progress.show(i + 1)
+    progress.end()
+    print(
+        f"{args.steps} steps: layer {last.layer} has seen {last.tokens_seen} tokens, keeps {last.resident} "
+        f"(positions {last.first_position}..{last.last_position}); {evictions} steps evicted "
+        f"{evicted} tokens in all; exact rollback reach now {last.rollback_reach}",
+        file=out,
+    )
+    stats = _latencies(round_trips, computes, out)
+    stats.update(evictions=evictions, evicted_tokens=evicted)
+    return stats
+
+
+def _open(client, args: argparse.Namespace, out):
+    """Opens the demo's stream and says what the server made of it."""
     stream = client.open(
         num_query_heads=args.heads,
         num_kv_heads=args.kv_heads,
@@ -57,44 +90,36 @@ def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
         f"Hq={args.heads} Hkv={args.kv_heads} D={args.head_dim}, {o.bytes_reserved} bytes reserved",
         file=out,
     )
-    round_trips, computes = [], []
-    evictions = evicted = 0
-    last = None
-    tty = out.isatty()
-    width = 40
-    with stream:
-        for i in range(args.steps):
-            query, key, value = (
-                rnd(1, args.heads, args.head_dim),
-                rnd(1, args.kv_heads, args.head_dim),
-                rnd(1, args.kv_heads, args.head_dim),
+    return stream
+
+
+class _Progress:
+    """A progress bar on a terminal (about 100 updates), nothing elsewhere."""
+
+    WIDTH = 40
+
+    def __init__(self, total: int, out):
+        self.total, self.out, self.tty = total, out, out.isatty()
+
+    def show(self, done: int) -> None:
+        if self.tty and (done == self.total or done % max(1, self.total // 100) == 0):
+            filled = self.WIDTH * done // self.total
+            print(
+                f"\r[{'#' * filled}{'.' * (self.WIDTH - filled)}] {done}/{self.total} steps",
+                end="",
+                file=self.out,
+                flush=True,
             )
-            t0 = time.perf_counter()
-            last = stream.step(i % args.layers, query, key, value)
-            round_trips.append(time.perf_counter() - t0)
-            computes.append(last.compute_ns / 1e9)
-            evictions += last.evicted
-            evicted += last.evicted_tokens
-            done = i + 1
-            if tty and (done == args.steps or done % max(1, args.steps // 100) == 0):
-                filled = width * done // args.steps
-                print(
-                    f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{args.steps} steps",
-                    end="",
-                    file=out,
-                    flush=True,
-                )
-    if tty:
-        print(file=out)
-    print(
-        f"{args.steps} steps: layer {last.layer} has seen {last.tokens_seen} tokens, keeps {last.resident} "
-        f"(positions {last.first_position}..{last.last_position}); {evictions} steps evicted "
-        f"{evicted} tokens in all; exact rollback reach now {last.rollback_reach}",
-        file=out,
-    )
-    rt, cp = sorted(round_trips), sorted(computes)
+
+    def end(self) -> None:
+        if self.tty:
+            print(file=self.out)
+
+
+def _latencies(round_trips: list[float], computes: list[float], out) -> dict:
+    """p50/p90/p99 of the round trips and the server's compute times (seconds in, us out), printed."""
     stats = {}
-    for name, values in (("round_trip", rt), ("compute", cp)):
+    for name, values in (("round_trip", sorted(round_trips)), ("compute", sorted(computes))):
         for q in (50, 90, 99):
             stats[f"{name}_p{q}_us"] = percentile(values, q) * 1e6
     print(
@@ -108,5 +133,4 @@ def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
         file=out,
     )
     print("the difference is the network, (de)serialization and queueing at the server", file=out)
-    stats.update(evictions=evictions, evicted_tokens=evicted)
     return stats

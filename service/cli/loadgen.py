@@ -101,33 +101,10 @@ class LoadResult:
 
 async def run_load(client, config: LoadConfig, *, progress=None) -> LoadResult:
     """Runs the load on an ``AsyncClient``; ``progress(done)`` is called as steps complete."""
-    import torch
-
     from gqa_client import CallFailed, GqaError
 
-    dtype = getattr(torch, config.dtype)
-    generator = torch.Generator().manual_seed(config.seed)
     kw = config.open_kwargs()
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=generator).to(dtype)
-
-    prefill = None
-    if config.context:
-        kv = (
-            rnd(1, config.kv_heads, config.context, config.head_dim),
-            rnd(1, config.kv_heads, config.context, config.head_dim),
-        )
-        prefill = {layer: kv for layer in range(config.layers)}
-    # One set of step inputs, reused: the load measures the service, not this client's RNG.
-    inputs = [
-        (
-            rnd(1, config.heads, config.head_dim),
-            rnd(1, config.kv_heads, config.head_dim),
-            rnd(1, config.kv_heads, config.head_dim),
-        )
-        for _ in range(16)
-    ]
+    prefill, inputs = _tensors(config)
 
     async def open_stream():
         return await client.open(**kw, prefill=prefill)
@@ -179,6 +156,35 @@ async def run_load(client, config: LoadConfig, *, progress=None) -> LoadResult:
     for stream in streams:
         stream.cancel()
     return LoadResult(config, started, elapsed, ends, round_trips, computes, errors)
+
+
+def _tensors(config: LoadConfig) -> tuple[dict | None, list]:
+    """The prefill (``config.context`` tokens, the same for every layer) and 16 step inputs,
+    reused: the load measures the service, not this client's RNG."""
+    import torch
+
+    dtype = getattr(torch, config.dtype)
+    generator = torch.Generator().manual_seed(config.seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=generator).to(dtype)
+
+    prefill = None
+    if config.context:
+        kv = (
+            rnd(1, config.kv_heads, config.context, config.head_dim),
+            rnd(1, config.kv_heads, config.context, config.head_dim),
+        )
+        prefill = {layer: kv for layer in range(config.layers)}
+    inputs = [
+        (
+            rnd(1, config.heads, config.head_dim),
+            rnd(1, config.kv_heads, config.head_dim),
+            rnd(1, config.kv_heads, config.head_dim),
+        )
+        for _ in range(16)
+    ]
+    return prefill, inputs
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -8,15 +8,16 @@ none of a stream whose previous step is still computing), runs them with ONE
 worker takes whatever is queued, so a lone stream pays only the thread hop. With
 ``max_delay_s`` the oldest queued step may be held that long for others to join (unless the
 batch is already ``max_steps`` long). Steps of every backend, dtype and head shape share the
-queue: ``step_many`` groups same-encoding caches into one native call (Contract 1).
+queue: ``step_many`` groups same-encoding caches into one native call (``backends/batch.py``).
 
 Per step the worker turns the message bytes into read-only tensors (``torch.frombuffer``, no
 copy; the cache copies the token in), computes, maps the outcome to a ``StepReport`` or a
 ``ServiceError``, and runs the caller's ``reply`` function on it, so the reply message is built
 off the event loop too.
 
-No gRPC here. The batcher keeps the saturation views of Contract 3 (``waiting``,
-``in_flight``, ``busy_seconds``) and calls ``observer.batch_done`` once per kernel group.
+No gRPC here. The batcher keeps the saturation views the metrics read (``waiting``,
+``in_flight``, ``busy_seconds``; README, "Metrics, dashboard and alerts") and calls
+``observer.batch_done`` once per kernel group.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backends import batch as batch_module
-from backends.base import LayerCache, StepOutcome
+from backends.base import LayerCache
+from backends.contract import StepOutcome
 
 from ..errors import Internal, InvalidArgument, ServiceError, Unavailable
 from .report import EngineObserver, StepReport, classify_step_error
@@ -112,7 +114,7 @@ class Batcher:
         self._name = name
         self._threads: list[threading.Thread] = []  # started with the first queued step
 
-    # -- views (Contract 3) -------------------------------------------------------------------
+    # -- saturation views (read by the metrics) ---------------------------------------------------
     @property
     def waiting(self) -> int:
         return len(self._queue)

@@ -61,7 +61,6 @@ __all__ = [
     "EngineObserver",
     "Admission",
     "Activity",
-    "DTYPES",
     "SequenceSet",
     "SetShape",
 ]
@@ -74,9 +73,6 @@ _CONCURRENT_WINDOW_S = 1e-3
 # stream's or session's work submitted this recently: then it goes to the compute workers, so
 # the event loop serves the other sessions while it computes.
 _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
-
-# name -> torch dtype (service.vocab), under the name the engine has always exported
-DTYPES = TORCH_DTYPES
 
 
 @dataclass(frozen=True)
@@ -96,7 +92,7 @@ class StreamConfig:
             num_query_heads=self.num_query_heads,
             num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim,
-            dtype=DTYPES[self.dtype],
+            dtype=TORCH_DTYPES[self.dtype],
             policy=self.policy,
             device=device,
         )
@@ -317,8 +313,8 @@ class Engine:
         c = self.config
         backend = backend or c.backend
         dtype = dtype or c.dtype
-        if dtype not in DTYPES:
-            raise InvalidArgument(f"dtype: {dtype!r} is not one of {', '.join(DTYPES)}")
+        if dtype not in TORCH_DTYPES:
+            raise InvalidArgument(f"dtype: {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
         for name, value, limit in (
             ("batch_size", batch_size, c.max_batch_size),
             ("num_query_heads", num_query_heads, c.max_heads),
@@ -518,7 +514,7 @@ class Engine:
             probe.num_kv_heads,
             probe.head_dim,
             probe.num_layers,
-            DTYPES[probe.dtype],
+            TORCH_DTYPES[probe.dtype],
             str(spec.device),
         )
 

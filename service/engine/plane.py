@@ -41,8 +41,9 @@ log = logging.getLogger("gqa.plane")
 _NO_REFUSALS: list = []
 
 # Step tensors are views of the request's (immutable) bytes; a step never writes its inputs
-# (Contract 1), so torch's warning about a read-only buffer does not apply. torch gives it once
-# per process: take it here, silenced, rather than in a client's first step.
+# (``LayerCache.step``'s contract, backends/base.py), so torch's warning about a read-only
+# buffer does not apply. torch gives it once per process: take it here, silenced, rather than
+# in a client's first step.
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(bytes(4), dtype=torch.float32)
@@ -282,7 +283,7 @@ class SequenceSet:
             target = out
         try:
             batch = self.caches.step(plan.layer, plan.slots, q, k, v, target)
-        except Exception:  # the call as a whole failed: nothing was written (Contract 1)
+        except Exception:  # the call as a whole failed: nothing was written (``backends.plane.CacheSet.step``)
             log.exception("a batched step on layer %d failed", plan.layer)
             rows = live.tolist() if live is not None else range(n)
             failed = [(row, int(plan.ids[row]), Internal()) for row in rows]

@@ -13,7 +13,7 @@ import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from backends.base import StepOutcome
+from backends.contract import StepOutcome
 from backends.errors import CacheFullError, InvalidInput
 
 from ..errors import Internal, InvalidArgument, ResourceExhausted, ServiceError

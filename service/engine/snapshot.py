@@ -141,6 +141,17 @@ def decode(
 ) -> list[tuple[int, dict]]:
     """Per layer ``(tokens_seen, state)``; ``InvalidArgument`` for anything inconsistent, and,
     with ``key``, for a missing or wrong signature."""
+    _check_integrity(chunks, key)
+    tokens = _tokens_seen(chunks[0], config)
+    pieces = _layer_chunks(chunks, config)
+    return [
+        (tokens[layer], _layer_state(layer, pieces[layer], config) if pieces.get(layer) else {"encoding": "empty"})
+        for layer in range(config.num_layers)
+    ]
+
+
+def _check_integrity(chunks: list[gqa_pb2.SnapshotChunk], key: bytes | None) -> None:
+    """The signature (with ``key``) and the checksum, before anything else is read."""
     if key is not None:
         if not chunks[-1].signature:
             raise InvalidArgument(
@@ -152,7 +163,10 @@ def decode(
             )
     if _checksum(chunks) != chunks[-1].checksum:
         raise InvalidArgument("restore: the snapshot's checksum does not match its data (corrupted or truncated)")
-    tokens = list(chunks[0].tokens_seen)
+
+
+def _tokens_seen(head: gqa_pb2.SnapshotChunk, config: StreamConfig) -> list[int]:
+    tokens = list(head.tokens_seen)
     if len(tokens) != config.num_layers:
         raise InvalidArgument(
             f"restore: tokens_seen has {len(tokens)} entries but the configuration has {config.num_layers} layers"
@@ -162,6 +176,11 @@ def decode(
             raise InvalidArgument(
                 f"restore: tokens_seen[{layer}] = {t} is beyond any stream (at most {MAX_TOKENS - 1})"
             )
+    return tokens
+
+
+def _layer_chunks(chunks: list[gqa_pb2.SnapshotChunk], config: StreamConfig) -> dict[int, list]:
+    """The data chunks (all but the first) by layer, in order."""
     pieces: dict[int, list[gqa_pb2.SnapshotChunk]] = {}
     for i, chunk in enumerate(chunks[1:], start=1):
         if chunk.HasField("config") or chunk.tokens_seen:
@@ -169,57 +188,57 @@ def decode(
         if chunk.layer >= config.num_layers:
             raise InvalidArgument(f"restore: chunk {i} names layer {chunk.layer}; the stream has {config.num_layers}")
         pieces.setdefault(chunk.layer, []).append(chunk)
-    layers = []
-    for layer in range(config.num_layers):
-        parts = pieces.get(layer, [])
-        if not parts:
-            layers.append((tokens[layer], {"encoding": "empty"}))
-            continue
-        encoding = parts[0].encoding
-        state: dict = {"encoding": encoding}
-        expected_offset = 0
-        columns: dict[str, list[torch.Tensor]] = {}
-        for part in parts:
-            if part.encoding != encoding:
-                raise InvalidArgument(f"restore: layer {layer} mixes encodings {encoding!r} and {part.encoding!r}")
-            if part.offset != expected_offset:
+    return pieces
+
+
+def _layer_state(layer: int, parts: list[gqa_pb2.SnapshotChunk], config: StreamConfig) -> dict:
+    """One layer's state (``LayerCache.load_state``'s argument) from its chunks, in order."""
+    encoding = parts[0].encoding
+    state: dict = {"encoding": encoding}
+    expected_offset = 0
+    columns: dict[str, list[torch.Tensor]] = {}
+    for part in parts:
+        if part.encoding != encoding:
+            raise InvalidArgument(f"restore: layer {layer} mixes encodings {encoding!r} and {part.encoding!r}")
+        if part.offset != expected_offset:
+            raise InvalidArgument(f"restore: layer {layer} chunk at offset {part.offset}, expected {expected_offset}")
+        for name, rank in _TENSORS.items():
+            if not part.HasField(name):
+                continue
+            tensor = from_proto(
+                getattr(part, name),
+                f"restore.layer{layer}.{name}",
+                rank=rank,
+                allow_int8=encoding == "int8" and name in ("key", "value"),
+            )
+            columns.setdefault(name, []).append(tensor)
+        if part.key_channels or part.HasField("key_calibration"):
+            if part is not parts[0] or encoding != "int8":
                 raise InvalidArgument(
-                    f"restore: layer {layer} chunk at offset {part.offset}, expected {expected_offset}"
+                    f"restore: layer {layer} carries key_channels or key_calibration outside an int8 layer's first chunk"
                 )
-            for name, rank in _TENSORS.items():
-                if not part.HasField(name):
-                    continue
-                tensor = from_proto(
-                    getattr(part, name),
-                    f"restore.layer{layer}.{name}",
-                    rank=rank,
-                    allow_int8=encoding == "int8" and name in ("key", "value"),
-                )
-                columns.setdefault(name, []).append(tensor)
-            head = part is parts[0]
-            if part.key_channels or part.HasField("key_calibration"):
-                if not head or encoding != "int8":
-                    raise InvalidArgument(
-                        f"restore: layer {layer} carries key_channels or key_calibration outside an int8 layer's first chunk"
-                    )
-            if head and part.key_channels:
-                b, h, d = config.batch_size, config.num_kv_heads, config.head_dim
-                if len(part.key_channels) != b * h * d:
-                    raise InvalidArgument(
-                        f"restore: layer {layer} key_channels has {len(part.key_channels)} entries, expected B*Hkv*D = {b * h * d}"
-                    )
-                state["key_channels"] = torch.tensor(list(part.key_channels), dtype=torch.int64).view(b, h, d)
-            if head and part.HasField("key_calibration"):
-                state["key_calibration"] = from_proto(
-                    part.key_calibration, f"restore.layer{layer}.key_calibration", rank=4
-                )
-            if "key" not in columns or len(columns["key"]) != len(columns.get("value", [])):
-                raise InvalidArgument(f"restore: layer {layer} chunk at offset {part.offset} lacks keys or values")
-            expected_offset += columns["key"][-1].shape[2]
-        try:
-            for name, tensors in columns.items():
-                state[name] = torch.cat(tensors, dim=2)
-        except RuntimeError:
-            raise InvalidArgument(f"restore: layer {layer} chunks have inconsistent shapes") from None
-        layers.append((tokens[layer], state))
-    return layers
+            state.update(_int8_extras(layer, part, config))
+        if "key" not in columns or len(columns["key"]) != len(columns.get("value", [])):
+            raise InvalidArgument(f"restore: layer {layer} chunk at offset {part.offset} lacks keys or values")
+        expected_offset += columns["key"][-1].shape[2]
+    try:
+        for name, tensors in columns.items():
+            state[name] = torch.cat(tensors, dim=2)
+    except RuntimeError:
+        raise InvalidArgument(f"restore: layer {layer} chunks have inconsistent shapes") from None
+    return state
+
+
+def _int8_extras(layer: int, head: gqa_pb2.SnapshotChunk, config: StreamConfig) -> dict:
+    """An int8 layer's outlier channels and calibration rows, from its first chunk."""
+    extras: dict = {}
+    if head.key_channels:
+        b, h, d = config.batch_size, config.num_kv_heads, config.head_dim
+        if len(head.key_channels) != b * h * d:
+            raise InvalidArgument(
+                f"restore: layer {layer} key_channels has {len(head.key_channels)} entries, expected B*Hkv*D = {b * h * d}"
+            )
+        extras["key_channels"] = torch.tensor(list(head.key_channels), dtype=torch.int64).view(b, h, d)
+    if head.HasField("key_calibration"):
+        extras["key_calibration"] = from_proto(head.key_calibration, f"restore.layer{layer}.key_calibration", rank=4)
+    return extras

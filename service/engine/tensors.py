@@ -82,10 +82,9 @@ def tune_allocator() -> bool:
     A step's output, a reply's bytes and a request's tensors are allocated and freed once per
     message; at ~1 MiB (a 64-sequence ``Batch`` step, a long stream's reply) glibc maps each one
     fresh (or, above its mmap threshold, gives the heap's top back to the kernel on free) and
-    every page faults on first touch. Building and serialising a 1 MiB ``BatchResponse``
-    measured 2.1 ms by default, 2.1 ms with the mmap threshold alone, 93 us with the trim
-    threshold raised too. The cost: each heap keeps up to 128 MiB of freed memory mapped
-    instead of returning it.
+    every page faults on first touch; both thresholds are raised (docs/design.md, "The step
+    reply and its bytes", has the measurement). The cost: each heap keeps up to 128 MiB of
+    freed memory mapped instead of returning it.
     """
     global _tuned
     if _tuned is None:

@@ -42,22 +42,17 @@ from .. import __version__
 from ..engine.engine import Engine, Stream
 from ..engine.report import EngineObserver
 from .listener import MetricsHttpServer, serve_http
-from .rpc import GRPC_CODE_NAMES, RPC_BUCKETS, GrpcServerMetrics
+from .rpc import GrpcServerMetrics
 
 __all__ = [
     "ServiceMetrics",
     "MetricsRecorder",
-    "GrpcServerMetrics",
     "ObserverFanOut",
-    "serve_http",
-    "MetricsHttpServer",
     "LATENCY_BUCKETS",
-    "RPC_BUCKETS",
     "LIFETIME_BUCKETS",
     "BATCH_BUCKETS",
     "OPEN_REFUSAL_REASONS",
     "STEP_REFUSAL_CODES",
-    "GRPC_CODE_NAMES",
 ]
 
 # A decode step on a CPU takes tens of microseconds for a small head, milliseconds for a long
@@ -125,7 +120,26 @@ class MetricsRecorder(EngineObserver):
     """Turns the engine's plain stats into ``gqa_*`` metrics; reads its state at scrape time."""
 
     def __init__(self, registry: CollectorRegistry):
-        r = registry
+        self._step_families(registry)
+        self._stream_families(registry)
+        self._cache_families(registry)
+        self._batch_families(registry)
+        info = Gauge(
+            "gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=registry
+        )
+        info.labels(__version__).set(1)
+        for reason in OPEN_REFUSAL_REASONS:
+            self.open_refusals.labels(reason)
+        self._series: dict[tuple[str, str, str], _StreamSeries] = {}
+        self._series_lock = threading.Lock()
+        # (backend, dtype) -> bound child: a message's counts do no label lookup
+        self._batch_children: dict[tuple[str, str], object] = {}
+        self._message_children: dict[tuple[str, str], object] = {}
+        self._engine: Engine | None = None
+        registry.register(_EngineStateCollector(self))
+
+    def _step_families(self, r: CollectorRegistry) -> None:
+        """A decode step's times and outcomes."""
         stream = STREAM_LABELS
         self.step_queue = Histogram(
             "gqa_step_queue_seconds",
@@ -154,6 +168,10 @@ class MetricsRecorder(EngineObserver):
             stream + ("outcome",),
             registry=r,
         )
+
+    def _stream_families(self, r: CollectorRegistry) -> None:
+        """Streams opened, refused and closed."""
+        stream = STREAM_LABELS
         self.opened = Counter("gqa_streams_opened_total", "Streams opened.", stream, registry=r)
         self.open_refusals = Counter(
             "gqa_stream_open_refusals_total",
@@ -169,6 +187,10 @@ class MetricsRecorder(EngineObserver):
             buckets=LIFETIME_BUCKETS,
             registry=r,
         )
+
+    def _cache_families(self, r: CollectorRegistry) -> None:
+        """What steps did to the caches: tokens evicted, bytes moved and written."""
+        stream = STREAM_LABELS
         self.evicted = Counter(
             "gqa_evicted_tokens_total",
             "Tokens that stopped being resident in a cache because of eviction.",
@@ -187,6 +209,9 @@ class MetricsRecorder(EngineObserver):
         self.written = Counter(
             "gqa_cache_written_bytes_total", "Bytes stored into caches for new tokens.", stream, registry=r
         )
+
+    def _batch_families(self, r: CollectorRegistry) -> None:
+        """How many steps a batched computation took, how many sequences a Batch message held."""
         self.batch_size = Histogram(
             "gqa_batch_size",
             "Steps computed together in one batched computation (one kernel call).",
@@ -201,17 +226,6 @@ class MetricsRecorder(EngineObserver):
             buckets=BATCH_BUCKETS,
             registry=r,
         )
-        info = Gauge("gqa_build_info", "Always 1; the version of gqa-serve in a label.", ("version",), registry=r)
-        info.labels(__version__).set(1)
-        for reason in OPEN_REFUSAL_REASONS:
-            self.open_refusals.labels(reason)
-        self._series: dict[tuple[str, str, str], _StreamSeries] = {}
-        self._series_lock = threading.Lock()
-        # (backend, dtype) -> bound child: a message's counts do no label lookup
-        self._batch_children: dict[tuple[str, str], object] = {}
-        self._message_children: dict[tuple[str, str], object] = {}
-        self._engine: Engine | None = None
-        registry.register(_EngineStateCollector(self))
 
     def bind(self, engine: Engine) -> None:
         """The engine whose state the scrape-time gauges read."""

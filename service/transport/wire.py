@@ -261,27 +261,19 @@ def _decode_step(buf: memoryview, span: tuple[int, int]) -> DecodeStep:
 def read_decode_step(raw: bytes) -> tuple[int, DecodeStep] | None:
     """``(request_id, step)`` when ``raw`` is a serialized ``DecodeRequest`` whose kind is
     ``step`` and this reader handles it; ``None`` otherwise (as ``read_step_request``)."""
-    buf = memoryview(raw)
-    rid = 0
-    step_span = None
-    try:
-        for number, wire, value in _fields(buf, 0, len(buf)):
-            if number == 1 and wire == 0:
-                rid = value
-            elif number == 3 and wire == 2 and step_span is None:
-                step_span = value
-            elif number <= 6:  # another kind, the step twice, or a known field mistyped
-                return None
-        if step_span is None:
-            return None
-        return rid, _decode_step(buf, step_span)
-    except _Unhandled:
-        return None
+    return _read_request(raw, 3, 6, _decode_step)
 
 
 def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
     """``(request_id, step)`` when ``raw`` is a serialized ``BatchRequest`` whose kind is
     ``step`` and this reader handles it; ``None`` otherwise (see the module docstring)."""
+    return _read_request(raw, 4, 7, _step)
+
+
+def _read_request(raw: bytes, step_field: int, last_field: int, read_step):
+    """A request whose ``request_id`` is field 1 and whose kind is the message field
+    ``step_field`` (fields up to ``last_field`` are the request's known ones): ``(request_id,
+    read_step(buf, span))``, or ``None`` for any other kind or anything unhandled."""
     buf = memoryview(raw)
     rid = 0
     step_span = None
@@ -289,13 +281,13 @@ def read_step_request(raw: bytes) -> tuple[int, StepRequest] | None:
         for number, wire, value in _fields(buf, 0, len(buf)):
             if number == 1 and wire == 0:
                 rid = value
-            elif number == 4 and wire == 2 and step_span is None:
+            elif number == step_field and wire == 2 and step_span is None:
                 step_span = value
-            elif number <= 7:  # another kind, the step twice, or a known field mistyped
+            elif number <= last_field:  # another kind, the step twice, or a known field mistyped
                 return None
         if step_span is None:
             return None
-        return rid, _step(buf, step_span)
+        return rid, read_step(buf, step_span)
     except _Unhandled:
         return None
 

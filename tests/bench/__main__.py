@@ -209,6 +209,12 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
         return []
     written = []
 
+    def save(fig, name: str) -> None:
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=100)
+        plt.close(fig)
+        written.append(folder / name)
+
     cpu = _records(folder / "cpu.json")
     series = latency_series(cpu) if cpu is not None else {}
     if not series:
@@ -241,11 +247,7 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
             ax.set_title(f"decode step, {dtype or 'all dtypes'}")
             ax.grid(True, which="both", alpha=0.3)
             ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = folder / "cpu_latency.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        save(fig, "cpu_latency.png")
 
     service = _records(folder / "service.json")
     rates = throughput_series(service) if service is not None else {}
@@ -267,11 +269,7 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
         ax.set_title("service throughput")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = folder / "service_throughput.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        save(fig, "service_throughput.png")
     model = _records(folder / "model.json")
     tokens = model_series(model) if model is not None else {}
     if tokens:
@@ -290,11 +288,7 @@ def draw_plots(folder: pathlib.Path) -> list[pathlib.Path]:
         ax.set_title("Llama, 2 layers of Hq=32 Hkv=8 D=128: attention on gqa-serve vs sdpa")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize="small")
-        fig.tight_layout()
-        path = folder / "model_latency.png"
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        written.append(path)
+        save(fig, "model_latency.png")
     elif model is not None:
         print(f"plots: {folder / 'model.json'} has no S and served_s/local_s records; no model plot", file=sys.stderr)
     for path in written:

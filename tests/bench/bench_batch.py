@@ -36,8 +36,8 @@ import time
 import grpc
 import torch
 
-from backends.base import CacheSpec
 from backends.batch import BatchStep, step_many
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2

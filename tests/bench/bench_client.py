@@ -34,7 +34,7 @@ import torch
 
 from gqa_client import AsyncClient, Client
 from gqa_client.api import gqa_pb2
-from gqa_client.client import _step_request, _step_result
+from gqa_client.messages import _step_request, _step_result
 
 from .common import (
     bench_mode,
@@ -78,7 +78,7 @@ def open_kwargs() -> dict:
 
 def bare_bytes(steps) -> tuple[bytes, list[bytes]]:
     """The opening and the step requests as the client would send them, serialized once."""
-    from gqa_client.client import open_message
+    from gqa_client.messages import open_message
 
     opening = gqa_pb2.DecodeRequest(request_id=0, open=open_message(**open_kwargs())).SerializeToString()
     return opening, [_step_request(1, 0, q, k, v, "float32").SerializeToString() for q, k, v in steps]

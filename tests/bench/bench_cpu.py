@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from backends import native
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from backends import native
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 from tests.oracle import attention_ref, attention_weights_ref

@@ -32,7 +32,7 @@ import time
 import grpc
 import torch
 
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
 from backends.policy import EvictionPolicy
 from service.api import gqa_pb2

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from backends import native
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.int8_calibration import CALIBRATION_TOKENS
 from backends.plane import CacheSet
 from backends.policy import EvictionPolicy

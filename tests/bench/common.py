@@ -203,7 +203,7 @@ class Report:
         return path
 
 
-# -- cold-cache timing (BENCHMARKS.md): evict the last-level cache before every timed call ----
+# -- cold-cache timing (docs/benchmarks.md): evict the last-level cache before every timed call ----
 
 
 def bench_mode() -> str:

@@ -311,8 +311,8 @@ def run(report: Report, *, sweep: bool = True, device: str = "cuda") -> int:
 
 def run_batched(report: Report, dev: torch.device, gen: torch.Generator, copy_bw: float, checks: list) -> None:
     """One ``step_many`` over BATCH_CACHES strict-window caches vs their steps one by one."""
-    from backends.base import CacheSpec
     from backends.batch import BatchStep, step_many
+    from backends.contract import CacheSpec
     from backends.cuda import CUDACache
     from backends.policy import EvictionPolicy
 

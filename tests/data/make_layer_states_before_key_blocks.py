@@ -4,7 +4,7 @@
 # Run with main's code: the layer states of caches as they were before the key blocks.
 import torch
 
-from backends.base import CacheSpec
+from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
 

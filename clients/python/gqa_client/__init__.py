@@ -15,22 +15,10 @@ uses torch (torch is never imported by this package). The dtype rule is in
 """
 
 from ._version import __version__
+from .aio import AsyncClient, AsyncDecodeStream
 from .batch import BatchRollbackOutput, BatchSession, BatchStepOutput
-from .client import (
-    DEFAULT_CAPACITY,
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_MESSAGE_BYTES,
-    POLICIES,
-    AsyncClient,
-    AsyncDecodeStream,
-    Client,
-    DecodeStepResult,
-    DecodeStream,
-    RollbackResult,
-    StepResult,
-    channel_options,
-    open_message,
-)
+from .channel import channel_options
+from .client import Client
 from .errors import (
     CacheFull,
     CallFailed,
@@ -41,7 +29,18 @@ from .errors import (
     Refused,
     ServerFault,
 )
+from .messages import (
+    DEFAULT_CAPACITY,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MESSAGE_BYTES,
+    POLICIES,
+    DecodeStepResult,
+    RollbackResult,
+    StepResult,
+    open_message,
+)
 from .snapshot import Snapshot
+from .stream import DecodeStream
 from .tensors import DTYPES
 
 __all__ = [

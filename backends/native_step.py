@@ -1,0 +1,109 @@
+"""A layer cache's step as one call into the compiled library (``native.Kernel.step``).
+
+``gqa_step`` plans the step from the cache's descriptor (``native.CacheDesc``: storage, shape,
+policy and T), writes the new row, attends and writes the output, all in C. A cache with a
+compiled step calls ``_attach_native`` once with its descriptor; the public step,
+``batch.step_many`` and ``plane.CacheSet.step`` then all run through it. ``base.LayerCache``
+inherits this class; nothing else does.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+
+import torch
+
+from .contract import StepOutcome
+from .errors import CacheFullError, InputValueError
+
+__all__ = ["NativeStep"]
+
+
+class NativeStep:
+    """The compiled step of a ``base.LayerCache`` (a mixin: it uses the cache's ``policy``,
+    ``spec``, ``row_bytes``, ``check_tensors`` and ``_state``)."""
+
+    _native = None
+
+    def _attach_native(self, kernel, desc) -> None:
+        """Makes ``desc`` (a ``native.CacheDesc`` with storage and shape filled in) this cache's
+        state: the policy and T written into it, and the buffers of a one-row ``gqa_step``."""
+        from . import native  # noqa: PLC0415 (native imports torch only; base is imported first)
+
+        p = self.policy
+        desc.policy = native.POLICY[p.kind.value]
+        desc.window, desc.sinks, desc.t = p.window, p.sinks, self._t
+        if self.__dict__.get("_fail_flag"):
+            desc.flags |= native.FLAG_FAIL_AFTER_WRITE
+        self._native = kernel
+        self._state = desc
+        io = (ctypes.c_void_p * 4)()
+        results = (ctypes.c_int64 * len(native.RESULT_COLUMNS_ALL))()
+        status = ctypes.c_int32()
+        addr = (ctypes.c_void_p * 1)(ctypes.addressof(desc))
+        # (kernel.step, the descriptor's address array, io and its address, results and their
+        # address, status and its address): what ``_step_native`` passes, computed once
+        self._one = (
+            kernel.step,
+            ctypes.addressof(addr),
+            io,
+            ctypes.addressof(io),
+            results,
+            ctypes.addressof(results),
+            status,
+            ctypes.addressof(status),
+            addr,
+        )
+        s = self.spec
+        self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+
+    def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
+        """The public step in one ``gqa_step`` call; None when this step takes the Python path
+        (``python_below``: the int8 cache's calibration)."""
+        self.check_tensors(query, new_key, new_value)
+        _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
+        fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
+        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+        if out is None:
+            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
+        io[0] = q.data_ptr()
+        io[1] = k.data_ptr()
+        io[2] = v.data_ptr()
+        io[3] = out.data_ptr()
+        rc = fn(addrs, 1, io_at, None, None, res_at, 7, status_at, 0, 0)
+        if rc:
+            self._native.raise_for(rc)
+        if status.value:
+            if status.value == -errno.EAGAIN:
+                return None
+            raise self.step_error(status.value)
+        r = res[:7]
+        return StepOutcome(out, r[0], r[1], r[2], r[3], r[4], self.row_bytes, 0, r[6])
+
+    def step_error(self, status: int) -> Exception:
+        """The exception for a row the native step refused with ``status`` (-errno; the cache
+        unchanged)."""
+        if status == -errno.ENOSPC:
+            return CacheFullError(f"cache full: policy none holds {self.policy.capacity} tokens and all are used")
+        if status == -errno.EDOM:
+            return InputValueError("a non-finite input value (or a key beyond float16's range); nothing was written")
+        return RuntimeError(f"native step failed: {os.strerror(-status)}; the cache is unchanged")
+
+    # Tests set it to make the native step fail after its write (the kernel restores the row).
+    @property
+    def _fail_after_write(self) -> bool:
+        return bool(self.__dict__.get("_fail_flag"))
+
+    @_fail_after_write.setter
+    def _fail_after_write(self, value: bool) -> None:
+        from . import native  # noqa: PLC0415
+
+        self.__dict__["_fail_flag"] = bool(value)
+        state = self._state
+        if state is not None:
+            if value:
+                state.flags |= native.FLAG_FAIL_AFTER_WRITE
+            else:
+                state.flags &= ~native.FLAG_FAIL_AFTER_WRITE
