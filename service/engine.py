@@ -74,6 +74,9 @@ _CONCURRENT_WINDOW_S = 1e-3
 # stream's or session's work submitted this recently: then it goes to the compute workers, so
 # the event loop serves the other sessions while it computes.
 _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
+# A lone session's message runs on the event loop when its previous message computed in less
+# than this: the two thread hops cost more, and the loop is held no longer than this.
+_INLINE_MESSAGE_S = 2e-3
 
 # name -> torch dtype (service.vocab), under the name the engine has always exported
 DTYPES = TORCH_DTYPES
@@ -534,9 +537,10 @@ class Engine:
         """Queues a planned Batch step message (``SequenceSet.plan``) on the compute workers,
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
-        that refused the whole message). A message smaller than ``--inline-step-bytes`` with
-        nothing else queued or computing, and no other stream or session stepping within the
-        last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right here."""
+        that refused the whole message). A message of a session whose previous message computed
+        in under ``_INLINE_MESSAGE_S``, with nothing else queued or computing and no other
+        stream or session stepping within the last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right
+        here (unless ``--inline-step-bytes`` is 0, which keeps every step off the loop)."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
@@ -548,10 +552,16 @@ class Engine:
                 return Internal() if not isinstance(exc, ServiceError) else exc
 
         job = PendingJob(sequences, run, received, future)
-        cost = len(plan.query) + len(plan.new_key) + len(plan.new_value)
         alone = self._last_stream is sequences or received - self._last_step_at > _CONCURRENT_MESSAGE_WINDOW_S
         self._last_stream, self._last_step_at = sequences, received
-        if alone and cost < self.config.inline_step_bytes and self.batcher.run_inline(job):
+        last = sequences.last_compute_ns
+        if (
+            alone
+            and last is not None
+            and last < _INLINE_MESSAGE_S * 1e9
+            and self.config.inline_step_bytes
+            and self.batcher.run_inline(job)
+        ):
             future.set_result(job.result)
             return future
         self.batcher.submit(job)

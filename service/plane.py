@@ -117,6 +117,9 @@ class SequenceSet:
         self._per_label: list[int] = []  # live sequences per label index
         self._row_bytes = 0
         self._output: torch.Tensor | None = None
+        # nanoseconds the last message's computation took (None before the first): the engine
+        # predicts the next message's by it to decide where to run it
+        self.last_compute_ns: int | None = None
 
     # -- membership -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -313,6 +316,7 @@ class SequenceSet:
         if out.device.type != "cpu":
             out = out.cpu()
         result = StepResult(fields, refusals, batch.compute_ns, out)
+        self.last_compute_ns = batch.compute_ns
         return self._answer(
             result, batch.compute_ns, queue_seconds, stepped=len(plan.slots), batch=batch, slots=plan.slots
         )
