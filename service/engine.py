@@ -223,7 +223,7 @@ class Engine:
         self.draining = False
         # Signs and checks snapshots (service.snapshot); None: snapshots carry a CRC only.
         self.snapshot_key: bytes | None = load_snapshot_key(config)
-        # Kept by service.batch_rpc on the event loop: sequences open in Batch sessions.
+        # Kept by service.batch_session on the event loop: sequences open in Batch sessions.
         self.batch_sequences = 0
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0

@@ -1,7 +1,7 @@
 """A Batch session's data plane: its sequences' caches in one ``backends.plane.CacheSet``, and a
 step message as one index array and one ``CacheSet.step``.
 
-The engine owns it (``Engine.sequence_set``); ``service.batch_rpc`` only translates protobuf to
+The engine owns it (``Engine.sequence_set``); ``service.batch_session`` only translates protobuf to
 the calls below. Each sequence is still an engine ``Stream`` (admission, byte budget,
 ``max_streams``, snapshots, rollback, the drain and the idle reaper treat it as they treat a
 Decode stream); the set adds the slot its caches have in the ``CacheSet``, and shares one

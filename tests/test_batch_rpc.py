@@ -106,7 +106,7 @@ def prefills(g, lengths, dtype):
 def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
     import numpy as np
 
-    from service.batch_rpc import step_reply_bytes
+    from service.batch_reply import step_reply_bytes
     from service.errors import InvalidArgument
     from service.plane import NotFound, StepResult
 
@@ -134,7 +134,7 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
 
 
 def test_a_refused_message_reply_is_status_and_layer_only():
-    from service.batch_rpc import step_reply_bytes
+    from service.batch_reply import step_reply_bytes
     from service.errors import InvalidArgument
 
     raw = step_reply_bytes(5, 2, None, refused=InvalidArgument("step.layer: 9 is out of range"))
@@ -559,6 +559,16 @@ def test_protocol_errors_and_refused_opens_end_the_rpc(channel, server, requests
     with pytest.raises(grpc.RpcError) as ended:
         raw_call(channel, *requests)
     assert ended.value.code() == code and words in ended.value.details()
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
+def test_a_request_that_does_not_parse_ends_the_rpc_with_invalid_argument(channel, server):
+    """As in Decode (it was INTERNAL here before the statuses were made in one place)."""
+    call = channel.stream_stream("/gqa.v1.AttentionService/Batch")  # raw bytes both ways
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call(iter([open_request().SerializeToString(), b"\xff\xff\xff"]), timeout=30))
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not valid protobuf" in ended.value.details()
     assert wait_for(lambda: server.engine.batch_sequences_open == 0)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 SERVICE = Path(__file__).resolve().parent.parent / "service"
-TRANSPORT = ("servicer", "batch_rpc", "session")
+TRANSPORT = ("servicer", "batch_rpc", "batch_session", "batch_reply", "decode_step", "session", "statuses")
 
 
 def _imports(module: str, *, typing_too: bool = True) -> set[str]:

@@ -498,15 +498,15 @@ def test_connection_age_never_cuts_an_open_stream():
 def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dtype, evicted):
     """The step reply the servicer encodes itself (around the output's bytes) is upb's message."""
     from backends.base import StepOutcome
+    from service.decode_step import StepReply
     from service.report import StepReport
-    from service.servicer import _StepReply
     from service.tensors import NAME_TO_DTYPE
 
     out = torch.randn(2, 4, 8).to(dtype)
     outcome = StepOutcome(out, 300, 5, 295, 299, evicted, 512, 0)
     report = StepReport(outcome, 123_456, 4)
     enum = NAME_TO_DTYPE[str(dtype)[6:]]
-    raw = _StepReply(rid, layer, (2, 4, 8), enum, out.numel() * out.element_size())(report, 0.0)
+    raw = StepReply(rid, layer, (2, 4, 8), enum, out.numel() * out.element_size())(report, 0.0)
     want = gqa_pb2.DecodeResponse(request_id=rid)
     r = want.step
     r.status.SetInParent()
