@@ -31,6 +31,7 @@ from .engine import Admission, Engine, Stream
 from .errors import InvalidArgument, ServiceError
 from .security import malformed_request
 from .session import EOF, StreamClosed, StreamSession
+from .stateless import check_stateless, stateless_step
 from .tensors import from_proto, to_proto
 from .vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 from .wire import read_decode_step
@@ -67,7 +68,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     async def DecodeStep(self, request, context):
         args = _stateless_args(request)
         cost = len(request.key_cache.data) + len(request.value_cache.data)
-        result = await self.engine.offload(cost, self.engine.stateless_step, *args)
+        result = await self.engine.offload(cost, stateless_step, *args)
         return gqa_pb2.DecodeStepResponse(
             output=to_proto(result["output"]),
             new_key_cache=to_proto(result["new_key_cache"]),
@@ -386,5 +387,5 @@ def _stateless_args(request) -> tuple:
             if size == 0 and axis != "S":
                 raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
     hq, hkv = int(request.num_query_heads), int(request.num_kv_heads)
-    Engine.check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
+    check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
     return query, new_key, new_value, key_cache, value_cache, hq, hkv
