@@ -572,6 +572,22 @@ def test_a_request_that_does_not_parse_ends_the_rpc_with_invalid_argument(channe
     assert wait_for(lambda: server.engine.batch_sequences_open == 0)
 
 
+def test_a_fault_mid_session_ends_it_internal_with_the_session_s_fixed_message(channel, server, monkeypatch):
+    """The Batch method's own INTERNAL message (service.statuses); the session's sequences freed."""
+    from service import batch_session
+
+    def broken(self, request):
+        raise RuntimeError("/secret/path.py: a fault")
+
+    monkeypatch.setattr(batch_session.Session, "remove", broken)
+    remove = gqa_pb2.BatchRequest(request_id=1, remove=gqa_pb2.BatchRemove(ids=[1]))
+    with pytest.raises(grpc.RpcError) as ended:
+        raw_call(channel, open_request(), remove)
+    assert ended.value.code() == grpc.StatusCode.INTERNAL
+    assert ended.value.details() == "internal error; the session was closed"
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
 def wait_for(predicate, timeout=10.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
