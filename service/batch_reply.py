@@ -16,7 +16,7 @@ from .plane import FIELDS, StepResult
 from .vocab import TORCH_TO_DTYPE
 from .wire import packed_varints, varint
 
-__all__ = ["OK", "status", "refusal", "step_reply_bytes", "StepReply"]
+__all__ = ["OK", "status", "sequence_refusal", "step_reply_bytes", "StepReply"]
 
 OK = gqa_pb2.Status(code=0)
 
@@ -26,7 +26,7 @@ def status(exc: ServiceError) -> gqa_pb2.Status:
     return gqa_pb2.Status(code=exc.code_number, message=exc.message)
 
 
-def refusal(index: int, sid: int, exc: ServiceError) -> gqa_pb2.SequenceRefusal:
+def sequence_refusal(index: int, sid: int, exc: ServiceError) -> gqa_pb2.SequenceRefusal:
     """One sequence's refusal: its row in the message, its id, its status."""
     return gqa_pb2.SequenceRefusal(index=index, id=sid, status=status(exc))
 
@@ -68,7 +68,7 @@ def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=Non
             parts += [tag, varint(length), data[pos : pos + length]]
             pos += length
     for row, sid, exc in result.refusals:
-        r = refusal(row, sid, exc).SerializeToString()
+        r = sequence_refusal(row, sid, exc).SerializeToString()
         parts += [_TAG_REFUSAL, varint(len(r)), r]
     if result.compute_ns:
         parts += [_TAG_COMPUTE, varint(result.compute_ns)]

@@ -18,7 +18,7 @@ import torch
 
 from . import snapshot
 from .api import gqa_pb2
-from .batch_reply import OK, StepReply, refusal, status, step_reply_bytes
+from .batch_reply import OK, StepReply, sequence_refusal, status, step_reply_bytes
 from .config import ServerConfig
 from .engine import Admission, Engine, Stream, StreamConfig
 from .errors import InvalidArgument, ServiceError
@@ -369,7 +369,7 @@ class Session:
                 self._drop(sid, "removed")
                 removed.append(sid)
             else:
-                refusals.append(refusal(i, sid, NotFound(f"remove.ids: sequence {sid} is not in the session")))
+                refusals.append(sequence_refusal(i, sid, NotFound(f"remove.ids: sequence {sid} is not in the session")))
         return gqa_pb2.BatchRemoved(ids=removed, refusals=refusals)
 
     def rollback(self, request: gqa_pb2.BatchRollback) -> gqa_pb2.BatchRollbackResult:
@@ -389,7 +389,7 @@ class Session:
                     raise InvalidArgument(f"rollback.ids: sequence {sid} appears more than once in the message")
                 stream.rollback(counts[i], layer)
             except ServiceError as exc:
-                refusals.append(refusal(i, sid, exc))
+                refusals.append(sequence_refusal(i, sid, exc))
                 continue
             for j, cache in enumerate(stream.caches):
                 tokens[i * layers + j] = cache.tokens_seen

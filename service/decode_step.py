@@ -1,6 +1,6 @@
 """One ``Decode`` stream's step on the wire: a request checked against the stream's shapes with
 integer comparisons (``StepShape``), its reply written as bytes on the compute worker
-(``StepReply``), and the refusal of a step that does not fit (``refusal``, ``step_input_error``).
+(``StepReply``), and the refusal of a step that does not fit (``step_refusal``, ``step_input_error``).
 
 The reply is encoded here rather than by upb, around the output's bytes (docs/design.md, "The
 step reply and its bytes"); tests/test_service.py checks the bytes parse to upb's message.
@@ -18,7 +18,7 @@ from .tensors import from_proto
 from .vocab import NAME_TO_DTYPE, TORCH_DTYPES
 from .wire import DecodeStepLayout, varint
 
-__all__ = ["StepShape", "StepReply", "refusal", "step_input_error"]
+__all__ = ["StepShape", "StepReply", "step_refusal", "step_input_error"]
 
 
 class StepShape:
@@ -73,7 +73,7 @@ class StepReply:
 
     def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
         if isinstance(value, ServiceError):
-            return refusal(self.rid, self.layer, value)
+            return step_refusal(self.rid, self.layer, value)
         o = value.outcome
         out = o.output
         if not (out.is_cpu and out.is_contiguous()):
@@ -106,7 +106,7 @@ class StepReply:
         return b"".join((head, out.reshape(-1).view(torch.uint8).numpy()))
 
 
-def refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
+def step_refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
     return gqa_pb2.DecodeResponse(
         request_id=rid,
         step=gqa_pb2.StepResult(status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=layer),

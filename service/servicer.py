@@ -26,7 +26,7 @@ import grpc
 from . import __version__, batch_rpc, snapshot
 from .api import gqa_pb2, gqa_pb2_grpc
 from .config import ServerConfig
-from .decode_step import StepReply, StepShape, refusal, step_input_error
+from .decode_step import StepReply, StepShape, step_input_error, step_refusal
 from .engine import Admission, Engine, Stream
 from .errors import InvalidArgument, ServiceError
 from .security import malformed_request
@@ -352,7 +352,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
-            return refusal(rid, layer, exc)
+            return step_refusal(rid, layer, exc)
         return await future
 
     def _rollback(self, stream: Stream, request: gqa_pb2.Rollback, rid: int) -> gqa_pb2.DecodeResponse:
