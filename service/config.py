@@ -144,7 +144,9 @@ class ServerConfig:
     """steps reading fewer cache bytes run on the event loop
 
     A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
-    costs more than the step. Longer steps run on the compute pool so streams stay responsive."""
+    costs more than the step. Longer steps run on the compute pool so streams stay responsive.
+    A Batch step message runs there when its session steps alone and its previous message
+    computed in under 2 ms; 0 keeps every step and message on the compute pool."""
 
     workers: int = 0
     """compute threads (0: one per core)

@@ -1,4 +1,4 @@
-"""Domain errors with their status codes, mapped to gRPC in one place (``servicer.py``).
+"""Domain errors with their status codes, mapped to gRPC in one place (``service.transport.statuses``).
 
 Codes are the canonical gRPC names as strings, so the engine needs no ``grpc`` import.
 Messages are safe to show a client: they name fields and shapes, never paths or traces.

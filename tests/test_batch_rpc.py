@@ -108,7 +108,7 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
 
     from service.engine.plane import NotFound, StepResult
     from service.errors import InvalidArgument
-    from service.transport.batch_rpc import step_reply_bytes
+    from service.transport.batch_reply import step_reply_bytes
 
     g = torch.Generator().manual_seed(n)
     output = torch.randn(n, 32, 128, generator=g).to(dtype)
@@ -135,7 +135,7 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
 
 def test_a_refused_message_reply_is_status_and_layer_only():
     from service.errors import InvalidArgument
-    from service.transport.batch_rpc import step_reply_bytes
+    from service.transport.batch_reply import step_reply_bytes
 
     raw = step_reply_bytes(5, 2, None, refused=InvalidArgument("step.layer: 9 is out of range"))
     want = gqa_pb2.BatchResponse(
@@ -559,6 +559,32 @@ def test_protocol_errors_and_refused_opens_end_the_rpc(channel, server, requests
     with pytest.raises(grpc.RpcError) as ended:
         raw_call(channel, *requests)
     assert ended.value.code() == code and words in ended.value.details()
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
+def test_a_request_that_does_not_parse_ends_the_rpc_with_invalid_argument(channel, server):
+    """As in Decode (it was INTERNAL here before the statuses were made in one place)."""
+    call = channel.stream_stream("/gqa.v1.AttentionService/Batch")  # raw bytes both ways
+    with pytest.raises(grpc.RpcError) as ended:
+        list(call(iter([open_request().SerializeToString(), b"\xff\xff\xff"]), timeout=30))
+    assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not valid protobuf" in ended.value.details()
+    assert wait_for(lambda: server.engine.batch_sequences_open == 0)
+
+
+def test_a_fault_mid_session_ends_it_internal_with_the_session_s_fixed_message(channel, server, monkeypatch):
+    """The Batch method's own INTERNAL message (service.transport.statuses); the session's sequences freed."""
+    from service.transport import batch_session
+
+    def broken(self, request):
+        raise RuntimeError("/secret/path.py: a fault")
+
+    monkeypatch.setattr(batch_session.Session, "remove", broken)
+    remove = gqa_pb2.BatchRequest(request_id=1, remove=gqa_pb2.BatchRemove(ids=[1]))
+    with pytest.raises(grpc.RpcError) as ended:
+        raw_call(channel, open_request(), remove)
+    assert ended.value.code() == grpc.StatusCode.INTERNAL
+    assert ended.value.details() == "internal error; the session was closed"
     assert wait_for(lambda: server.engine.batch_sequences_open == 0)
 
 

@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from backends import batch
+from service import stateless as stateless_module
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
-from service.engine import engine as engine_module
 from service.engine.engine import Engine
 from service.engine.tensors import to_proto
 from service.server import ServerThread
@@ -232,7 +232,7 @@ def test_4_a_value_error_inside_a_backend_is_internal(monkeypatch):
         bad = session.step(0, torch.zeros(1, 4, 7), torch.zeros(1, 2, 7), torch.zeros(1, 2, 7))
         assert bad.step.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         session.close()
-        monkeypatch.setattr(engine_module, "gqa_decode_step", broken)
+        monkeypatch.setattr(stateless_module, "gqa_decode_step", broken)
         request = gqa_pb2.DecodeStepRequest(
             num_query_heads=4,
             num_kv_heads=2,

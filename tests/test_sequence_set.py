@@ -3,6 +3,10 @@ reaper) reach the owner's next message, whatever the owner did with its arrays m
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
+
 import numpy as np
 import pytest
 import torch
@@ -101,3 +105,33 @@ def test_a_close_queued_for_a_removed_sequence_does_not_mark_the_slot_s_next_own
     _open(engine, sequences, 2)  # takes the freed slot
     plan = _plan(sequences, [2])
     assert plan.refusals == [] and plan.live is None
+
+
+def test_a_lone_session_s_short_messages_run_on_the_event_loop_after_the_first(engine):
+    """Where ``Engine.submit_message`` runs a message: the first of a session on a compute worker
+    (its cost is unknown), later ones of a lone session whose previous one computed briefly on
+    the calling thread (no hop), and any message on a worker while another session steps."""
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sets = [engine.sequence_set(shape) for _ in range(2)]
+    for sid, sequences in enumerate(sets):
+        _open(engine, sequences, sid)
+
+    async def where(sequences, sid) -> str:
+        loop_thread = threading.current_thread()
+
+        def reply(result, queue_seconds):
+            assert result.fields[0, 0] > 0  # the step was computed
+            return "loop" if threading.current_thread() is loop_thread else "worker"
+
+        plan = _plan(sequences, [sid])
+        return await engine.submit_message(sequences, plan, received=time.perf_counter(), reply=reply)
+
+    async def main():
+        first = await where(sets[0], 0)
+        alone = await where(sets[0], 0)
+        other = await where(sets[1], 1)  # another session within the window: a worker
+        return first, alone, other
+
+    assert asyncio.run(main()) == ("worker", "loop", "worker")

@@ -500,13 +500,13 @@ def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dty
     from backends.contract import StepOutcome
     from service.engine.report import StepReport
     from service.engine.tensors import NAME_TO_DTYPE
-    from service.transport.servicer import _StepReply
+    from service.transport.decode_step import StepReply
 
     out = torch.randn(2, 4, 8).to(dtype)
     outcome = StepOutcome(out, 300, 5, 295, 299, evicted, 512, 0)
     report = StepReport(outcome, 123_456, 4)
     enum = NAME_TO_DTYPE[str(dtype)[6:]]
-    raw = _StepReply(rid, layer, (2, 4, 8), enum, out.numel() * out.element_size())(report, 0.0)
+    raw = StepReply(rid, layer, (2, 4, 8), enum, out.numel() * out.element_size())(report, 0.0)
     want = gqa_pb2.DecodeResponse(request_id=rid)
     r = want.step
     r.status.SetInParent()

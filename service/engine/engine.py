@@ -1,8 +1,8 @@
 """The stream engine: opens streams, admits them against the budget, steps, closes, reaps.
 
-No gRPC here: the servicer translates protobuf to the calls below and ``ServiceError`` codes
-back to statuses, and the engine is tested without a server. Stats go to one observer
-(``service.metrics.recorder`` turns them into Prometheus updates), so nothing here imports
+No gRPC here: the transport translates protobuf to the calls below and ``ServiceError`` codes
+back to statuses (``service.transport.statuses``), and the engine is tested without a server. Stats go to one observer
+(``service.metrics`` turns them into Prometheus updates), so nothing here imports
 ``prometheus_client`` either.
 
 Admission and allocation are separate: ``admit`` checks the limits and reserves the bytes
@@ -15,7 +15,7 @@ counts admissions being built, so ``max_streams`` holds against concurrent opens
 
 Steps go through the batcher (``service.engine.batcher``): ``submit_step`` queues one and returns an
 asyncio future; a compute worker runs the steps of many streams in one ``step_many`` call.
-A stream's steps are submitted one at a time by its own handler, so a ``Stream`` needs no lock.
+The stream record itself (configuration, caches, step, rollback) is ``service.engine.stream``.
 """
 
 from __future__ import annotations
@@ -27,16 +27,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from backends import registry
-from backends.base import CacheSpec, LayerCache
-from backends.errors import BackendUnavailable, CacheFullError, RollbackError
-from backends.policy import EvictionPolicy, PolicyError
-from backends.reference import gqa_decode_step
-from backends.validation import check_cache_tensors, check_heads, check_step_tensors
+from backends.errors import BackendUnavailable
 
 from ..config import ServerConfig, load_snapshot_key
 from ..errors import (
@@ -51,7 +46,8 @@ from ..errors import (
 from ..vocab import TORCH_DTYPES
 from .batcher import Batcher, PendingJob, PendingStep
 from .plane import SequenceSet, SetShape
-from .report import EngineObserver, StepReport, classify_step_error
+from .report import EngineObserver, StepReport
+from .stream import Activity, Admission, Stream, StreamConfig, build_caches, validate_config
 
 __all__ = [
     "Engine",
@@ -73,126 +69,9 @@ _CONCURRENT_WINDOW_S = 1e-3
 # stream's or session's work submitted this recently: then it goes to the compute workers, so
 # the event loop serves the other sessions while it computes.
 _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    backend: str
-    dtype: str
-    batch_size: int
-    num_query_heads: int
-    num_kv_heads: int
-    head_dim: int
-    num_layers: int
-    policy: EvictionPolicy
-
-    def spec(self, device: str) -> CacheSpec:
-        return CacheSpec(
-            batch_size=self.batch_size,
-            num_query_heads=self.num_query_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            dtype=TORCH_DTYPES[self.dtype],
-            policy=self.policy,
-            device=device,
-        )
-
-
-class Activity:
-    """When a stream, or a whole Batch session, was last active (``Engine.clock`` seconds): one
-    per Decode stream, one shared by every sequence of a Batch session, so a session's request
-    keeps all its sequences alive at the cost of one assignment."""
-
-    __slots__ = ("last_active",)
-
-    def __init__(self, now: float):
-        self.last_active = now
-
-
-@dataclass(eq=False)
-class Stream:
-    """One open stream: its configuration, one cache per layer, its reservation."""
-
-    id: str
-    config: StreamConfig
-    caches: list[LayerCache]
-    bytes_reserved: int
-    opened_at: float
-    activity: Activity
-    closed: bool = False
-    close_reason: str | None = None
-    # Set by whoever closes a stream out from under its handler (idle reaper, drain), so the
-    # handler can end the RPC with the right status.
-    on_forced_close: Callable[[ServiceError], None] | None = field(default=None, repr=False)
-    # Called by ``Engine.close`` (any thread, after the stream is marked closed): a Batch
-    # session's data plane marks the sequence's slot dead, so its steps are refused.
-    on_closed: Callable[["Stream"], None] | None = field(default=None, repr=False)
-
-    @property
-    def last_active(self) -> float:
-        return self.activity.last_active
-
-    @last_active.setter
-    def last_active(self, now: float) -> None:
-        self.activity.last_active = now
-
-    @property
-    def labels(self) -> tuple[str, str, str]:
-        return self.config.backend, self.config.dtype, self.config.policy.kind.value
-
-    def bytes_in_use(self) -> int:
-        return sum(c.resident_length * c.row_bytes for c in self.caches)
-
-    def _layer(self, layer: int) -> LayerCache:
-        if not 0 <= layer < len(self.caches):
-            raise InvalidArgument(f"layer: {layer} is out of range; the stream has num_layers={len(self.caches)}")
-        return self.caches[layer]
-
-    def step(self, layer: int, query: torch.Tensor, new_key: torch.Tensor, new_value: torch.Tensor) -> StepReport:
-        """One decode step on one layer; ``ServiceError`` on refusal, cache unchanged."""
-        if self.closed:
-            raise Unavailable(f"stream {self.id} is closed ({self.close_reason})")
-        cache = self._layer(layer)
-        t0 = time.perf_counter_ns()
-        try:
-            outcome = cache.step(query, new_key, new_value)
-        except Exception as exc:
-            raise classify_step_error(exc, f"stream {self.id}: step on layer {layer}") from None
-        compute_ns = time.perf_counter_ns() - t0
-        return StepReport(outcome, compute_ns, cache.policy.rollback_reach(outcome.tokens_seen))
-
-    def rollback(self, count: int, layer: int | None) -> None:
-        """Drops the last ``count`` tokens of one layer or all; all-or-nothing."""
-        targets = self.caches if layer is None else [self._layer(layer)]
-        for cache in targets:
-            reach = cache.policy.rollback_reach(cache.tokens_seen)
-            if count > reach:
-                where = "" if layer is None else f" of layer {layer}"
-                raise FailedPrecondition(
-                    f"rollback: dropping {count} tokens{where} is not exact at T={cache.tokens_seen}; "
-                    f"at most {reach} can be rolled back exactly"
-                )
-        for cache in targets:
-            try:
-                cache.rollback(count)
-            except RollbackError as exc:  # checked above; kept as a guard
-                raise FailedPrecondition(str(exc)) from None
-
-    def touch(self, now: float) -> None:
-        self.activity.last_active = now
-
-
-@dataclass(eq=False)
-class Admission:
-    """A stream admitted and counted but not yet built: its id, slot and reserved bytes."""
-
-    id: str
-    config: StreamConfig
-    need: int
-    backend: object = field(repr=False)
-    spec: CacheSpec = field(repr=False)
-    stream: Stream | None = None
-    released: bool = False
+# A lone session's message runs on the event loop when its previous message computed in less
+# than this: the two thread hops cost more, and the loop is held no longer than this.
+_INLINE_MESSAGE_S = 2e-3
 
 
 class Engine:
@@ -216,7 +95,7 @@ class Engine:
         self.draining = False
         # Signs and checks snapshots (service.engine.snapshot); None: snapshots carry a CRC only.
         self.snapshot_key: bytes | None = load_snapshot_key(config)
-        # Kept by service.transport.batch_rpc on the event loop: sequences open in Batch sessions.
+        # Kept by service.transport.batch_session on the event loop: sequences open in Batch sessions.
         self.batch_sequences = 0
         # Request bytes the stream sessions hold read ahead, all streams together.
         self.read_ahead_bytes = 0
@@ -239,7 +118,7 @@ class Engine:
         """Open streams, and streams admitted and still being allocated."""
         return len(self._streams) + self._admitting
 
-    # Saturation, read at scrape time by ``service.metrics.recorder``; the batcher keeps them.
+    # Saturation, read at scrape time by ``service.metrics``; the batcher keeps them.
     @property
     def steps_waiting(self) -> int:
         """Steps accepted and waiting for a compute worker."""
@@ -294,49 +173,10 @@ class Engine:
             return list(self._streams.values())
 
     # -- configuration ----------------------------------------------------------------------
-    def stream_config(
-        self,
-        *,
-        backend: str,
-        dtype: str,
-        batch_size: int,
-        num_query_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        num_layers: int,
-        policy: str,
-        window: int,
-        capacity: int,
-        sink_tokens: int,
-    ) -> StreamConfig:
-        """Validates an open request against the limits; ``InvalidArgument`` names the field."""
-        c = self.config
-        backend = backend or c.backend
-        dtype = dtype or c.dtype
-        if dtype not in TORCH_DTYPES:
-            raise InvalidArgument(f"dtype: {dtype!r} is not one of {', '.join(TORCH_DTYPES)}")
-        for name, value, limit in (
-            ("batch_size", batch_size, c.max_batch_size),
-            ("num_query_heads", num_query_heads, c.max_heads),
-            ("num_kv_heads", num_kv_heads, c.max_heads),
-            ("head_dim", head_dim, c.max_head_dim),
-            ("num_layers", num_layers, c.max_layers),
-        ):
-            if value <= 0:
-                raise InvalidArgument(f"{name}: must be positive, got {value}")
-            if value > limit:
-                raise InvalidArgument(f"{name}: {value} exceeds the server's limit of {limit}")
-        if num_query_heads % num_kv_heads:
-            raise InvalidArgument(
-                f"num_query_heads ({num_query_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-            )
-        try:
-            pol = EvictionPolicy.create(policy, window=window, capacity=capacity, sinks=sink_tokens)
-        except PolicyError as exc:
-            raise InvalidArgument(f"policy: {exc}") from None
-        if pol.capacity > c.max_capacity:
-            raise InvalidArgument(f"capacity: {pol.capacity} rows exceed the server's limit of {c.max_capacity}")
-        return StreamConfig(backend, dtype, batch_size, num_query_heads, num_kv_heads, head_dim, num_layers, pol)
+    def stream_config(self, **fields) -> StreamConfig:
+        """Validates an open request's fields (``service.engine.stream.validate_config``'s keywords)
+        against this server's limits; ``InvalidArgument`` names the field."""
+        return validate_config(self.config, **fields)
 
     # -- lifecycle ----------------------------------------------------------------------------
     def admit(self, config: StreamConfig, *, restore_layers: int | None = None) -> Admission:
@@ -401,31 +241,11 @@ class Engine:
         ``restore`` holds, per layer, ``(tokens_seen, state)`` as ``LayerCache.export_state``
         returns it (a snapshot).
         """
-        config, backend, spec = admission.config, admission.backend, admission.spec
-        prefill = prefill or {}
+        config = admission.config
         try:
             if admission.released:
                 raise Unavailable("the open was cancelled")
-            for layer in prefill:
-                if not 0 <= layer < config.num_layers:
-                    raise InvalidArgument(f"prefill.layer: {layer} is out of range; num_layers={config.num_layers}")
-            if restore is not None and len(restore) != config.num_layers:
-                raise InvalidArgument(
-                    f"restore: the snapshot has {len(restore)} layers, its configuration {config.num_layers}"
-                )
-            caches = [backend.create_cache(spec) for _ in range(config.num_layers)]
-            for layer, (keys, values) in prefill.items():
-                try:
-                    caches[layer].prefill(keys, values)
-                except CacheFullError as exc:
-                    raise InvalidArgument(f"prefill.layer {layer}: {exc}") from None
-                except (TypeError, ValueError) as exc:
-                    raise InvalidArgument(f"prefill.layer {layer}: {exc}") from None
-            for layer, (tokens_seen, state) in enumerate(restore or []):
-                try:
-                    caches[layer].load_state(tokens_seen, state)
-                except (TypeError, ValueError, KeyError) as exc:
-                    raise InvalidArgument(f"restore: layer {layer}: {exc}") from None
+            caches = build_caches(admission, prefill or {}, restore)
         except BaseException as exc:
             with self._lock:
                 if not admission.released:
@@ -530,9 +350,10 @@ class Engine:
         """Queues a planned Batch step message (``SequenceSet.plan``) on the compute workers,
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
-        that refused the whole message). A message smaller than ``--inline-step-bytes`` with
-        nothing else queued or computing, and no other stream or session stepping within the
-        last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right here."""
+        that refused the whole message). A message of a session whose previous message computed
+        in under ``_INLINE_MESSAGE_S``, with nothing else queued or computing and no other
+        stream or session stepping within the last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right
+        here (unless ``--inline-step-bytes`` is 0, which keeps every step off the loop)."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
@@ -544,10 +365,16 @@ class Engine:
                 return Internal() if not isinstance(exc, ServiceError) else exc
 
         job = PendingJob(sequences, run, received, future)
-        cost = len(plan.query) + len(plan.new_key) + len(plan.new_value)
         alone = self._last_stream is sequences or received - self._last_step_at > _CONCURRENT_MESSAGE_WINDOW_S
         self._last_stream, self._last_step_at = sequences, received
-        if alone and cost < self.config.inline_step_bytes and self.batcher.run_inline(job):
+        last = sequences.last_compute_ns
+        if (
+            alone
+            and last is not None
+            and last < _INLINE_MESSAGE_S * 1e9
+            and self.config.inline_step_bytes
+            and self.batcher.run_inline(job)
+        ):
             future.set_result(job.result)
             return future
         self.batcher.submit(job)
@@ -559,29 +386,6 @@ class Engine:
         """Every backend's capabilities or reasons (``backends.registry.describe``); slow the
         first time (it imports optional modules): call it off the event loop."""
         return registry.describe()
-
-    @staticmethod
-    def check_stateless(query, new_key, new_value, key_cache, value_cache, hq: int, hkv: int) -> None:
-        """Validation of a stateless ``DecodeStep``'s tensors (``InvalidArgument`` naming the
-        field): every failure of the request is found here, before the computation."""
-        try:
-            check_heads(hq, hkv)
-            check_step_tensors(query, new_key, new_value, hq, hkv)
-            check_cache_tensors(key_cache, value_cache, query, hkv)
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(str(exc)) from None
-
-    @staticmethod
-    def stateless_step(query, new_key, new_value, key_cache, value_cache, hq: int, hkv: int) -> dict:
-        """A stateless decode step (``backends.reference.gqa_decode_step``) over checked
-        tensors; what it raises is a fault, not the caller's: ``Internal``."""
-        try:
-            return gqa_decode_step(query, new_key, new_value, key_cache, value_cache, hq, hkv)
-        except ServiceError:
-            raise
-        except Exception:
-            log.exception("DecodeStep failed")
-            raise Internal("internal error") from None
 
     async def offload(self, cost_bytes: int, fn, *args):
         """``fn(*args)``: right here when ``cost_bytes`` is under ``--inline-step-bytes`` (a

@@ -7,10 +7,12 @@
   compared as SHA-256 digests with ``hmac.compare_digest`` (constant time, whatever the length)
   and are never logged. Reflection is *not* exempt: it describes the whole API, and tools that
   use it (grpcurl, buf curl) can send the header.
-- ``SafeStatusInterceptor``: the last line of defence for what a client reads in a status.
-  ``ServiceError`` gets its own code and message; any other exception becomes INTERNAL with a
-  fixed message while the traceback goes to the log; bytes that do not parse as the method's
-  request message get INVALID_ARGUMENT instead of grpc's "Unexpected <class ...>" text.
+- ``SafeStatusInterceptor``: where a handler's exception becomes the call's status
+  (``service.transport.statuses.status_of``, the one mapping): ``ServiceError`` gets its own code and
+  message; any other exception becomes INTERNAL with a fixed message (a behaviour's
+  ``internal_message`` attribute, else "internal error") while the traceback goes to the log;
+  bytes that do not parse as the method's request message get INVALID_ARGUMENT instead of
+  grpc's "Unexpected <class ...>" text.
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ from collections.abc import Callable
 import grpc
 
 from ..config import ConfigError, ServerConfig
-from ..errors import InvalidArgument, ServiceError
+from ..errors import InvalidArgument
 from .handlers import handler_kind, passes_bytes
+from .statuses import INTERNAL_MESSAGE, abort
 
 __all__ = [
     "server_credentials",
@@ -34,7 +37,6 @@ __all__ = [
     "BearerTokenInterceptor",
     "SafeStatusInterceptor",
     "EXEMPT_SERVICES",
-    "INTERNAL_MESSAGE",
     "malformed_request",
 ]
 
@@ -42,7 +44,6 @@ log = logging.getLogger("gqa.security")
 
 # Probes (kubelet's native grpc probe, grpc_health_probe) cannot send a token.
 EXEMPT_SERVICES = ("grpc.health.v1.Health",)
-INTERNAL_MESSAGE = "internal error"
 
 
 def _read(path: str, flag: str) -> bytes:
@@ -184,8 +185,7 @@ def malformed_request(method: str) -> InvalidArgument:
 
 
 async def _refuse_malformed(context, method: str):
-    error = malformed_request(method)
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, error.message)
+    await abort(context, malformed_request(method), method)
 
 
 async def _guarded_iterator(requests, method: str):
@@ -219,13 +219,6 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
         )
 
     @staticmethod
-    async def _fail(context, method: str, exc: BaseException):
-        if isinstance(exc, ServiceError):
-            await context.abort(getattr(grpc.StatusCode, exc.code), exc.message)
-        log.error("%s failed", method, exc_info=exc)
-        await context.abort(grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE)
-
-    @staticmethod
     async def _prepare(request, context, method: str, request_streaming: bool):
         if request_streaming:
             return _guarded_iterator(request, method), _GuardedContext(context, method)
@@ -234,6 +227,8 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
         return request, _GuardedContext(context, method)
 
     def _wrap_coroutine(self, behavior, method: str, request_streaming: bool):
+        internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
+
         async def handler(request, context):
             request, guarded = await self._prepare(request, context, method, request_streaming)
             try:
@@ -241,11 +236,13 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
             except (grpc.aio.AbortError, asyncio.CancelledError):
                 raise
             except Exception as exc:
-                await self._fail(context, method, exc)
+                await abort(context, exc, method, internal)
 
         return handler
 
     def _wrap_generator(self, behavior, method: str, request_streaming: bool):
+        internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
+
         async def handler(request, context):
             request, guarded = await self._prepare(request, context, method, request_streaming)
             responses = behavior(request, guarded)
@@ -255,7 +252,7 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
             except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
                 raise
             except Exception as exc:
-                await self._fail(context, method, exc)
+                await abort(context, exc, method, internal)
             finally:
                 await responses.aclose()
 

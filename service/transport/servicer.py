@@ -2,14 +2,16 @@
 
 Errors: ``ServiceError`` carries its code; in a stream, a refused step/rollback/snapshot is
 answered in-band and the stream goes on; a broken protocol, a refused open, the idle timeout
-and shutdown end the RPC with a status (``_abort``, the one place exceptions become statuses).
-Any other exception becomes INTERNAL with a fixed message (the traceback goes to the log, never
-to the client). Only validation says INVALID_ARGUMENT: what a backend raises while computing
-is INTERNAL (``service.engine.batcher.classify_step_error``).
+and shutdown end the RPC: the handler raises, and the status interceptor makes the status
+(``service.transport.statuses.status_of``, the one place exceptions become statuses; any other exception
+becomes INTERNAL with a fixed message, the traceback going to the log, never to the client).
+Only validation says INVALID_ARGUMENT: what a backend raises while computing is INTERNAL
+(``service.engine.report.classify_step_error``).
 
 A Decode stream's session (read-ahead, back-pressure, forced close) is ``service.transport.session``;
 its steps go to the engine's batcher (``service.engine.batcher``) after integer checks against the
-stream's shapes, and come back as reply messages built on the compute worker. Opens and
+stream's shapes (``service.transport.decode_step``), and come back as reply bytes built on the compute
+worker. Opens and
 restores are admitted here (cheap) and built on the pool, never on the event loop.
 """
 
@@ -17,85 +19,28 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import logging
 import time
 
 import grpc
-import torch
 
 from .. import __version__
 from ..api import gqa_pb2, gqa_pb2_grpc
 from ..config import ServerConfig
 from ..engine import snapshot
 from ..engine.engine import Admission, Engine, Stream
-from ..engine.report import StepReport, classify_step_error
+from ..engine.stateless import check_stateless, stateless_step
 from ..engine.tensors import from_proto, to_proto
 from ..errors import InvalidArgument, ServiceError
-from ..vocab import (
-    DTYPE_NAMES,
-    NAME_TO_DTYPE,
-    POLICY_ENUMS,
-    POLICY_NAMES,
-    TORCH_DTYPES,
-    TORCH_TO_DTYPE,
-)
+from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 from . import batch_rpc
+from .decode_step import StepReply, StepShape, step_input_error, step_refusal
 from .security import malformed_request
 from .session import EOF, StreamClosed, StreamSession
-from .wire import DecodeStepLayout, read_decode_step, varint
+from .wire import read_decode_step
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]
 
-log = logging.getLogger("gqa.servicer")
-
 _OK = gqa_pb2.Status(code=0)
-
-
-def _status(code: str) -> grpc.StatusCode:
-    return getattr(grpc.StatusCode, code)
-
-
-async def _abort(context, exc: BaseException, what: str, internal: str = "internal error; the stream was closed"):
-    """The one place an exception becomes an RPC's status: a ``ServiceError`` its own code and
-    message; anything else INTERNAL with a fixed message, the traceback to the log only."""
-    if isinstance(exc, ServiceError):
-        await context.abort(_status(exc.code), exc.message)
-    log.error("%s: unexpected failure", what, exc_info=(type(exc), exc, exc.__traceback__))
-    await context.abort(grpc.StatusCode.INTERNAL, internal)
-
-
-class _StepShape:
-    """What a stream's step tensors must be, as the integers the wire carries: checked with
-    integer comparisons, no tensor built on the event loop."""
-
-    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layers", "layout")
-
-    def __init__(self, stream: Stream):
-        c = stream.config
-        itemsize = torch.empty((), dtype=TORCH_DTYPES[c.dtype]).element_size()
-        self.dtype = NAME_TO_DTYPE[c.dtype]
-        self.q_shape = (c.batch_size, c.num_query_heads, c.head_dim)
-        self.kv_shape = (c.batch_size, c.num_kv_heads, c.head_dim)
-        self.q_bytes = c.batch_size * c.num_query_heads * c.head_dim * itemsize
-        self.kv_bytes = c.batch_size * c.num_kv_heads * c.head_dim * itemsize
-        self.out_shape = self.q_shape
-        self.layers = c.num_layers
-        # The stream's step requests as the runtimes encode them: read by checking prefixes
-        self.layout = DecodeStepLayout(self.dtype, self.q_shape, self.kv_shape, self.q_bytes, self.kv_bytes)
-
-    def matches(self, step) -> bool:
-        q, k, v = step.query, step.new_key, step.new_value
-        return (
-            q.dtype == self.dtype
-            and k.dtype == self.dtype
-            and v.dtype == self.dtype
-            and len(q.data) == self.q_bytes
-            and len(k.data) == self.kv_bytes
-            and len(v.data) == self.kv_bytes
-            and tuple(q.shape) == self.q_shape
-            and tuple(k.shape) == self.kv_shape
-            and tuple(v.shape) == self.kv_shape
-        )
 
 
 def _parse(raw: bytes) -> gqa_pb2.DecodeRequest:
@@ -123,19 +68,14 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
     # -- DecodeStep -------------------------------------------------------------------------
     async def DecodeStep(self, request, context):
-        try:
-            args = _stateless_args(request)
-            cost = len(request.key_cache.data) + len(request.value_cache.data)
-            result = await self.engine.offload(cost, self.engine.stateless_step, *args)
-            return gqa_pb2.DecodeStepResponse(
-                output=to_proto(result["output"]),
-                new_key_cache=to_proto(result["new_key_cache"]),
-                new_value_cache=to_proto(result["new_value_cache"]),
-            )
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await _abort(context, exc, "DecodeStep", "internal error")
+        args = _stateless_args(request)
+        cost = len(request.key_cache.data) + len(request.value_cache.data)
+        result = await self.engine.offload(cost, stateless_step, *args)
+        return gqa_pb2.DecodeStepResponse(
+            output=to_proto(result["output"]),
+            new_key_cache=to_proto(result["new_key_cache"]),
+            new_value_cache=to_proto(result["new_value_cache"]),
+        )
 
     # -- GetServerInfo ----------------------------------------------------------------------
     async def backend_infos(self) -> list:
@@ -191,31 +131,15 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     # Batch reads its requests as bytes (step messages without copying their tensors; see
     # service.transport.wire); the status interceptor gives it no deserializer.
     Batch.raw_requests = True
+    Batch.internal_message = "internal error; the session was closed"
 
     # -- Decode -----------------------------------------------------------------------------
     async def Decode(self, request_iterator, context):
         first = await context.read()
         if first is grpc.aio.EOF:
             return
-        try:
-            first = _parse(first)
-        except ServiceError as exc:
-            await _abort(context, exc, "Decode open")
-        kind = first.WhichOneof("kind")
-        if kind not in ("open", "restore"):
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "the first message of a Decode stream must be `open` or `restore`"
-            )
-        try:
-            if kind == "open":
-                stream = await self._open(first.open)
-            else:
-                stream = await self._restore(first, context)
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            await _abort(context, exc, "Decode open")
-
+        first = _parse(first)
+        stream = await self._first(first, context)
         session = StreamSession(
             self.engine,
             stream,
@@ -225,46 +149,25 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             max_steps=self.config.max_queued_steps,
             max_bytes=self.config.max_queued_bytes,
         )
-        shape = _StepShape(stream)
+        shape = StepShape(stream)
         self.sessions += 1
         self._no_sessions.clear()
         reason = "client"
         try:
             session.start()
-            session.begin_write()
-            yield gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))
-            session.end_write()
+            responses = [gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))]
             while True:
+                for response in responses:
+                    session.begin_write()
+                    yield response
+                    session.end_write()
                 raw = await session.next()
                 if raw is EOF:
                     break
-                # the hot path: read from the bytes (the stream's layout, else field by field)
-                fast = shape.layout.read(raw) or read_decode_step(raw)
-                if fast is not None:
-                    response = await self._step(stream, shape, fast[1], fast[0])
-                    session.begin_write()
-                    yield response
-                    session.end_write()
-                    continue
-                request = _parse(raw)
-                if request.HasField("step"):
-                    response = await self._step(stream, shape, request.step, request.request_id)
-                    session.begin_write()
-                    yield response
-                    session.end_write()
-                    continue
-                async for response in self._handle(stream, shape, request, context):
-                    session.begin_write()
-                    yield response
-                    session.end_write()
+                responses = await self._answers(stream, shape, raw)
         except StreamClosed as closed:
             reason = "forced"
-            self.engine.close(stream, reason)
-            await context.abort(_status(closed.error.code), closed.error.message)
-        except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
-            raise
-        except Exception as exc:  # a request that does not parse, found by the read-ahead; or a fault
-            await _abort(context, exc, f"stream {stream.id}")
+            raise closed.error from None
         finally:
             session.close()
             self.engine.close(stream, reason)
@@ -275,6 +178,25 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     # Decode reads its requests as bytes too: a step is read by service.transport.wire (its tensors views
     # of the request), anything else parsed here by the runtime; its step replies are bytes.
     Decode.raw_requests = True
+    # What a client reads when the RPC ends on a fault (service.transport.statuses)
+    Decode.internal_message = "internal error; the stream was closed"
+
+    async def _first(self, first: gqa_pb2.DecodeRequest, context) -> Stream:
+        """The stream a Decode RPC's first message opens or restores."""
+        kind = first.WhichOneof("kind")
+        if kind == "open":
+            return await self._open(first.open)
+        if kind == "restore":
+            return await self._restore(first, context)
+        raise InvalidArgument("the first message of a Decode stream must be `open` or `restore`")
+
+    async def _answers(self, stream: Stream, shape: StepShape, raw: bytes) -> list:
+        """The replies to one request after the open: the hot path reads a step from its bytes
+        (the stream's layout, else field by field); anything else is parsed."""
+        fast = shape.layout.read(raw) or read_decode_step(raw)
+        if fast is not None:
+            return [await self._step(stream, shape, fast[1], fast[0])]
+        return await self._handle(stream, shape, _parse(raw))
 
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
@@ -383,45 +305,44 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             tokens_seen=[cache.tokens_seen for cache in stream.caches],
         )
 
-    async def _handle(self, stream: Stream, shape: _StepShape, request, context):
+    async def _handle(self, stream: Stream, shape: StepShape, request) -> list:
         kind = request.WhichOneof("kind")
         rid = request.request_id
         if kind == "step":
-            yield await self._step(stream, shape, request.step, rid)
-        elif kind == "rollback":
-            yield self._rollback(stream, request.rollback, rid)
-        elif kind == "snapshot":
-            try:
-                chunks = await self.engine.offload(
-                    stream.bytes_in_use(),
-                    snapshot.encode,
-                    stream,
-                    self._opened_config(stream),
-                    self.config.max_message_bytes,
-                    request.snapshot.max_chunk_bytes,
-                    self.engine.snapshot_key,
-                )
-            except ServiceError as exc:
-                yield gqa_pb2.DecodeResponse(
-                    request_id=rid, error=gqa_pb2.Status(code=exc.code_number, message=exc.message)
-                )
-                return
-            for chunk in chunks:
-                yield gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk)
-        elif kind in ("open", "restore"):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"`{kind}` may only begin a Decode stream")
-        else:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "a Decode request must set one of step, rollback or snapshot"
-            )
+            return [await self._step(stream, shape, request.step, rid)]
+        if kind == "rollback":
+            return [self._rollback(stream, request.rollback, rid)]
+        if kind == "snapshot":
+            return await self._snapshot(stream, request.snapshot, rid)
+        if kind in ("open", "restore"):
+            raise InvalidArgument(f"`{kind}` may only begin a Decode stream")
+        raise InvalidArgument("a Decode request must set one of step, rollback or snapshot")
 
-    async def _step(self, stream: Stream, shape: _StepShape, step, rid: int) -> gqa_pb2.DecodeResponse:
+    async def _snapshot(self, stream: Stream, request: gqa_pb2.SnapshotRequest, rid: int) -> list:
+        """The stream's snapshot as replies; a refusal in-band."""
+        try:
+            chunks = await self.engine.offload(
+                stream.bytes_in_use(),
+                snapshot.encode,
+                stream,
+                self._opened_config(stream),
+                self.config.max_message_bytes,
+                request.max_chunk_bytes,
+                self.engine.snapshot_key,
+            )
+        except ServiceError as exc:
+            return [
+                gqa_pb2.DecodeResponse(request_id=rid, error=gqa_pb2.Status(code=exc.code_number, message=exc.message))
+            ]
+        return [gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk) for chunk in chunks]
+
+    async def _step(self, stream: Stream, shape: StepShape, step, rid: int) -> gqa_pb2.DecodeResponse:
         """Integer checks here; tensors, compute and the reply message on a compute worker."""
         received = time.perf_counter()
         layer = step.layer
         try:
             if not shape.matches(step):
-                raise _step_input_error(stream, step)
+                raise step_input_error(stream, step)
             future = self.engine.submit_step(
                 stream,
                 layer,
@@ -429,11 +350,11 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 step.new_key.data,
                 step.new_value.data,
                 received=received,
-                reply=_StepReply(rid, layer, shape.out_shape, shape.dtype, shape.q_bytes),
+                reply=StepReply(rid, layer, shape.out_shape, shape.dtype, shape.q_bytes),
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
-            return _refusal(rid, layer, exc)
+            return step_refusal(rid, layer, exc)
         return await future
 
     def _rollback(self, stream: Stream, request: gqa_pb2.Rollback, rid: int) -> gqa_pb2.DecodeResponse:
@@ -452,88 +373,6 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         )
 
 
-_STATUS_OK = b"\x0a\x00"  # StepResult.status = 1, present and empty (OK)
-
-
-class _StepReply:
-    """Builds a step's reply on the compute worker, as bytes: ``DecodeResponse(step=...)`` with
-    its fields encoded here and the output's bytes copied once, straight from the tensor into
-    the reply (tests/test_service.py checks the bytes parse to what upb builds). A refusal is a
-    message (rare: upb builds it)."""
-
-    __slots__ = ("rid", "layer", "head", "tensor_head", "nbytes")
-
-    def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int):
-        self.rid, self.layer, self.nbytes = rid, layer, nbytes
-        self.head = (b"\x08" + varint(rid) if rid else b"") + b"\x1a"  # DecodeResponse.step = 3
-        dims = b"".join(varint(x) for x in shape)
-        # Tensor: dtype = 1, shape = 2 (packed), data = 3 (proto3 omits empty bytes)
-        self.tensor_head = (
-            b"\x08" + varint(dtype) + b"\x12" + varint(len(dims)) + dims + (b"\x1a" + varint(nbytes) if nbytes else b"")
-        )
-
-    def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
-        if isinstance(value, ServiceError):
-            return _refusal(self.rid, self.layer, value)
-        o = value.outcome
-        out = o.output
-        if not (out.is_cpu and out.is_contiguous()):
-            out = out.cpu().contiguous()
-        # StepResult: status = 1 (present, OK), layer = 2, output = 3, tokens_seen = 4,
-        # resident = 5, first_position = 6, last_position = 7, evicted = 8, evicted_tokens = 9,
-        # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does.
-        parts = [b"\x0a\x00"]
-        if self.layer:
-            parts += [b"\x10", varint(self.layer)]
-        for tag, v in (
-            (b"\x20", o.tokens_seen),
-            (b"\x28", o.resident),
-            (b"\x30", o.first_position),
-            (b"\x38", o.last_position),
-            (b"\x40", 1 if o.evicted_tokens > 0 else 0),
-            (b"\x48", o.evicted_tokens),
-            (b"\x50", value.compute_ns),
-            (b"\x58", value.rollback_reach),
-        ):
-            if v:
-                parts += [tag, varint(v)]
-        fields = b"".join(parts)
-        tensor_len = len(self.tensor_head) + self.nbytes
-        output_field = b"\x1a" + varint(tensor_len) + self.tensor_head
-        step_len = len(fields) + len(output_field) + self.nbytes
-        head = b"".join((self.head, varint(step_len), fields, output_field))
-        if not self.nbytes:
-            return head
-        return b"".join((head, out.reshape(-1).view(torch.uint8).numpy()))
-
-
-def _refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:
-    return gqa_pb2.DecodeResponse(
-        request_id=rid,
-        step=gqa_pb2.StepResult(status=gqa_pb2.Status(code=exc.code_number, message=exc.message), layer=layer),
-    )
-
-
-def _step_input_error(stream: Stream, step) -> ServiceError:
-    """The slow path of a step that failed the integer checks: the precise message."""
-    if not 0 <= step.layer < stream.config.num_layers:
-        return InvalidArgument(
-            f"layer: {step.layer} is out of range; the stream has num_layers={stream.config.num_layers}"
-        )
-    try:
-        query = from_proto(step.query, "step.query", rank=3, copy=False)
-        new_key = from_proto(step.new_key, "step.new_key", rank=3, copy=False)
-        new_value = from_proto(step.new_value, "step.new_value", rank=3, copy=False)
-        stream.caches[step.layer].check_step(query, new_key, new_value)
-    except ServiceError as exc:
-        return exc
-    except (TypeError, ValueError) as exc:
-        return InvalidArgument(str(exc))
-    except Exception as exc:
-        return classify_step_error(exc, f"stream {stream.id}: checking a step")
-    return InvalidArgument("step: tensors do not match the stream's dtype and shapes")
-
-
 def _stateless_args(request) -> tuple:
     """Validation of a ``DecodeStep``: every failure here, and only here, is INVALID_ARGUMENT."""
     query = from_proto(request.query, "query", rank=3, copy=False)
@@ -550,5 +389,5 @@ def _stateless_args(request) -> tuple:
             if size == 0 and axis != "S":
                 raise InvalidArgument(f"{name}.shape: {axis} must be positive, got {list(t.shape)}")
     hq, hkv = int(request.num_query_heads), int(request.num_kv_heads)
-    Engine.check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
+    check_stateless(query, new_key, new_value, key_cache, value_cache, hq, hkv)
     return query, new_key, new_value, key_cache, value_cache, hq, hkv

@@ -1,0 +1,110 @@
+"""A ``Batch`` stream's replies as bytes: a step message's answer encoded around its output
+buffer (``step_reply_bytes``, on the compute worker), and the in-band statuses and refusals
+every Batch answer carries.
+
+The step reply is written here rather than by upb: the per-sequence fields packed from the
+(n, 6) array the step plane wrote (``service.transport.wire.packed_varints``), and the output's bytes
+copied once, straight from the tensor into the reply (docs/design.md, "The step reply and its
+bytes"). tests/test_batch_rpc.py checks the bytes parse to the message upb builds.
+"""
+
+from __future__ import annotations
+
+from ..api import gqa_pb2
+from ..engine.plane import FIELDS, StepResult
+from ..errors import ServiceError
+from ..vocab import TORCH_TO_DTYPE
+from .wire import packed_varints, varint
+
+__all__ = ["OK", "status", "sequence_refusal", "step_reply_bytes", "StepReply"]
+
+OK = gqa_pb2.Status(code=0)
+
+
+def status(exc: ServiceError) -> gqa_pb2.Status:
+    """A refusal's in-band status: the error's code and message."""
+    return gqa_pb2.Status(code=exc.code_number, message=exc.message)
+
+
+def sequence_refusal(index: int, sid: int, exc: ServiceError) -> gqa_pb2.SequenceRefusal:
+    """One sequence's refusal: its row in the message, its id, its status."""
+    return gqa_pb2.SequenceRefusal(index=index, id=sid, status=status(exc))
+
+
+# Wire tags (field number << 3 | wire type) of the step reply's fields, which it encodes itself;
+# tests/test_batch_rpc.py checks the bytes parse to the message upb builds.
+_TAG_TENSOR_SHAPE = b"\x12"  # Tensor.shape = 2 (packed)
+_TAG_TENSOR_DATA = b"\x1a"  # Tensor.data = 3
+_TAG_RESULT_OUTPUT = b"\x1a"  # BatchStepResult.output = 3
+_TAG_RESPONSE_STEP = b"\x22"  # BatchResponse.step = 4
+_STATUS_OK = b"\x0a\x00"  # BatchStepResult.status = 1, present and empty (code OK)
+_TAG_LAYER = b"\x10"  # BatchStepResult.layer = 2
+# BatchStepResult's packed per-sequence fields 4..9, in FIELDS order
+_TAG_FIELDS = tuple(bytes([(4 + i) << 3 | 2]) for i in range(len(FIELDS)))
+_TAG_REFUSAL = b"\x52"  # BatchStepResult.refusals = 10
+_TAG_COMPUTE = b"\x58"  # BatchStepResult.compute_ns = 11 (varint)
+
+
+def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=None, *, refused=None) -> bytes:
+    """``BatchResponse(request_id=rid, step=BatchStepResult(...))`` serialized, written here:
+    the per-sequence fields packed from ``result.fields`` (int64 (n, 6), vectorized), the
+    refusals (upb, one message each: only refused sequences cost Python), ``compute_ns``, and
+    the output field last, ``output``'s bytes (a contiguous CPU tensor, ``result.output`` when
+    not given) copied once, straight from its memory into the reply (protobuf parsers take
+    fields in any order). With ``refused`` (a ``ServiceError``) the whole message's refusal:
+    status and layer only."""
+    if refused is not None:
+        body = gqa_pb2.BatchStepResult(status=status(refused), layer=layer).SerializeToString()
+        return (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(len(body)) + body
+    output = result.output if output is None else output
+    parts = [_STATUS_OK]
+    if layer:
+        parts += [_TAG_LAYER, varint(layer)]
+    n = len(result.fields)
+    if n:
+        data, lengths = packed_varints(result.fields.T)
+        pos = 0
+        for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
+            parts += [tag, varint(length), data[pos : pos + length]]
+            pos += length
+    for row, sid, exc in result.refusals:
+        r = sequence_refusal(row, sid, exc).SerializeToString()
+        parts += [_TAG_REFUSAL, varint(len(r)), r]
+    if result.compute_ns:
+        parts += [_TAG_COMPUTE, varint(result.compute_ns)]
+    rest = b"".join(parts)
+    nbytes = output.numel() * output.element_size()
+    shape = b"".join(varint(x) for x in output.shape)
+    tensor_head = (
+        b"\x08"  # Tensor.dtype = 1 (varint)
+        + varint(TORCH_TO_DTYPE[output.dtype])
+        + _TAG_TENSOR_SHAPE
+        + varint(len(shape))
+        + shape
+        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
+    )
+    output_field = _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head
+    step_len = len(rest) + len(output_field) + nbytes
+    head = (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(step_len) + rest + output_field
+    if not nbytes:
+        return head
+    return b"".join((head, _bytes_of(output)))
+
+
+def _bytes_of(tensor):
+    """A contiguous CPU tensor's memory as a buffer (no copy; ``bytes.join`` copies it once)."""
+    import torch  # the tensor's own module; already loaded by whoever made the tensor
+
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+class StepReply:
+    """Encodes a step message's answer on the compute worker (``Engine.submit_message``)."""
+
+    __slots__ = ("rid", "layer")
+
+    def __init__(self, rid: int, layer: int):
+        self.rid, self.layer = rid, layer
+
+    def __call__(self, result: StepResult, queue_seconds: float) -> bytes:
+        return step_reply_bytes(self.rid, self.layer, result)
