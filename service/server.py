@@ -34,8 +34,9 @@ from .engine.tensors import tune_allocator
 from .errors import Unavailable
 from .metrics.pages import READY, pages
 from .metrics.recorder import ObserverFanOut, ServiceMetrics
-from .transport.security import BearerTokenInterceptor, SafeStatusInterceptor, load_token, server_credentials
+from .transport.security import BearerTokenInterceptor, load_token, server_credentials
 from .transport.servicer import AttentionServicer
+from .transport.statuses import SafeStatusInterceptor
 
 __all__ = ["Server", "ServerThread", "run"]
 

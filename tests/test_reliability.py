@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from backends import batch
-from service import stateless as stateless_module
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
+from service.engine import stateless as stateless_module
 from service.engine.engine import Engine
 from service.engine.tensors import to_proto
 from service.server import ServerThread

@@ -1,7 +1,7 @@
 """A Batch session's data plane: its sequences' caches in one ``backends.plane.CacheSet``, and a
 step message as one index array and one ``CacheSet.step``.
 
-The engine owns it (``Engine.sequence_set``); ``service.transport.batch_rpc`` only translates protobuf to
+The engine owns it (``Engine.sequence_set``); ``service.transport.batch_session`` only translates protobuf to
 the calls below. Each sequence is still an engine ``Stream`` (admission, byte budget,
 ``max_streams``, snapshots, rollback, the drain and the idle reaper treat it as they treat a
 Decode stream); the set adds the slot its caches have in the ``CacheSet``, and shares one
@@ -118,6 +118,9 @@ class SequenceSet:
         self._per_label: list[int] = []  # live sequences per label index
         self._row_bytes = 0
         self._output: torch.Tensor | None = None
+        # nanoseconds the last message's computation took (None before the first): the engine
+        # predicts the next message's by it to decide where to run it
+        self.last_compute_ns: int | None = None
 
     # -- membership -----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -314,6 +317,7 @@ class SequenceSet:
         if out.device.type != "cpu":
             out = out.cpu()
         result = StepResult(fields, refusals, batch.compute_ns, out)
+        self.last_compute_ns = batch.compute_ns
         return self._answer(
             result, batch.compute_ns, queue_seconds, stepped=len(plan.slots), batch=batch, slots=plan.slots
         )

@@ -28,7 +28,7 @@ from ..errors import InvalidArgument, ServiceError
 from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE
 from . import wire
 from .batch_session import Session
-from .security import malformed_request
+from .statuses import malformed_request
 
 __all__ = ["serve", "session_shape"]
 

@@ -1,4 +1,4 @@
-"""Transport security, authentication and safe statuses for the gRPC server.
+"""Who may call the gRPC server (TLS credentials, the bearer token).
 
 - ``server_credentials``: TLS from a certificate chain and key, and mutual TLS (client
   certificates checked against a CA bundle), from ``ServerConfig``; ``None`` means plaintext.
@@ -7,37 +7,26 @@
   compared as SHA-256 digests with ``hmac.compare_digest`` (constant time, whatever the length)
   and are never logged. Reflection is *not* exempt: it describes the whole API, and tools that
   use it (grpcurl, buf curl) can send the header.
-- ``SafeStatusInterceptor``: where a handler's exception becomes the call's status
-  (``service.transport.statuses.status_of``, the one mapping): ``ServiceError`` gets its own code and
-  message; any other exception becomes INTERNAL with a fixed message (a behaviour's
-  ``internal_message`` attribute, else "internal error") while the traceback goes to the log;
-  bytes that do not parse as the method's request message get INVALID_ARGUMENT instead of
-  grpc's "Unexpected <class ...>" text.
+
+Where a refused or failed call's status comes from: ``service.transport.statuses``.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
-import inspect
 import logging
-from collections.abc import Callable
 
 import grpc
 
 from ..config import ConfigError, ServerConfig
-from ..errors import InvalidArgument
-from .handlers import handler_kind, passes_bytes
-from .statuses import INTERNAL_MESSAGE, abort
+from .handlers import handler_kind
 
 __all__ = [
     "server_credentials",
     "load_token",
     "BearerTokenInterceptor",
-    "SafeStatusInterceptor",
     "EXEMPT_SERVICES",
-    "malformed_request",
 ]
 
 log = logging.getLogger("gqa.security")
@@ -134,126 +123,3 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
             return factory(refuse_stream, request_deserializer=None, response_serializer=handler.response_serializer)
         return factory(refuse, request_deserializer=None, response_serializer=handler.response_serializer)
-
-
-class _Malformed:
-    """What a request that does not parse deserializes to; the handler's wrapper refuses it."""
-
-    __slots__ = ()
-
-
-_MALFORMED = _Malformed()
-
-
-def _tolerant(deserializer: Callable | None) -> Callable | None:
-    if deserializer is None:
-        return None
-
-    def deserialize(data: bytes):
-        try:
-            return deserializer(data)
-        except Exception:
-            return _MALFORMED
-
-    return deserialize
-
-
-class _GuardedContext:
-    """The handler's context, refusing a streamed request that did not parse."""
-
-    __slots__ = ("_context", "_method")
-
-    def __init__(self, context, method: str):
-        self._context = context
-        self._method = method
-
-    def __getattr__(self, name):
-        return getattr(self._context, name)
-
-    async def read(self):
-        # Raised, not aborted: the read may happen on a task other than the handler's (the
-        # servicer's read-ahead), and only the handler may end the call.
-        message = await self._context.read()
-        if message is _MALFORMED:
-            raise malformed_request(self._method)
-        return message
-
-
-def malformed_request(method: str) -> InvalidArgument:
-    """The refusal of a request message that does not parse (``method``: its name or path)."""
-    return InvalidArgument(f"a request message of {method.rpartition('/')[2]} is not valid protobuf for its type")
-
-
-async def _refuse_malformed(context, method: str):
-    await abort(context, malformed_request(method), method)
-
-
-async def _guarded_iterator(requests, method: str):
-    async for message in requests:
-        if message is _MALFORMED:
-            raise malformed_request(method)
-        yield message
-
-
-class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
-    """Makes every status a client sees safe to show: no traceback, path or class name."""
-
-    async def intercept_service(self, continuation, handler_call_details):
-        handler = await continuation(handler_call_details)
-        if handler is None:
-            return None
-        behavior, factory = handler_kind(handler)
-        method = handler_call_details.method
-        if inspect.isasyncgenfunction(behavior):
-            wrapped = self._wrap_generator(behavior, method, handler.request_streaming)
-        elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, method, handler.request_streaming)
-        else:
-            return handler
-        # A behaviour marked ``raw_requests`` reads its requests' bytes and parses them itself.
-        raw = getattr(behavior, "raw_requests", False)
-        return factory(
-            wrapped,
-            request_deserializer=None if raw else _tolerant(handler.request_deserializer),
-            response_serializer=passes_bytes(handler.response_serializer),
-        )
-
-    @staticmethod
-    async def _prepare(request, context, method: str, request_streaming: bool):
-        if request_streaming:
-            return _guarded_iterator(request, method), _GuardedContext(context, method)
-        if request is _MALFORMED:
-            await _refuse_malformed(context, method)
-        return request, _GuardedContext(context, method)
-
-    def _wrap_coroutine(self, behavior, method: str, request_streaming: bool):
-        internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
-
-        async def handler(request, context):
-            request, guarded = await self._prepare(request, context, method, request_streaming)
-            try:
-                return await behavior(request, guarded)
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:
-                await abort(context, exc, method, internal)
-
-        return handler
-
-    def _wrap_generator(self, behavior, method: str, request_streaming: bool):
-        internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
-
-        async def handler(request, context):
-            request, guarded = await self._prepare(request, context, method, request_streaming)
-            responses = behavior(request, guarded)
-            try:
-                async for response in responses:
-                    yield response
-            except (grpc.aio.AbortError, asyncio.CancelledError, GeneratorExit):
-                raise
-            except Exception as exc:
-                await abort(context, exc, method, internal)
-            finally:
-                await responses.aclose()
-
-        return handler

@@ -34,8 +34,8 @@ from ..errors import InvalidArgument, ServiceError
 from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 from . import batch_rpc
 from .decode_step import StepReply, StepShape, step_input_error, step_refusal
-from .security import malformed_request
 from .session import EOF, StreamClosed, StreamSession
+from .statuses import malformed_request
 from .wire import read_decode_step
 
 __all__ = ["AttentionServicer", "POLICY_NAMES"]

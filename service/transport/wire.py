@@ -1,6 +1,6 @@
-"""Step requests (``Batch`` and ``Decode``) read straight from their bytes, without copying
-tensors; and ``varint``/``packed_varints``, the encodings the replies ``service.transport.batch_rpc`` and
-``service.transport.servicer`` write themselves use.
+"""The step messages' wire format, by hand: requests (``Batch``, ``Decode``) read straight from
+their bytes without copying tensors, the varints (``varint``, ``packed_varints``) with which
+``service.transport.batch_reply`` and ``service.transport.decode_step`` write replies.
 
 The protobuf runtime copies a 64-sequence step request twice more than the transport already
 has (into its arena when it parses, and again on every read of a ``bytes`` field: 1.5 MiB each
@@ -47,7 +47,7 @@ class TensorView(NamedTuple):
 
 
 class StepRequest(NamedTuple):
-    """``gqa.v1.BatchStep``'s fields, as ``service.transport.batch_rpc.Session.step`` reads them."""
+    """``gqa.v1.BatchStep``'s fields, as ``service.transport.batch_session.Session.step`` reads them."""
 
     layer: int
     ids: np.ndarray  # uint64 (n,)
