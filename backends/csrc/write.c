@@ -1,0 +1,131 @@
+/*
+ * The step's write: the new token's key and value into ring row write_row, what they
+ * overwrite saved in `saved` first, so that a failure puts it back (restore) and a failed step
+ * leaves the cache byte-identical. Dense caches per KV head (by the work item that reads the
+ * row, or before the items when the row is not attended); int8 caches before the attention.
+ */
+#include "gqa_internal.h"
+
+/* int8: the new token's bytes per KV head in `saved` (key codes, outlier channels, value codes,
+ * two scales), so that a failure puts them back. */
+static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
+    return cc->dk + 2 * cc->no + cc->d + 2 * ((cc->flags & FLAG_HALF_SCALES) ? 2 : 4);
+}
+
+GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
+    for (int64_t h = 0; h < n; h++) {
+        char *sv = (char *)cc->saved + h * per;
+        char *cells[4];
+        int64_t sizes[4];
+        for (int64_t j = 0; j < dk; j++) {
+            char *cell = (char *)cc->k + key_cell(cc, h, j, row);
+            if (restore) *cell = sv[j];
+            else sv[j] = *cell;
+        }
+        for (int64_t o = 0; o < no; o++) {
+            char *cell = (char *)(cc->ko + (h * no + o) * c + row);
+            if (restore) memcpy(cell, sv + dk + 2 * o, 2);
+            else memcpy(sv + dk + 2 * o, cell, 2);
+        }
+        cells[0] = (char *)cc->v + (h * c + row) * d;
+        sizes[0] = d;
+        cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
+        cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
+        sizes[1] = sizes[2] = sel;
+        char *at = sv + dk + 2 * no;
+        for (int x = 0; x < 3; x++) {
+            if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
+            else memcpy(at, cells[x], (size_t)sizes[x]);
+            at += sizes[x];
+        }
+    }
+}
+
+/* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
+ * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
+ * values rotated (FLAG_ROTATE) and quantized. -ERANGE (nothing written) if a scale overflows. */
+GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
+    int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
+    float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
+    for (int64_t h = 0; h < n; h++)
+        for (int64_t j = 0; j < d; j++) {
+            const float x = load_elem(cc->io, cc->new_k, h * d + cc->order[h * d + j]);
+            if (j < dk) coded[h * dk + j] = x;
+            else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
+        }
+    float *outl = keys + n * dk;
+    memmove(outl, vals, (size_t)(n * no) * sizeof(float));
+    int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
+    if (rc) return rc;
+    for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
+    rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+    if (rc) return rc;
+    int8_swap_row(cc, 0);
+    const int half = cc->flags & FLAG_HALF_SCALES;
+    for (int64_t h = 0; h < n; h++) {
+        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[key_cell(cc, h, j, row)] = kcodes[h * dk + j];
+        for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
+        memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
+        const int64_t at = h * cc->scale_stride + row;
+        if (half) {
+            ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
+            ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
+        } else {
+            ((float *)cc->ks)[at] = ksc[h];
+            ((float *)cc->vs)[at] = vsc[h];
+        }
+    }
+    return 0;
+}
+
+/* The step's write for KV head h: its key column and value row of ring row `write_row`, the
+ * old bytes to saved (or back, restore). */
+GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
+    const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
+    char *k = cc->k, *v = cc->v, *saved = cc->saved;
+    const char *nk = cc->new_k, *nv = cc->new_v;
+    /* one key column: a strided gather and scatter within the row's block, its offsets walked
+     * line by line (key_cell's arithmetic without a division per channel) */
+    int64_t line;
+    const int64_t first = key_block(cc, h, row, &line), p = kpack(cc->enc);
+    if (el == 4) {
+        float *kk = (float *)k + first, *sv = (float *)saved + h * d;
+        const float *src = (const float *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            float *cell = kk + (j / p) * line + j % p;
+            if (restore) *cell = sv[j];
+            else {
+                sv[j] = *cell;
+                *cell = src[j];
+            }
+        }
+    } else {
+        uint16_t *kk = (uint16_t *)k + first, *sv = (uint16_t *)saved + h * d;
+        const uint16_t *src = (const uint16_t *)nk + h * d;
+        for (int64_t j = 0; j < d; j++) {
+            uint16_t *cell = kk + (j / p) * line + j % p;
+            if (restore) *cell = sv[j];
+            else {
+                sv[j] = *cell;
+                *cell = src[j];
+            }
+        }
+    }
+    char *cell = v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
+    if (restore) {
+        memcpy(cell, keep, (size_t)(d * el));
+    } else {
+        memcpy(keep, cell, (size_t)(d * el));
+        memcpy(cell, nv + h * d * el, (size_t)(d * el));
+    }
+}
+
+/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
+GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore) {
+    for (int64_t h = 0; h < cc->n; h++) write_head(cc, h, restore);
+}
