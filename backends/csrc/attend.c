@@ -56,16 +56,17 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
-/* Asks for every line of an item's first block at once (its key lines and value rows): the
+/* Asks for every line of a block at once (its key lines and value rows; locality 3: into L1, 2: L2): the
  * misses then overlap instead of following one another. */
-static void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
+static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys,
+                                                                 int64_t nt, const int locality) {
     const int64_t el = enc_size(cc->enc), d = cc->d;
     int64_t line;
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
     for (int64_t j = 0; j < key_width(cc) / kpack(cc->enc); j++)
-        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, 3);
+        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
-    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, 3);
+    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
 }
 
 /* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block. The
@@ -105,7 +106,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
             const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
             nt = hi - x < to_grid ? hi - x : to_grid;
-            if (x == lo) prefetch_block(cc, h, a + (x - base), nt); /* later blocks: by the block before */
+            if (x == lo) prefetch_block(cc, h, a + (x - base), nt, 3); /* later blocks: by the block before */
             st.prefetch = x + nt < hi;
             block(cc, qf, h, a + (x - base), nt, &st);
         }
@@ -137,9 +138,16 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
         attend_head(call, i, local / nsplit, local % nsplit, tid);
         return;
     }
-    const int64_t n = call->caches[i].n, h0 = local * call->hpi[i];
-    const int64_t h1 = h0 + call->hpi[i] < n ? h0 + call->hpi[i] : n;
-    for (int64_t h = h0; h < h1; h++) attend_head(call, i, h, 0, tid);
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t h0 = local * call->hpi[i], h1 = h0 + call->hpi[i] < cc->n ? h0 + call->hpi[i] : cc->n;
+    const int64_t a = cc->runs[0], to_grid = TILE_T - a % TILE_T, first = cc->runs[1] - a;
+    for (int64_t h = h0; h < h1; h++) {
+        /* the next head's first block on its way to L2 while this one computes: a short cache's
+         * heads are each a few KiB apart in memory, each a fresh start for the hardware's
+         * prefetcher (a cold step of many short caches otherwise waits on every head's first lines) */
+        if (h + 1 < h1) prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
+        attend_head(call, i, h, 0, tid);
+    }
 }
 
 static void store_row(const call_t *call, int64_t i, int64_t at, float *o) {

@@ -12,32 +12,35 @@
  * any other query is qf (scaled) in BPIECES pieces, each what the ones before left (2 hold 16
  * of float32's 24 bits). Portable and deterministic: the same pieces whichever thread. */
 static void split_query_bf16(const gqa_cache_t *cc, int64_t h, const float *qf, state_t *st) {
-    const int64_t G = cc->g, dk = cc->dk, dq = dk + cc->no, kp = key_width(cc);
+    const int64_t G = cc->g, d = cc->d, dk = cc->dk, dq = dk + cc->no, kp = key_width(cc);
     const int exact = cc->io == ENC_BF16 && !cc->order;
     uint16_t *out = st->qb;
     st->qpieces = exact ? 1 : BPIECES;
     st->qmul = exact ? cc->qscale : 1.0f;
-    memset(out, 0, (size_t)(G * BPIECES * kp) * sizeof *out);
-    for (int64_t g = 0; g < G; g++)
+    for (int64_t g = 0; g < G; g++) {
+        uint16_t *row = out + g * BPIECES * kp; /* piece p of head g at row + p * kp */
+        if (exact) { /* the pieces past the first are never read */
+            memcpy(row, (const uint16_t *)cc->q + (h * G + g) * d, (size_t)dk * sizeof *row);
+            memset(row + dk, 0, (size_t)(kp - dk) * sizeof *row);
+            continue;
+        }
+        memset(row, 0, (size_t)(BPIECES * kp) * sizeof *row);
         for (int64_t j = 0; j < dk; j++) {
-            if (exact) {
-                out[g * BPIECES * kp + j] = ((const uint16_t *)cc->q)[(h * G + g) * cc->d + j];
-                continue;
-            }
             float r = qf[g * dq + j];
             for (int p = 0; p < BPIECES; p++) {
                 const uint16_t b = float_to_bf16(r);
-                out[(g * BPIECES + p) * kp + j] = b;
+                row[p * kp + j] = b;
                 r -= bf16_to_float(b);
             }
         }
+    }
     st->qready = 1;
 }
 
 /* bfloat16 scores with vdpbf16ps: a word of 2 key channels of a position against the same 2
  * channels of a query piece, every piece into the same float32 accumulators. */
 AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
-    const uint16_t *qb, int pieces, float mul, int64_t kp, const char *kb, int64_t kline, const char *kn,
+    const uint16_t *qb, const int pieces, float mul, int64_t kp, const char *kb, int64_t kline, const char *kn,
     int64_t knline, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
@@ -76,9 +79,16 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     float *p = st->p;
     const uint16_t *qb = st->qb + g0 * BPIECES * kp;
     const int pf = g0 == 0 && st->prefetch;
-    if (nt <= 16) scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
-    else scores_dpbf16(qb, st->qpieces, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
-    softmax_avx512(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    /* the pieces and the groups of 16 positions as constants: the accumulators stay in registers */
+    if (st->qpieces == 1) {
+        if (nt <= 16) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
+        else scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
+    } else {
+        if (nt <= 16) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
+        else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
+    }
+    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
+    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
     int64_t j0 = 0;
     for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
     for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);

@@ -77,7 +77,9 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
  * (-inf past nt) and becomes exp(score - m) (times vs[t] when given); the running max m, sum l
  * and accumulators acc (gt x d) are rescaled when the max grows. */
 AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
-    float *p, int64_t nt, const float *vs, int64_t d, const int gt, float *ms, float *ls, float *accs) {
+    float *p, int64_t nt, const float *vs, int64_t d, const int gt, const int ng, float *ms, float *ls, float *accs) {
+    /* ng (a constant): the groups of 16 lanes that can hold a position (1 for nt <= 16); the
+     * others are all -inf, weight 0, and add nothing to the sum: skipped, the same bits */
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
     for (int g = 0; g < gt; g++) {
@@ -95,7 +97,7 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
         }
         const __m512 mm = _mm512_set1_ps(*m);
         __m512 sum = _mm512_setzero_ps();
-        for (int i = 0; i < 4; i++) {
+        for (int i = 0; i < ng; i++) {
             const __m512 e = _mm512_maskz_mov_ps(mask[i], exp512(_mm512_sub_ps(_mm512_loadu_ps(pg + 16 * i), mm)));
             sum = _mm512_add_ps(sum, e);
             _mm512_storeu_ps(pg + 16 * i, vs ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask[i], vs + 16 * i)) : e);

@@ -83,45 +83,42 @@ GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
     return 0;
 }
 
+/* A key column's `words` words of `word` bytes (a line's P channels of one position), one per
+ * line, `line` bytes apart, swapped with sv (the old bytes out, src's in; restore: sv's back).
+ * word is a constant after inlining: one load and one store per line, no division. */
+static inline __attribute__((always_inline)) void swap_words(char *kk, char *sv, const char *src, int64_t words,
+                                                             int64_t line, const int64_t word, int restore) {
+    for (int64_t l = 0; l < words; l++) {
+        char *cell = kk + l * line;
+        if (restore) {
+            memcpy(cell, sv + l * word, (size_t)word);
+        } else {
+            memcpy(sv + l * word, cell, (size_t)word);
+            memcpy(cell, src + l * word, (size_t)word);
+        }
+    }
+}
+
 /* The step's write for KV head h: its key column and value row of ring row `write_row`, the
  * old bytes to saved (or back, restore). */
 GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
-    char *k = cc->k, *v = cc->v, *saved = cc->saved;
-    const char *nk = cc->new_k, *nv = cc->new_v;
-    /* one key column: a strided gather and scatter within the row's block, its offsets walked
-     * line by line (key_cell's arithmetic without a division per channel) */
+    char *saved = cc->saved;
     int64_t line;
-    const int64_t first = key_block(cc, h, row, &line), p = kpack(cc->enc);
-    if (el == 4) {
-        float *kk = (float *)k + first, *sv = (float *)saved + h * d;
-        const float *src = (const float *)nk + h * d;
-        for (int64_t j = 0; j < d; j++) {
-            float *cell = kk + (j / p) * line + j % p;
-            if (restore) *cell = sv[j];
-            else {
-                sv[j] = *cell;
-                *cell = src[j];
-            }
-        }
-    } else {
-        uint16_t *kk = (uint16_t *)k + first, *sv = (uint16_t *)saved + h * d;
-        const uint16_t *src = (const uint16_t *)nk + h * d;
-        for (int64_t j = 0; j < d; j++) {
-            uint16_t *cell = kk + (j / p) * line + j % p;
-            if (restore) *cell = sv[j];
-            else {
-                sv[j] = *cell;
-                *cell = src[j];
-            }
-        }
-    }
-    char *cell = v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
+    const int64_t p = kpack(cc->enc), word = p * el;
+    char *kk = (char *)cc->k + key_block(cc, h, row, &line) * el, *sv = saved + h * d * el;
+    const char *src = (const char *)cc->new_k + h * d * el;
+    line *= el;
+    if (word == 4) swap_words(kk, sv, src, d / p, line, 4, restore);
+    else swap_words(kk, sv, src, d / p, line, 2, restore);
+    if (d % p) /* an odd bfloat16 width: the last line's first channel alone (the other is padding) */
+        swap_words(kk + d / p * line, sv + d / p * word, src + d / p * word, 1, line, 2, restore);
+    char *cell = (char *)cc->v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
     if (restore) {
         memcpy(cell, keep, (size_t)(d * el));
     } else {
         memcpy(keep, cell, (size_t)(d * el));
-        memcpy(cell, nv + h * d * el, (size_t)(d * el));
+        memcpy(cell, (const char *)cc->new_v + h * d * el, (size_t)(d * el));
     }
 }
 
