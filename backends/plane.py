@@ -59,14 +59,17 @@ class CacheSet:
         self._addrs = np.zeros((num_layers, 0), dtype=np.uint64)
         self._kernel = None  # the library of the set's native caches
         self._shape = None  # (Hq, Hkv, D, dtype) of the first cache added
-        # the native call's arguments, kept from call to call (a step allocates only its fields):
-        # the rows' descriptor addresses and statuses (grown to the largest n), the four tensors'
-        # base pointers, their row strides in bytes (fixed by the shape), and these arrays' addresses
+        # the native call's arguments, kept from call to call (a step allocates only the copy of
+        # its fields it returns and no object the garbage collector tracks but that result): the
+        # rows' descriptor addresses, statuses and fields (grown to the largest n), the four
+        # tensors' base pointers, their row strides in bytes (fixed by the shape), and the
+        # addresses of these arrays
         self._rows = np.zeros(0, dtype=np.uint64)
         self._status = np.zeros(0, dtype=np.int32)
+        self._fields = np.zeros((0, 6), dtype=np.int64)
         self._base = np.zeros(4, dtype=np.uint64)
         self._stride = np.zeros(4, dtype=np.int64)
-        self._args = (0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, base, stride
+        self._args = (0, 0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, fields, ...
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -138,15 +141,14 @@ class CacheSet:
         its output goes to ``out[i]``."""
         n = len(slots)
         self._check(query, new_key, new_value, out, n)
-        fields = np.zeros((n, 6), dtype=np.int64)
         refused: dict[int, Exception] = {}
         start = time.perf_counter_ns()
         if n == 0:
-            return StepBatch(fields, refused, 0)
+            return StepBatch(np.zeros((0, 6), dtype=np.int64), refused, 0)
         if self._kernel is not None:
             if n > len(self._rows):
                 self._grow(n)
-            rows_at, status_at, base_at, stride_at = self._args
+            rows_at, status_at, fields_at, base_at, stride_at = self._args
             rows, status, base = self._rows, self._status, self._base
             np.take(self._addrs[layer], slots, out=rows[:n])
             base[0], base[1], base[2], base[3] = (
@@ -156,14 +158,16 @@ class CacheSet:
                 out.data_ptr(),
             )
             kernel = self._kernel
-            rc = kernel.step(rows_at, n, None, base_at, stride_at, fields.ctypes.data, 6, status_at, 0, 0)
+            rc = kernel.step(rows_at, n, None, base_at, stride_at, fields_at, 6, status_at, 0, 0)
             if rc:
                 kernel.raise_for(rc)
+            fields = self._fields[:n].copy()
             if status[:n].any():
                 for i in np.flatnonzero(status[:n]).tolist():
                     self._refused_row(layer, int(slots[i]), i, int(status[i]), query, new_key, new_value, out, fields,
                                       refused)  # fmt: skip
         else:
+            fields = np.zeros((n, 6), dtype=np.int64)
             for i in range(n):
                 self._python_row(layer, int(slots[i]), i, query, new_key, new_value, out, fields, refused)
         return StepBatch(fields, refused, time.perf_counter_ns() - start)
@@ -171,7 +175,8 @@ class CacheSet:
     def _grow(self, n: int) -> None:
         self._rows = np.zeros(max(n, 2 * len(self._rows)), dtype=np.uint64)
         self._status = np.zeros(len(self._rows), dtype=np.int32)
-        self._args = (self._rows.ctypes.data, self._status.ctypes.data) + self._args[2:]
+        self._fields = np.zeros((len(self._rows), 6), dtype=np.int64)
+        self._args = (self._rows.ctypes.data, self._status.ctypes.data, self._fields.ctypes.data) + self._args[3:]
 
     def _refused_row(self, layer, slot, i, status, query, new_key, new_value, out, fields, refused) -> None:
         cache = self._caches[slot][layer]

@@ -56,7 +56,7 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
-/* Asks for every line of a block at once (its key lines and value rows; locality 3: into L1, 2: L2): the
+/* Asks for every line of a block at once (key lines, value rows; locality 3: into L1, 2: L2): the
  * misses then overlap instead of following one another. */
 static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys,
                                                                  int64_t nt, const int locality) {
@@ -150,10 +150,10 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
     }
 }
 
-static void store_row(const call_t *call, int64_t i, int64_t at, float *o) {
+static void store_row(const call_t *call, int64_t i, int64_t at, float *o, int rotate) {
     const gqa_cache_t *cc = &call->caches[i];
     const int64_t d = cc->d;
-    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+    if (rotate) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
     if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
 #if GQA_HAVE_AVX512
     else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
@@ -186,7 +186,7 @@ static void merge_head(const call_t *call, int64_t i, int64_t h, const float *ba
         }
         const float inv = 1.0f / total;
         for (int64_t j = 0; j < d; j++) o[j] *= inv;
-        store_row(call, i, (h * G + gi) * d, o);
+        store_row(call, i, (h * G + gi) * d, o, cc->flags & FLAG_ROTATE);
     }
 }
 
@@ -204,6 +204,8 @@ static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t 
             for (int64_t j = 0; j < d; j++) o[j] = 0.0f * inv;
         else
             for (int64_t j = 0; j < d; j++) o[j] = (0.0f + o[j]) * inv;
-        store_row(call, i, (h * G + gi) * d, o);
     }
+    /* int8 values stored rotated: the head's G rows rotated back in one call */
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(st->acc, G, d, d & -d);
+    for (int64_t gi = 0; gi < G; gi++) store_row(call, i, (h * G + gi) * d, st->acc + gi * d, 0);
 }

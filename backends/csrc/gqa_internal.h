@@ -106,7 +106,7 @@
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
 #ifndef HEAD_COST
-#define HEAD_COST 0 /* a KV head's fixed work (set-up, write, finish) in positions' worth: see docs/design.md */
+#define HEAD_COST 128 /* a KV head's fixed work (set-up, write, finish) in positions' worth (docs/design.md) */
 #endif
 #ifndef BPIECES
 #define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */

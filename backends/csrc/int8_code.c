@@ -10,13 +10,17 @@
  * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
  * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
  * -ERANGE when a float16 scale would overflow. */
-GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+static inline __attribute__((always_inline)) int quantize_rows_body(const float *x, int64_t rows, int64_t len, int flags,
+                                                                      int8_t *codes, float *scale) {
     const int half = flags & FLAG_HALF_SCALES;
     int reciprocal = !half && (flags & FLAG_RECIPROCAL);
     const float tiny = (float)(127.0 / 3.4028234663852886e38);
     for (int64_t r = 0; r < rows; r++) {
         float amax = 0.0f;
-        for (int64_t j = 0; j < len; j++) amax = fmaxf(amax, fabsf(x[r * len + j]));
+        for (int64_t j = 0; j < len; j++) { /* fmaxf's result for finite rows, without its libm call */
+            const float a = fabsf(x[r * len + j]);
+            amax = a > amax ? a : amax;
+        }
         scale[r] = amax;
         if (amax < tiny && amax > 0.0f) reciprocal = 0;
     }
@@ -44,6 +48,22 @@ GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int fl
         }
     }
     return 0;
+}
+
+#if GQA_HAVE_AVX512
+/* The same loops compiled for AVX-512 (their rounding and division vectorize; at the baseline
+ * ISA rintf is a call per element): the same operations on each element, the same codes. */
+AVX512 static int quantize_rows_avx512(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes,
+                                       float *scale) {
+    return quantize_rows_body(x, rows, len, flags, codes, scale);
+}
+#endif
+
+GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+#if GQA_HAVE_AVX512
+    if (gqa_avx512_usable()) return quantize_rows_avx512(x, rows, len, flags, codes, scale);
+#endif
+    return quantize_rows_body(x, rows, len, flags, codes, scale);
 }
 
 

@@ -19,8 +19,10 @@ GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
         char *sv = (char *)cc->saved + h * per;
         char *cells[4];
         int64_t sizes[4];
+        int64_t line; /* int8 keys: one code a word, channel j's at column + j * line */
+        char *column = (char *)cc->k + key_block(cc, h, row, &line);
         for (int64_t j = 0; j < dk; j++) {
-            char *cell = (char *)cc->k + key_cell(cc, h, j, row);
+            char *cell = column + j * line;
             if (restore) *cell = sv[j];
             else sv[j] = *cell;
         }
@@ -51,24 +53,36 @@ GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
     float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
     int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
     float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
-    for (int64_t h = 0; h < n; h++)
+    for (int64_t h = 0; h < n; h++) {
+        const int64_t *order = cc->order + h * d;
+        if (cc->io == ENC_F32) { /* a plain gather */
+            const float *src = (const float *)cc->new_k + h * d;
+            for (int64_t j = 0; j < dk; j++) coded[h * dk + j] = src[order[j]];
+            for (int64_t j = dk; j < d; j++) vals[h * no + (j - dk)] = src[order[j]]; /* outliers, parked */
+            continue;
+        }
         for (int64_t j = 0; j < d; j++) {
-            const float x = load_elem(cc->io, cc->new_k, h * d + cc->order[h * d + j]);
+            const float x = load_elem(cc->io, cc->new_k, h * d + order[j]);
             if (j < dk) coded[h * dk + j] = x;
             else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
         }
+    }
     float *outl = keys + n * dk;
     memmove(outl, vals, (size_t)(n * no) * sizeof(float));
     int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
     if (rc) return rc;
-    for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
+    if (cc->io == ENC_F32) memcpy(vals, cc->new_v, (size_t)(n * d) * sizeof(float));
+    else
+        for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
     if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
     rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
     if (rc) return rc;
     int8_swap_row(cc, 0);
     const int half = cc->flags & FLAG_HALF_SCALES;
     for (int64_t h = 0; h < n; h++) {
-        for (int64_t j = 0; j < dk; j++) ((int8_t *)cc->k)[key_cell(cc, h, j, row)] = kcodes[h * dk + j];
+        int64_t line;
+        int8_t *column = (int8_t *)cc->k + key_block(cc, h, row, &line);
+        for (int64_t j = 0; j < dk; j++) column[j * line] = kcodes[h * dk + j];
         for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
         memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
         const int64_t at = h * cc->scale_stride + row;
