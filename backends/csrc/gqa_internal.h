@@ -105,9 +105,6 @@
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
-#ifndef HEAD_COST
-#define HEAD_COST 128 /* a KV head's fixed work (set-up, write, finish) in positions' worth (docs/design.md) */
-#endif
 #ifndef BPIECES
 #define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
 #endif
