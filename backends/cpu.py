@@ -2,7 +2,7 @@
 
 Layout: values (B, Hkv, C, D) in the stream dtype; keys in the compiled kernel's blocks of 64
 positions (``key_layout.KeyBlocks``: each block one contiguous run of its channels' lines, so
-the kernel (``backends.native``, ``csrc/gqa_decode.c``) reads a block front to back and scores
+the kernel (``backends.native``, ``backends/csrc/``) reads a block front to back and scores
 its 64 positions for the G query heads of a KV head with broadcast multiply-adds and no
 horizontal sums). torch's fallback keeps float32 keys transposed (``key_layout.KeyRows``, for a
 row-major ``q @ K^T``) and 16-bit keys as rows. Appending writes one key column and one value

@@ -26,7 +26,7 @@ output within 1e-2 of float64 with 4 channels 20x larger.
 The key channel order. Keys are stored in a per-(batch, KV head) order of their channels,
 (B, Hkv, D) int64 (``Int8Cache.key_channels``): the D - O coded channels, then the O outlier
 ones, each ascending. Queries are gathered into that order before the scores; the native
-kernel (``backends/csrc/gqa_decode.c``) receives the order and does the same.
+kernel (``backends/csrc/``) receives the order and does the same.
 
 The step. During calibration (fewer than ``CALIBRATION_TOKENS`` keys seen, with outlier
 channels) the step runs in Python. After it, with a "native" kernel, the whole step is one

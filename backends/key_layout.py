@@ -1,5 +1,5 @@
 """Where a CPU cache keeps its keys: the one definition of the key layouts, which the C kernel
-(``csrc/gqa_decode.c``, ``key_block`` / ``key_cell``) reads and writes by the same rules.
+(``csrc/gqa_internal.h``, ``key_block`` / ``key_cell``) reads and writes by the same rules.
 
 ``KeyBlocks`` (the compiled kernel's layout): per KV head, the C ring rows in blocks of
 ``BLOCK`` rows, one block after the other; block b holds rows [64 b, 64 b + w) (w = 64, or

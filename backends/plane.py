@@ -1,5 +1,5 @@
 """The step plane: the caches of many sequences of one shape, stepped a layer at a time in one
-native call with no Python per sequence (issue #23; the contract: PLANE-API.md).
+native call with no Python per sequence (issue #23; the contract: ``CacheSet.step`` below).
 
 A ``CacheSet`` keeps, per layer, a numpy array of its caches' native descriptor addresses
 indexed by slot. ``CacheSet.step`` gathers the rows' addresses by the slots array, points the
@@ -59,6 +59,17 @@ class CacheSet:
         self._addrs = np.zeros((num_layers, 0), dtype=np.uint64)
         self._kernel = None  # the library of the set's native caches
         self._shape = None  # (Hq, Hkv, D, dtype) of the first cache added
+        # the native call's arguments, kept from call to call (a step allocates only the copy of
+        # its fields it returns and no object the garbage collector tracks but that result): the
+        # rows' descriptor addresses, statuses and fields (grown to the largest n), the four
+        # tensors' base pointers, their row strides in bytes (fixed by the shape), and the
+        # addresses of these arrays
+        self._rows = np.zeros(0, dtype=np.uint64)
+        self._status = np.zeros(0, dtype=np.int32)
+        self._fields = np.zeros((0, 6), dtype=np.int64)
+        self._base = np.zeros(4, dtype=np.uint64)
+        self._stride = np.zeros(4, dtype=np.int64)
+        self._args = (0, 0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, fields, ...
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -73,6 +84,9 @@ class CacheSet:
                 raise ValueError(f"add: batch_size {s.batch_size}; a set's sequences have batch size 1")
             if self._shape is None:
                 self._shape = shape
+                row = s.head_dim * s.dtype.itemsize
+                self._stride[:] = (s.num_query_heads * row, s.num_kv_heads * row, s.num_kv_heads * row,
+                                   s.num_query_heads * row)  # fmt: skip
             elif shape != self._shape:
                 raise ValueError(f"add: a cache of shape {shape}, the set's is {self._shape}")
             kernel = cache._native if cache._state is not None else None
@@ -127,35 +141,42 @@ class CacheSet:
         its output goes to ``out[i]``."""
         n = len(slots)
         self._check(query, new_key, new_value, out, n)
-        fields = np.zeros((n, 6), dtype=np.int64)
         refused: dict[int, Exception] = {}
         start = time.perf_counter_ns()
         if n == 0:
-            return StepBatch(fields, refused, 0)
-        addrs = self._addrs[layer][slots]
+            return StepBatch(np.zeros((0, 6), dtype=np.int64), refused, 0)
         if self._kernel is not None:
-            status = np.empty(n, dtype=np.int32)
-            base = np.array([query.data_ptr(), new_key.data_ptr(), new_value.data_ptr(), out.data_ptr()], np.uint64)
-            stride = np.array(
-                [query[0].nbytes, new_key[0].nbytes, new_value[0].nbytes, out[0].nbytes],
-                dtype=np.int64,
+            if n > len(self._rows):
+                self._grow(n)
+            rows_at, status_at, fields_at, base_at, stride_at = self._args
+            rows, status, base = self._rows, self._status, self._base
+            np.take(self._addrs[layer], slots, out=rows[:n])
+            base[0], base[1], base[2], base[3] = (
+                query.data_ptr(),
+                new_key.data_ptr(),
+                new_value.data_ptr(),
+                out.data_ptr(),
             )
             kernel = self._kernel
-            rc = kernel.step(
-                addrs.ctypes.data, n, None, base.ctypes.data, stride.ctypes.data, fields.ctypes.data, 6,
-                status.ctypes.data, 0, 0,
-            )  # fmt: skip
+            rc = kernel.step(rows_at, n, None, base_at, stride_at, fields_at, 6, status_at, 0, 0)
             if rc:
                 kernel.raise_for(rc)
-            rows = np.flatnonzero(status)
-            if len(rows):
-                for i in rows.tolist():
+            fields = self._fields[:n].copy()
+            if status[:n].any():
+                for i in np.flatnonzero(status[:n]).tolist():
                     self._refused_row(layer, int(slots[i]), i, int(status[i]), query, new_key, new_value, out, fields,
                                       refused)  # fmt: skip
         else:
+            fields = np.zeros((n, 6), dtype=np.int64)
             for i in range(n):
                 self._python_row(layer, int(slots[i]), i, query, new_key, new_value, out, fields, refused)
         return StepBatch(fields, refused, time.perf_counter_ns() - start)
+
+    def _grow(self, n: int) -> None:
+        self._rows = np.zeros(max(n, 2 * len(self._rows)), dtype=np.uint64)
+        self._status = np.zeros(len(self._rows), dtype=np.int32)
+        self._fields = np.zeros((len(self._rows), 6), dtype=np.int64)
+        self._args = (self._rows.ctypes.data, self._status.ctypes.data, self._fields.ctypes.data) + self._args[3:]
 
     def _refused_row(self, layer, slot, i, status, query, new_key, new_value, out, fields, refused) -> None:
         cache = self._caches[slot][layer]

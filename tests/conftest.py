@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import pathlib
 
 import pytest
 import torch
 
 DATA = pathlib.Path(__file__).parent / "data"
+# The tests load the kernel's test build (its failure injection compiled in: backends/native.py,
+# csrc/test_hooks.c), set before anything loads the library; the servers the tests start inherit it.
+os.environ.setdefault("GQA_KERNEL_TEST_HOOKS", "1")
 
 
 def pytest_configure(config):

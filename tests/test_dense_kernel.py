@@ -1,4 +1,4 @@
-"""The compiled dense step (``csrc/gqa_decode.c`` through ``backends.cpu.DenseCache``) and the
+"""The compiled dense step (``backends/csrc/`` through ``backends.cpu.DenseCache``) and the
 batched entry (``backends.batch.step_many``).
 
 Each implementation (portable C, AVX-512) against the float64 oracle over head widths, group

@@ -1,4 +1,4 @@
-"""The compiled int8 decode kernel (``backends/csrc/gqa_decode.c`` via ``backends.native``).
+"""The compiled int8 decode kernel (``backends/csrc/`` via ``backends.native``).
 
 The kernel is called directly on synthetic codes and scales and checked against the float64
 oracle on the same codes (it adds no quantization of its own), over each implementation this
@@ -11,6 +11,7 @@ way it can fail says why.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,7 +20,10 @@ import pytest
 import torch
 
 from backends import native
+from backends.contract import CacheSpec
+from backends.cpu import DenseCache
 from backends.int8 import Int8Backend, default_kernel
+from backends.policy import EvictionPolicy
 from quant import hadamard_rotation
 from tests.oracle import attention_ref
 
@@ -182,15 +186,34 @@ def test_hadamard_is_the_rotation_product(d):
 
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
-    first = native.build(tmp_path)
+    csrc = tmp_path / "csrc"
+    shutil.copytree(native.CSRC, csrc)
+    monkeypatch.setattr(native, "CSRC", csrc)
+    out = tmp_path / "out"
+    first = native.build(out)
     mtime = first.stat().st_mtime_ns
-    assert native.build(tmp_path) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
-    changed = tmp_path / "changed.c"
-    changed.write_text(native.SOURCE.read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(native, "SOURCE", changed)
-    second = native.build(tmp_path)
+    assert native.build(out) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    header = csrc / "gqa_internal.h"  # a header is part of the key, not only the .c files
+    header.write_text(header.read_text() + "\n/* changed */\n")
+    second = native.build(out)
     assert second != first and second.exists()
-    assert len(list(tmp_path.glob("*.so"))) == 2  # no temporaries left
+    assert len(list(out.glob("*.so"))) == 2  # no temporaries left
+
+
+def test_the_production_library_has_no_test_hooks(monkeypatch):
+    """The failure injection is compiled into the test build only (the tests load it:
+    tests/conftest.py); the production library ignores FLAG_FAIL_AFTER_WRITE."""
+    assert native.load().test_hooks  # this process: the test build
+    monkeypatch.delenv("GQA_KERNEL_TEST_HOOKS", raising=False)
+    monkeypatch.delenv("GQA_KERNEL_SANITIZE", raising=False)
+    production = native.Kernel(native.build())  # make install's build, in the shared cache
+    assert "testhooks" not in production.path.name and not production.test_hooks
+    monkeypatch.setattr(native, "load", lambda: production)
+    cache = DenseCache(CacheSpec(1, 2, 1, 16, torch.float32, EvictionPolicy.none(4)), "native")
+    assert cache._native is production
+    cache._fail_after_write = True
+    out = cache.step(torch.ones(1, 2, 16), torch.ones(1, 1, 16), torch.ones(1, 1, 16))  # not refused
+    assert out.tokens_seen == 1 and torch.equal(out.output, torch.ones(1, 2, 16))
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
@@ -208,9 +231,9 @@ def test_missing_compiler_says_so(tmp_path, monkeypatch):
 
 
 def test_compiler_errors_are_reported(tmp_path, monkeypatch):
-    broken = tmp_path / "broken.c"
-    broken.write_text("int f(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native, "SOURCE", broken)
+    (tmp_path / "csrc").mkdir()
+    (tmp_path / "csrc" / "broken.c").write_text("int f(void) { return undeclared_name; }\n")
+    monkeypatch.setattr(native, "CSRC", tmp_path / "csrc")
     with pytest.raises(native.NativeUnavailable, match="undeclared_name"):
         native.build(tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir()]  # the failed output was removed
@@ -249,9 +272,6 @@ def test_the_server_log_says_which_kernel_serves(monkeypatch, caplog):
 
 
 def _spec():
-    from backends.contract import CacheSpec
-    from backends.policy import EvictionPolicy
-
     return CacheSpec(1, 4, 2, 32, torch.float32, EvictionPolicy.none(16))
 
 

@@ -179,7 +179,7 @@ def test_cacheset_step_is_the_public_step_row_by_row(backend, dtype, kernel):
         cset.add([_make(backend, dtype, kernel, p) for _ in range(layers)])
         twins.append([_make(backend, dtype, kernel, p) for _ in range(layers)])
     slots = np.array([4, 2, 0, 3, 1], dtype=np.int64)  # any order
-    refusals = 0
+    refusals, previous = 0, None
     for step in range(22):
         layer = step % layers
         q = torch.randn(n, HQ, D, generator=gen).to(dtype)
@@ -189,6 +189,9 @@ def test_cacheset_step_is_the_public_step_row_by_row(backend, dtype, kernel):
         before = {i: _state_bytes(cset.caches(int(s))[layer]) for i, s in enumerate(slots)}
         result = cset.step(layer, slots, q, k, v, out)
         assert result.fields.shape == (n, len(FIELDS)) and result.fields.dtype == np.int64
+        if previous is not None:  # a result's fields are its own: the set's next step leaves them
+            assert np.array_equal(previous[0].fields, previous[1])
+        previous = (result, result.fields.copy())
         for i, s in enumerate(slots.tolist()):
             twin = twins[s][layer]
             try:
@@ -291,13 +294,17 @@ def test_a_library_whose_layout_differs_is_refused(monkeypatch):
         native.Kernel(kernel.path)
 
 
-def test_cacheset_outputs_do_not_depend_on_the_thread_count():
-    """Long and short caches in one call (enough work for the pool, several splits): the same
-    bits on one thread and on the whole pool."""
+@pytest.mark.parametrize(
+    "lengths", [[1500, 3, 700, 1200], [1 + i * 37 % 200 for i in range(64)]], ids=["long", "short"]
+)
+def test_cacheset_outputs_do_not_depend_on_the_thread_count(lengths):
+    """Long and short caches in one call (enough work for the pool, several splits), and many
+    one-split ones (the pool shares them out a cache at a time): the same bits on one thread and
+    on the whole pool."""
     gen = torch.Generator().manual_seed(4)
-    lengths = [1500, 3, 700, 1200]
+    n = len(lengths)
     keys, values = torch.randn(1, HKV, 1500, D, generator=gen), torch.randn(1, HKV, 1500, D, generator=gen)
-    q, k, v = torch.randn(4, HQ, D, generator=gen), torch.randn(4, HKV, D, generator=gen), torch.randn(4, HKV, D)
+    q, k, v = torch.randn(n, HQ, D, generator=gen), torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D)
     outs = []
     pool = native.threads()
     try:
@@ -308,8 +315,8 @@ def test_cacheset_outputs_do_not_depend_on_the_thread_count():
                 cache = _make("cpu", torch.float32, "native", EvictionPolicy.none(2000))
                 cache.prefill(keys[:, :, :s], values[:, :, :s])
                 cset.add([cache])
-            out = torch.empty(4, HQ, D)
-            assert not cset.step(0, np.arange(4), q, k, v, out).refused
+            out = torch.empty(n, HQ, D)
+            assert not cset.step(0, np.arange(n), q, k, v, out).refused
             outs.append(out)
     finally:
         native.set_threads(pool)

@@ -1,0 +1,211 @@
+/*
+ * The work items of a call: a head's positions block by block (each split of SPLIT_T positions
+ * its own item, a short cache's heads together in one), its partials, and their merge in split
+ * order by the item that completes a head, then the output row in the stream's dtype.
+ */
+#include "gqa_internal.h"
+
+static int64_t find_cache(const int64_t *off, int64_t ncaches, int64_t item) {
+    int64_t lo = 0, hi = ncaches - 1;
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (off[mid] <= item) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) {
+    float *mem = call->scratch + tid * call->scratch_floats;
+    const int64_t G = cc->g, d = cc->d;
+    float *p = mem + 2 * G + G * d;
+    p = (float *)(((uintptr_t)p + 63) & ~(uintptr_t)63);
+    float *q = p + (TILE_G + 2) * TILE_T; /* then split_query_bf16's room: G * BPIECES * key_width */
+    return (state_t){.m = mem, .l = mem + G, .acc = mem + 2 * G, .p = p, .ksb = p + TILE_G * TILE_T,
+                     .vsb = p + (TILE_G + 1) * TILE_T, .q = q, .qb = (uint16_t *)(q + G * d)};
+}
+
+/* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
+static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide) {
+    const int64_t G = cc->g, d = cc->d;
+    if (!cc->order && cc->io == ENC_F32) {
+        const float *q = (const float *)cc->q + h * G * d;
+        for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
+        return;
+    }
+#if GQA_HAVE_AVX512
+    if (!cc->order && wide) {
+        widen_row_avx512(cc->io, (const uint16_t *)cc->q + h * G * d, qf, G * d, cc->qscale);
+        return;
+    }
+#else
+    (void)wide;
+#endif
+    const int64_t *order = cc->order ? cc->order + h * d : NULL;
+    if (order && cc->io == ENC_F32) { /* int8 with float32 tensors: a plain gather */
+        const float *q = (const float *)cc->q + h * G * d;
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t j = 0; j < d; j++) qf[g * d + j] = q[g * d + order[j]] * cc->qscale;
+        return;
+    }
+    for (int64_t g = 0; g < G; g++)
+        for (int64_t j = 0; j < d; j++)
+            qf[g * d + j] = load_elem(cc->io, cc->q, (h * G + g) * d + (order ? order[j] : j)) * cc->qscale;
+}
+
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
+static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
+
+/* Asks for every line of a block at once (key lines, value rows; locality 3: into L1, 2: L2): the
+ * misses then overlap instead of following one another. */
+static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys,
+                                                                 int64_t nt, const int locality) {
+    const int64_t el = enc_size(cc->enc), d = cc->d;
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
+    for (int64_t j = 0; j < key_width(cc) / kpack(cc->enc); j++)
+        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
+    const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
+    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
+}
+
+/* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block. The
+ * item that completes a head's splits merges them (in split order, whoever runs it), while
+ * its partials are still in cache. */
+static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int tid) {
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t nsplit = call->nsplit[i], local = h * nsplit + split, s = call->s[i];
+    const int64_t l0 = split * SPLIT_T, l1 = l0 + SPLIT_T < s ? l0 + SPLIT_T : s;
+    const int64_t G = cc->g, d = cc->d;
+    state_t st = thread_state(call, cc, tid);
+    for (int64_t g = 0; g < G; g++) {
+        st.m[g] = -INFINITY;
+        st.l[g] = 0.0f;
+    }
+    memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
+    const block_fn block = call->block[i];
+    convert_query(cc, h, st.q, call->wide[i]);
+    const float *qf = st.q;
+    if (call->deferred[i]) { /* a dense step's write of this head, by the split that reads the row */
+        int64_t at = 0;
+        for (int64_t r = 0; r < cc->nruns; r++) {
+            const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+            if (cc->write_row >= a && cc->write_row < b) {
+                at += cc->write_row - a;
+                break;
+            }
+            at += b - a;
+        }
+        if (at >= l0 && at < l1) write_head(cc, h, 0);
+    }
+    int64_t base = 0; /* logical position of the current run's start */
+    for (int64_t r = 0; r < cc->nruns && base < l1; r++) {
+        const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+        const int64_t lo = l0 > base ? l0 : base, hi = l1 < base + (b - a) ? l1 : base + (b - a);
+        for (int64_t x = lo, nt; x < hi; x += nt) {
+            /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
+            const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
+            nt = hi - x < to_grid ? hi - x : to_grid;
+            if (x == lo) prefetch_block(cc, h, a + (x - base), nt, 3); /* later blocks: by the block before */
+            st.prefetch = x + nt < hi;
+            block(cc, qf, h, a + (x - base), nt, &st);
+        }
+        base += b - a;
+    }
+    /* a head's partials: in the thread's state when it has one split, else in the call's */
+    if (nsplit == 1) {
+        finish_head(call, i, h, &st);
+        return;
+    }
+    float *part = call->part + call->part_off[i] + local * G * (d + 2);
+    for (int64_t g = 0; g < G; g++) {
+        memcpy(part + g * (d + 2), st.acc + g * d, (size_t)d * sizeof(float));
+        part[g * (d + 2) + d] = st.m[g];
+        part[g * (d + 2) + d + 1] = st.l[g];
+    }
+    if (atomic_fetch_add(&call->done[call->head_off[i] + h], 1) + 1 == nsplit)
+        merge_head(call, i, h, call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
+}
+
+/* One work item: a (cache, head, split) of a cache with several splits; of a one-split cache,
+ * `hpi` consecutive heads (a short cache's heads in one item: its set-up, the item's lookup,
+ * paid once for all of them). Which heads share an item changes no output. */
+GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
+    const call_t *call = ctx;
+    const int64_t i = find_cache(call->item_off, call->ncaches, item);
+    const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
+    if (nsplit > 1) {
+        attend_head(call, i, local / nsplit, local % nsplit, tid);
+        return;
+    }
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t h0 = local * call->hpi[i], h1 = h0 + call->hpi[i] < cc->n ? h0 + call->hpi[i] : cc->n;
+    const int64_t a = cc->runs[0], to_grid = TILE_T - a % TILE_T, first = cc->runs[1] - a;
+    for (int64_t h = h0; h < h1; h++) {
+        /* the next head's first block on its way to L2 while this one computes: a short cache's
+         * heads are each a few KiB apart in memory, each a fresh start for the hardware's
+         * prefetcher (a cold step of many short caches otherwise waits on every head's first lines) */
+        if (h + 1 < h1) prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
+        attend_head(call, i, h, 0, tid);
+    }
+}
+
+static void store_row(const call_t *call, int64_t i, int64_t at, float *o, int rotate) {
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t d = cc->d;
+    if (rotate) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+    if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
+#if GQA_HAVE_AVX512
+    else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
+#endif
+    else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
+    else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);
+}
+
+/* Merge of one (cache, head): every split's partial rescaled to the common max, in split order. */
+static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid) {
+    /* base: head h's partials (nsplit, G, D + 2) */
+    const gqa_cache_t *cc = &call->caches[i];
+    if (cc->status) return;
+    const int64_t nsplit = call->nsplit[i], G = cc->g, d = cc->d;
+    float *o = call->scratch + tid * call->scratch_floats; /* the state's m, l, acc: done with */
+    for (int64_t gi = 0; gi < G; gi++) {
+        float mmax = -INFINITY;
+        for (int64_t sp = 0; sp < nsplit; sp++) {
+            const float m = base[(sp * G + gi) * (d + 2) + d];
+            if (m > mmax) mmax = m;
+        }
+        memset(o, 0, (size_t)d * sizeof(float));
+        float total = 0.0f;
+        for (int64_t sp = 0; sp < nsplit; sp++) {
+            const float *pt = base + (sp * G + gi) * (d + 2);
+            if (pt[d + 1] == 0.0f) continue;
+            const float w = expf(pt[d] - mmax);
+            total += w * pt[d + 1];
+            for (int64_t j = 0; j < d; j++) o[j] += w * pt[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < d; j++) o[j] *= inv;
+        store_row(call, i, (h * G + gi) * d, o, cc->flags & FLAG_ROTATE);
+    }
+}
+
+/* A one-split head's output from its own state, in place: what merge_head computes for it (its
+ * one partial has weight expf(0) = 1, so o = (0 + acc) / l, bit for bit; NaN rows for l = 0, as
+ * there), without copying the partial out and back. */
+static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st) {
+    const gqa_cache_t *cc = &call->caches[i];
+    if (cc->status) return;
+    const int64_t G = cc->g, d = cc->d;
+    for (int64_t gi = 0; gi < G; gi++) {
+        float *o = st->acc + gi * d;
+        const float l = st->l[gi], inv = 1.0f / l;
+        if (l == 0.0f)
+            for (int64_t j = 0; j < d; j++) o[j] = 0.0f * inv;
+        else
+            for (int64_t j = 0; j < d; j++) o[j] = (0.0f + o[j]) * inv;
+    }
+    /* int8 values stored rotated: the head's G rows rotated back in one call */
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(st->acc, G, d, d & -d);
+    for (int64_t gi = 0; gi < G; gi++) store_row(call, i, (h * G + gi) * d, st->acc + gi * d, 0);
+}

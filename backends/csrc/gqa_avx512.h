@@ -1,0 +1,142 @@
+/*
+ * gqa_avx512.h: the AVX-512 pieces the block files share (block_avx512.c, block_avx512_bf16.c):
+ * exp, the lane masks, widening 16 elements of any encoding, the online-softmax update of a
+ * block, the weighted sum of its value rows and a block's addresses. All inline: each block
+ * function gets its own copy, specialized to its encoding and tile by constant folding.
+ */
+#ifndef GQA_AVX512_H
+#define GQA_AVX512_H
+
+#include "gqa_internal.h"
+
+#if GQA_HAVE_AVX512
+#include <immintrin.h>
+
+/* exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
+ * polynomial for e^r (relative error below 1e-8, under float32's rounding). */
+AVX512 static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scalef */
+    const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));
+    __m512 y = _mm512_set1_ps(1.0f / 5040.0f);
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 720.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 120.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 24.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f / 6.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* The lanes of the i-th group of 16 positions that a block of nt positions fills. */
+static inline __mmask16 lanes16(int64_t nt, int i) {
+    const int64_t left = nt - 16 * i;
+    return left >= 16 ? (__mmask16)0xFFFF : left <= 0 ? 0 : (__mmask16)((1u << left) - 1);
+}
+
+/* 16 consecutive elements of encoding enc widened to float32 in a register (masked lanes 0). */
+AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc, const void *p, __mmask16 mask) {
+    switch (enc) {
+        case ENC_F32: return _mm512_maskz_loadu_ps(mask, p);
+        case ENC_BF16:
+            return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, p)), 16));
+        case ENC_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+        default: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+    }
+}
+
+/* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv registers of
+ * 16 channels per query head, all constants after inlining so the accumulators stay in
+ * registers. The first pass over a block also prefetches the rows of a later block. */
+AVX512 static inline __attribute__((always_inline)) void pv_avx512(
+    const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
+    const int nv, const int prefetch) {
+    const int64_t el = enc_size(enc);
+    __m512 acc[TILE_G][4];
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
+    for (int64_t t = 0; t < nt; t++) {
+        const char *row = vb + (t * d + j0) * el;
+        if (j0 == 0 && prefetch) {
+            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
+        }
+        __m512 vf[4];
+        for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
+        for (int g = 0; g < gt; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_mem + g * d + j0 + 16 * i, acc[g][i]);
+}
+
+/* The shared online-softmax update of one block for `gt` query heads: p[g][t] holds the scores
+ * (-inf past nt) and becomes exp(score - m) (times vs[t] when given); the running max m, sum l
+ * and accumulators acc (gt x d) are rescaled when the max grows. */
+AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
+    float *p, int64_t nt, const float *vs, int64_t d, const int gt, const int ng, float *ms, float *ls, float *accs) {
+    /* ng (a constant): the groups of 16 lanes that can hold a position (1 for nt <= 16); the
+     * others are all -inf, weight 0, and add nothing to the sum: skipped, the same bits */
+    __mmask16 mask[4];
+    for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
+    for (int g = 0; g < gt; g++) {
+        float *pg = p + g * TILE_T;
+        __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(pg), _mm512_loadu_ps(pg + 16)),
+                                  _mm512_max_ps(_mm512_loadu_ps(pg + 32), _mm512_loadu_ps(pg + 48)));
+        const float bmax = _mm512_reduce_max_ps(mx);
+        float *m = ms + g, *l = ls + g, *acc = accs + g * d;
+        if (bmax > *m) {
+            const float alpha = expf(*m - bmax);
+            *l *= alpha;
+            const __m512 a = _mm512_set1_ps(alpha);
+            for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(a, _mm512_loadu_ps(acc + j)));
+            *m = bmax;
+        }
+        const __m512 mm = _mm512_set1_ps(*m);
+        __m512 sum = _mm512_setzero_ps();
+        for (int i = 0; i < ng; i++) {
+            const __m512 e = _mm512_maskz_mov_ps(mask[i], exp512(_mm512_sub_ps(_mm512_loadu_ps(pg + 16 * i), mm)));
+            sum = _mm512_add_ps(sum, e);
+            _mm512_storeu_ps(pg + 16 * i, vs ? _mm512_mul_ps(e, _mm512_maskz_loadu_ps(mask[i], vs + 16 * i)) : e);
+        }
+        *l += _mm512_reduce_add_ps(sum);
+    }
+}
+
+/* A block's addresses: its keys kb (lines kline elements apart), the next block's kn (knline;
+ * kb when the item does not read it), its values vb, and int8's scales as float32 (ks, vs). */
+AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
+    const int enc, const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st, const char **kbp,
+    int64_t *kline, const char **knp, int64_t *knline, const char **vbp, const float **ksp, const float **vsp) {
+    const int64_t d = cc->d, c = cc->c, el = enc_size(enc);
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, kline) * el, *kn = kb;
+    *knline = 0;
+    if (st->prefetch) kn = (const char *)cc->k + key_block(cc, h, phys + nt, knline) * el;
+    *kbp = kb;
+    *knp = kn;
+    *vbp = (const char *)cc->v + (h * c + phys) * d * el;
+    const float *ks = NULL, *vs = NULL;
+    if (enc == ENC_INT8) {
+        const int64_t at = h * cc->scale_stride + phys;
+        if (cc->flags & FLAG_HALF_SCALES) { /* 64 scales in four conversions */
+            for (int i = 0; i < 4; i++) {
+                const __mmask16 m = lanes16(nt, i);
+                _mm512_storeu_ps(st->ksb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)cc->ks + at + 16 * i)));
+                _mm512_storeu_ps(st->vsb + 16 * i, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, (const uint16_t *)cc->vs + at + 16 * i)));
+            }
+            ks = st->ksb;
+            vs = st->vsb;
+        } else {
+            ks = (const float *)cc->ks + at;
+            vs = (const float *)cc->vs + at;
+        }
+    }
+    *ksp = ks;
+    *vsp = vs;
+}
+
+#endif /* GQA_HAVE_AVX512 */
+#endif /* GQA_AVX512_H */

@@ -1,0 +1,367 @@
+/*
+ * gqa_internal.h: what every file of the decode library shares (the descriptor, the enums, the
+ * key layout, the scalar conversions) and the functions one file offers another. Not a public
+ * header: the library's interface is its exported gqa_* functions, mirrored by
+ * backends/native.py (which checks gqa_layout against its own copy before it calls anything).
+ *
+ * GQA decode attention on the CPU, straight from a cache's storage: dense float32, bfloat16 or
+ * float16 keys and values, or int8 codes plus scales. One library, one core.
+ *
+ * For every cache of a call, every KV head n (N = B * Hkv) and each of its G query heads g:
+ *
+ *     score[t] = q[n,g,:] . key[n,:,t]                    (q scaled by qscale first)
+ *     out[n,g] = sum_t softmax(score)[t] * value[n,t,:]
+ *
+ * over the attended positions, which lie in the cache's ring as a few physical runs [a, b)
+ * (a wrapped window, sinks plus window), read where they are, never copied.
+ *
+ * Encodings (gqa_cache_t.enc). Dense: keys in blocks (key_block / key_cell below, defined by
+ * backends/key_layout.py: per KV head, TILE_T ring rows at a time, each block one contiguous
+ * run of its channels' rows; heads kstride elements apart), values (N, C, D), both in the
+ * stream dtype. int8: key codes in blocks likewise, of the dk coded channels, `no` outlier channels
+ * ko (N, no, C) float16, value codes (N, C, D), scales (N, C) float32 or float16 by physical
+ * position (row n at ks + n * scale_stride), so that
+ *
+ *     score[t] = (q[:dk] . kcode[:,t]) * kscale[t] + q[dk:] . kout[:,t]
+ *     out      = sum_t (softmax[t] * vscale[t]) * vcode[t,:]
+ *
+ * (q in the cache's key channel order, see backends/int8.py).
+ *
+ * The core, shared by every encoding: each work item is one (cache, KV head, split), a split
+ * being SPLIT_T consecutive attended positions (in logical order); it walks its positions a
+ * block of up to TILE_T at a time on the physical TILE_T grid, scores the block for TILE_G query
+ * heads at once (each key row is read once for the G heads that share it), keeps an online
+ * softmax (running max, sum and float32 accumulator), and leaves a partial result; the item
+ * that completes a head's splits merges them by log-sum-exp in split order. Because the split
+ * size is fixed in tokens and the merge order is fixed, an output does not depend on the other
+ * caches of the call, on the number of threads or on which thread ran which item: it is
+ * bit-identical alone or batched. Items are taken from one counter by the threads, so the work
+ * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
+ *
+ * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
+ * once and widened to float32 in registers. Three implementations of the block, chosen at run
+ * time per cache: AVX-512 (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16),
+ * AVX-512 with BF16 (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16;
+ * the other encodings as AVX-512) and portable C (the specification the fast paths are tested
+ * against). The library builds with no -march flag. The AVX-512 blocks prefetch the next block
+ * into L2 as they go (its key block is one contiguous run, its value rows another).
+ * docs/design.md ("The C kernel") has the measurements behind these choices.
+ *
+ * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
+ * fork), the calling thread working too. Parallel calls from several threads are serialized on
+ * the pool; calls small enough to run on the calling thread alone run concurrently.
+ *
+ * The step (gqa_run with write_row >= 0): the new key and value are written into their ring
+ * row, what they overwrite saved in `saved` (dense: by the work item that reads that row, per
+ * KV head; int8: before the attention, keys put in the stored channel order and quantized, the
+ * outlier channels as float16, values Hadamard-rotated (FLAG_ROTATE) and quantized as
+ * quant.quantize_int8 does); a failure after the write restores it, so a failed step leaves the
+ * cache byte-identical. The output is written in the stream dtype (int8: rotated back first).
+ *
+ * The files (one job each; native.py compiles them all into one shared library):
+ *
+ *     gqa_internal.h      this: shared definitions
+ *     gqa_avx512.h        AVX-512 helpers the block files share (exp, widening, softmax, P.V)
+ *     block_portable.c    the portable block (the specification the fast paths are tested against)
+ *     block_avx512.c      the AVX-512 blocks of every encoding, and row widening / narrowing
+ *     block_avx512_bf16.c the bfloat16 block with vdpbf16ps (AVX-512 BF16)
+ *     isa.c               which ISAs this CPU runs, and the block a cache gets
+ *     pool.c              the thread pool
+ *     arena.c             per-thread memory kept between calls
+ *     attend.c            the work items: a head's blocks, its split partials and their merge
+ *     write.c             the step's write of the new token (and its restore after a failure)
+ *     int8_code.c         int8 coding: quantization and the Hadamard rotation
+ *     run.c               gqa_run: check the caches, lay out a call, write, run the items
+ *     plan.c              the step's ring and policy arithmetic (the C twin of policy.py)
+ *     step.c              gqa_step: plan, check and run many caches' steps in one call
+ *     layout.c            gqa_layout: the descriptor's layout for native.py's check
+ *     test_hooks.c        failure injection, compiled only into test builds (-DGQA_TEST_HOOKS)
+ */
+#ifndef GQA_INTERNAL_H
+#define GQA_INTERNAL_H
+
+#include <errno.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* the AVX-512 code is built on x86-64 whatever the -march (chosen at run time); the intrinsics
+ * header, large, only where it is used (gqa_avx512.h) */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define GQA_HAVE_AVX512 1
+#else
+#define GQA_HAVE_AVX512 0
+#endif
+
+#define TILE_T 64   /* positions per block: 64 int8 codes of one channel are one cache line */
+#define TILE_G 4    /* query heads scored together against one block */
+#ifndef SPLIT_T
+#define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
+#endif
+#define MAX_RUNS 4
+#define MAX_THREADS 256
+#define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+#ifndef BPIECES
+#define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
+#endif
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
+#endif
+
+
+/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 (bfloat16 scores by vdpbf16ps; the
+ * other encodings as ISA_AVX512). */
+enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
+enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
+/* FLAG_FAIL_AFTER_WRITE: acted on only by a test build (test_hooks.c); part of the layout either way */
+enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
+#define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
+enum { POLICY_NONE = 0, POLICY_STRICT = 1, POLICY_GREEDY = 2, POLICY_SINK = 3 };
+/* gqa_step's result columns, per row (a caller asks for the first rcols >= 6 of them) */
+enum { R_T = 0, R_RESIDENT, R_FIRST, R_LAST, R_EVICTED, R_REACH, R_ATTENDED, R_WRITE_ROW, R_COLS };
+
+/* One cache's part of a call (mirrored by backends/native.py's CacheDesc). */
+typedef struct {
+    int32_t enc;   /* storage: ENC_* */
+    int32_t io;    /* q, new_k, new_v and out: ENC_F32, ENC_BF16 or ENC_F16 */
+    int32_t flags; /* FLAG_* */
+    int32_t nruns;
+    int64_t n, g, d, c; /* KV heads (B * Hkv), query heads per KV head, head width, capacity */
+    int64_t kstride;    /* keys: elements from one KV head's key blocks to the next (>= c * dk) */
+    int64_t dk, no;     /* key channels stored in `enc`, and as float16 outliers (int8 only) */
+    int64_t scale_stride;
+    int64_t runs[2 * MAX_RUNS]; /* physical [a, b) pairs in logical order */
+    int64_t write_row;          /* the ring row the new token goes to; -1: attention only */
+    float qscale;               /* q is multiplied by it (1/sqrt(D), or 1 when pre-scaled) */
+    int32_t status;             /* out: 0, or -errno for this cache (its rows restored) */
+    void *k, *v;                /* keys in blocks (key_block), values (N, C, D) */
+    const void *ks, *vs;        /* int8: scales */
+    const uint16_t *ko;         /* int8: outlier channels (N, no, C) float16 bits */
+    const void *q;              /* (N, G, D) in io; int8: channels in the stored key order, or
+                                   in model order with `order` given */
+    const int64_t *order;       /* int8: (N, D) the stored key order (coded, then outliers); or NULL */
+    const void *new_k, *new_v;  /* (N, D) in io (= enc): the step's token */
+    void *saved;                /* the overwritten row: dense 2 * N * D elements of enc; int8
+                                   N * (dk + 2 no + D + 2 * scale bytes) bytes */
+    void *out;                  /* (N, G, D) in io */
+    /* The cache's state for gqa_step, which plans each step from it (the C twin of
+     * backends/policy.py): the policy (POLICY_*, its window and sinks; its capacity is c), the
+     * tokens seen, and below which T the caller steps the cache itself (gqa_step refuses the
+     * row with -EAGAIN: the int8 cache's calibration). Owned by the library once created:
+     * Python reads t, and writes it only for a rollback, prefill or restore. */
+    int32_t policy;
+    int32_t reserved;
+    int64_t window, sinks;
+    int64_t t;
+    int64_t python_below;
+} gqa_cache_t;
+
+/* Per-thread state of one work item: running max m, running sum l, accumulator acc[G * D]. */
+typedef struct {
+    float *m, *l, *acc;
+    float *p;         /* weights of one block: p[TILE_G * TILE_T] */
+    float *ksb, *vsb; /* one block's float16 scales as float32 */
+    int prefetch;     /* the item reads the next block of this run: prefetch it */
+    float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    /* bfloat16 with dot products (ISA_AVX512_DOT): the query as bfloat16 pieces, made on the
+     * item's first block by split_query_bf16 (qpieces per query head, scores times qmul) */
+    uint16_t *qb;
+    float qmul;
+    int qpieces, qready;
+} state_t;
+
+static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
+
+/* ---------------------------------------------------------------------------------------------
+ * The key layout, as backends/key_layout.py's KeyBlocks defines it (the one definition): per KV
+ * head, the C ring rows in blocks of TILE_T (the last one C mod TILE_T rows when shorter), one
+ * block after the other; a block of w rows holds its dk channels as dk / P lines of w words of
+ * P channels (kpack: 4 for int8, else 1; dk padded to a multiple of P). A
+ * block of positions is then one contiguous run (D x 64 elements), read front to back, where
+ * the transposed layout before it was D streams of a few lines each at a stride of C.
+ */
+
+/* Channels per word of a key line (key_layout.PACK): bfloat16 keeps 2 channels of a row in a
+ * 32-bit word, the operand of vdpbf16ps (and two channels widened by one shift or mask); the
+ * rest 1. The key channels are padded with zero channels to a multiple of it. */
+#ifndef BF16_PACK
+#define BF16_PACK 2
+#endif
+static inline int64_t kpack(int enc) { return enc == ENC_BF16 ? BF16_PACK : 1; }
+static inline int64_t key_width(const gqa_cache_t *cc) { return (cc->dk + kpack(cc->enc) - 1) / kpack(cc->enc) * kpack(cc->enc); }
+
+/* Element offset of KV head h's key block holding ring row `phys`, at that row's first word;
+ * *line: the elements from one line (P channels, w rows) to the next in that block. */
+static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t *line) {
+    const int64_t p = kpack(cc->enc), b0 = phys - phys % TILE_T, w = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
+    *line = w * p;
+    return h * cc->kstride + b0 * key_width(cc) + (phys - b0) * p;
+}
+
+/* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
+static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
+    int64_t line;
+    const int64_t at = key_block(cc, h, row, &line), p = kpack(cc->enc);
+    return at + (j / p) * line + j % p;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Scalar conversions (IEEE binary16 and bfloat16, round to nearest even).
+ */
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1Fu, mant = h & 0x3FFu, bits;
+    if (exp == 0x1Fu) {
+        bits = sign | 0x7F800000u | (mant << 13);
+    } else if (exp) {
+        bits = sign | ((exp + 112u) << 23) | (mant << 13);
+    } else if (!mant) {
+        bits = sign;
+    } else { /* subnormal: normalize */
+        exp = 113u;
+        while (!(mant & 0x400u)) {
+            mant <<= 1;
+            exp--;
+        }
+        bits = sign | (exp << 23) | ((mant & 0x3FFu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_half(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t ax = x & 0x7FFFFFFFu;
+    if (ax > 0x7F800000u) return sign | 0x7E00u; /* NaN */
+    if (ax >= 0x477FF000u) return sign | 0x7C00u; /* rounds to infinity */
+    if (ax < 0x38800000u) {                       /* a binary16 subnormal (or zero) */
+        float a;
+        memcpy(&a, &ax, sizeof a);
+        return sign | (uint16_t)lrintf(a * 16777216.0f); /* units of 2^-24, exact scaling */
+    }
+    return sign | (uint16_t)((ax - 0x38000000u + 0xFFFu + ((ax >> 13) & 1u)) >> 13);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    if ((x & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((x >> 16) | 0x40u);
+    return (uint16_t)((x + 0x7FFFu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* Element i of an array in encoding enc, as float (a constant enc folds the switch away). */
+static inline float load_elem(const int enc, const void *p, int64_t i) {
+    switch (enc) {
+        case ENC_F32: return ((const float *)p)[i];
+        case ENC_BF16: return bf16_to_float(((const uint16_t *)p)[i]);
+        case ENC_F16: return half_to_float(((const uint16_t *)p)[i]);
+        default: return (float)((const int8_t *)p)[i];
+    }
+}
+
+static inline void store_elem(int enc, void *p, int64_t i, float x) {
+    switch (enc) {
+        case ENC_F32: ((float *)p)[i] = x; break;
+        case ENC_BF16: ((uint16_t *)p)[i] = float_to_bf16(x); break;
+        default: ((uint16_t *)p)[i] = float_to_half(x); break;
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Between the files. Internal functions are hidden: the library exports only gqa_*.
+ */
+#define GQA_INTERNAL __attribute__((visibility("hidden")))
+#if GQA_HAVE_AVX512
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#endif
+
+/* A block of nt positions at ring row phys of KV head h: scores, online softmax, values. */
+typedef void (*block_fn)(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+
+/* A call of gqa_run: its caches, their work items and the memory they share (run.c lays it out,
+ * attend.c's items read it). */
+typedef struct {
+    gqa_cache_t *caches;
+    int64_t ncaches;
+    int64_t *item_off; /* ncaches + 1: first work item of each cache */
+    int64_t *head_off; /* ncaches + 1: first (cache, head) of each cache, for the merge */
+    int64_t *nsplit, *s, *part_off;
+    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T) */
+    block_fn *block;
+    float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
+    float *scratch;
+    int64_t scratch_floats; /* per thread */
+    atomic_int *done;       /* per (cache, head): splits finished */
+    char *deferred;         /* per cache: its dense write is done by the item reading the row */
+    char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
+} call_t;
+
+/* block_portable.c, block_avx512.c, block_avx512_bf16.c */
+GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
+                                 state_t *st);
+#if GQA_HAVE_AVX512
+AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512 GQA_INTERNAL void block_avx512_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
+AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *dst, int64_t n);
+#endif
+
+/* isa.c */
+int gqa_avx512_usable(void);
+int gqa_usable_isas(int64_t d);
+GQA_INTERNAL block_fn choose_block(int enc, int isa);
+
+/* pool.c: fn(ctx, item, tid) for item in [0, nitems) on up to `threads` threads (tid < threads) */
+typedef void (*task_fn)(void *ctx, int64_t item, int tid);
+GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
+int gqa_threads(void);
+
+/* arena.c: the calling thread's memory, kept between its calls */
+enum { ARENA_CALL = 0, ARENA_CACHES = 1, ARENA_DESCS = 2, ARENAS = 3 };
+GQA_INTERNAL void *arena_get(int which, size_t bytes);
+GQA_INTERNAL void arena_trim(int which);
+GQA_INTERNAL void *carve(char **at, size_t n);
+
+/* attend.c: one work item of a call (task_fn) */
+GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid);
+
+/* write.c: the step's write of ring row write_row (restore: the saved bytes back) */
+GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore);
+GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore);
+GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf);
+GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore);
+
+/* int8_code.c */
+GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale);
+int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block);
+
+/* plan.c */
+GQA_INTERNAL int plan_step(gqa_cache_t *cc, int64_t *res, int64_t rcols);
+
+/* run.c */
+int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa);
+
+#ifdef GQA_TEST_HOOKS
+/* test_hooks.c: a cache flagged FLAG_FAIL_AFTER_WRITE writes, restores and fails (-EIO) */
+GQA_INTERNAL int injected_failure(gqa_cache_t *cc, float *wbuf);
+#endif
+
+#endif /* GQA_INTERNAL_H */

@@ -1,0 +1,143 @@
+/*
+ * int8 coding: rows quantized to codes and scales (as quant.quantize_int8 does), and the
+ * Hadamard rotation of the values (quant.hadamard_rotation's, as a fast transform).
+ */
+#include "gqa_avx512.h"
+
+/* int8: quantizes rows (rows, len) float32 per row, absmax / 127, as quant.quantize_int8 does:
+ * float16 scales: codes = round(x / stored scale) (a stored 0 divides by 1), clamped to 127;
+ * float32 scales with FLAG_RECIPROCAL (bitsandbytes' rounding, which quant uses when it loads):
+ * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
+ * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
+ * -ERANGE when a float16 scale would overflow. */
+static inline __attribute__((always_inline)) int quantize_rows_body(const float *x, int64_t rows, int64_t len, int flags,
+                                                                      int8_t *codes, float *scale) {
+    const int half = flags & FLAG_HALF_SCALES;
+    int reciprocal = !half && (flags & FLAG_RECIPROCAL);
+    const float tiny = (float)(127.0 / 3.4028234663852886e38);
+    for (int64_t r = 0; r < rows; r++) {
+        float amax = 0.0f;
+        for (int64_t j = 0; j < len; j++) { /* fmaxf's result for finite rows, without its libm call */
+            const float a = fabsf(x[r * len + j]);
+            amax = a > amax ? a : amax;
+        }
+        scale[r] = amax;
+        if (amax < tiny && amax > 0.0f) reciprocal = 0;
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float amax = scale[r], s32 = amax / 127.0f;
+        const float *xr = x + r * len;
+        int8_t *cr = codes + r * len;
+        if (reciprocal) {
+            const float inv = amax == 0.0f ? 0.0f : (1.0f / amax) * 127.0f; /* torch's 127 / t: reciprocal, then product */
+            for (int64_t j = 0; j < len; j++) cr[j] = amax == 0.0f ? 0 : (int8_t)rintf(xr[j] * inv);
+            scale[r] = s32;
+            continue;
+        }
+        float stored = s32;
+        if (half) {
+            if (s32 > 65504.0f) return -ERANGE;
+            stored = half_to_float(float_to_half(s32));
+        }
+        scale[r] = stored;
+        const float div = stored == 0.0f ? 1.0f : stored;
+        for (int64_t j = 0; j < len; j++) {
+            float c = rintf(xr[j] / div);
+            c = c > 127.0f ? 127.0f : c < -127.0f ? -127.0f : c;
+            cr[j] = (int8_t)c;
+        }
+    }
+    return 0;
+}
+
+#if GQA_HAVE_AVX512
+/* The same loops compiled for AVX-512 (their rounding and division vectorize; at the baseline
+ * ISA rintf is a call per element): the same operations on each element, the same codes. */
+AVX512 static int quantize_rows_avx512(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes,
+                                       float *scale) {
+    return quantize_rows_body(x, rows, len, flags, codes, scale);
+}
+#endif
+
+GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+#if GQA_HAVE_AVX512
+    if (gqa_avx512_usable()) return quantize_rows_avx512(x, rows, len, flags, codes, scale);
+#endif
+    return quantize_rows_body(x, rows, len, flags, codes, scale);
+}
+
+
+/* x (rows, d) float32 times the normalized block-diagonal Sylvester Hadamard matrix with blocks
+ * of `block` (a power of two dividing d), in place: quant.hadamard_rotation's H, which is
+ * symmetric, so this is also H x. A fast Walsh-Hadamard transform, d log(block) adds, and no
+ * threads: torch's matrix product here would start its thread pool, whose idle spinning then
+ * competes with the attention kernel for the cores. */
+#if GQA_HAVE_AVX512
+/* The same transform 16 lanes at a time (block a multiple of 16), the same additions and
+ * subtractions in the same order, so bit for bit the scalar loop's result. Stages of span
+ * len < 16 are within a register: lane j takes its partner j ^ len by a permutation, the lower
+ * lane of a pair keeps a + b, the upper one a - b. */
+AVX512 static void hadamard_rows_avx512(float *x, int64_t rows, int64_t d, int64_t block, float norm) {
+    __m512i perm[4];
+    __mmask16 upper[4];
+    for (int s = 0; s < 4; s++) {
+        int idx[16];
+        unsigned m = 0;
+        for (int j = 0; j < 16; j++) {
+            idx[j] = j ^ (1 << s);
+            if (j & (1 << s)) m |= 1u << j;
+        }
+        perm[s] = _mm512_loadu_si512(idx);
+        upper[s] = (__mmask16)m;
+    }
+    const __m512 vn = _mm512_set1_ps(norm);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        for (int64_t b0 = 0; b0 < d; b0 += block) {
+            float *y = row + b0;
+            for (int64_t j = 0; j < block; j += 16) {
+                __m512 v = _mm512_loadu_ps(y + j);
+                for (int s = 0; s < 4; s++) {
+                    const __m512 p = _mm512_permutexvar_ps(perm[s], v);
+                    v = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
+                }
+                _mm512_storeu_ps(y + j, v);
+            }
+            for (int64_t len = 16; len < block; len <<= 1)
+                for (int64_t i = 0; i < block; i += 2 * len)
+                    for (int64_t j = i; j < i + len; j += 16) {
+                        const __m512 a = _mm512_loadu_ps(y + j), b = _mm512_loadu_ps(y + j + len);
+                        _mm512_storeu_ps(y + j, _mm512_add_ps(a, b));
+                        _mm512_storeu_ps(y + j + len, _mm512_sub_ps(a, b));
+                    }
+            for (int64_t j = 0; j < block; j += 16) _mm512_storeu_ps(y + j, _mm512_mul_ps(_mm512_loadu_ps(y + j), vn));
+        }
+    }
+}
+#endif
+
+int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
+    if (rows < 0 || d < 1 || block < 1 || (block & (block - 1)) || d % block) return -EINVAL;
+    const float norm = 1.0f / sqrtf((float)block);
+#if GQA_HAVE_AVX512
+    if (block % 16 == 0 && gqa_avx512_usable()) {
+        hadamard_rows_avx512(x, rows, d, block, norm);
+        return 0;
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        for (int64_t b0 = 0; b0 < d; b0 += block) {
+            float *y = row + b0;
+            for (int64_t len = 1; len < block; len <<= 1)
+                for (int64_t i = 0; i < block; i += 2 * len)
+                    for (int64_t j = i; j < i + len; j++) {
+                        const float a = y[j], b = y[j + len];
+                        y[j] = a + b;
+                        y[j + len] = a - b;
+                    }
+            for (int64_t j = 0; j < block; j++) y[j] *= norm;
+        }
+    }
+    return 0;
+}

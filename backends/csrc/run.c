@@ -1,0 +1,174 @@
+/*
+ * gqa_run: the steps (or attentions) of many caches in one call. Each cache is checked and its
+ * work items laid out (a split of SPLIT_T positions per item, or a short cache's heads in one),
+ * the call's memory carved from the calling thread's arenas, the int8 writes and the dense
+ * writes of unattended rows done, then the items run on the pool (the attended rows' dense
+ * writes and the merges within them).
+ */
+#include "gqa_internal.h"
+
+static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *chosen) {
+    if (cc->enc < ENC_F32 || cc->enc > ENC_INT8 || cc->io < ENC_F32 || cc->io > ENC_F16) return -EINVAL;
+    if (cc->n < 1 || cc->g < 1 || cc->d < 1 || cc->c < 1 || cc->dk < 0 || cc->kstride < cc->c * key_width(cc))
+        return -EINVAL;
+    if (cc->nruns < 1 || cc->nruns > MAX_RUNS || !cc->k || !cc->v || !cc->q || !cc->out) return -EINVAL;
+    if (cc->enc == ENC_INT8) {
+        if (cc->dk < 0 || cc->no < 0 || cc->dk + cc->no < 1 || (cc->no && !cc->ko) || !cc->ks || !cc->vs) return -EINVAL;
+        if (cc->scale_stride < cc->c || cc->dk + cc->no != cc->d || cc->write_row >= cc->c) return -EINVAL;
+        if (cc->write_row >= 0 && (!cc->new_k || !cc->new_v || !cc->saved || !cc->order)) return -EINVAL;
+    } else {
+        if (cc->dk != cc->d || cc->no != 0) return -EINVAL;
+        if (cc->write_row >= cc->c || (cc->write_row >= 0 && (cc->io != cc->enc || !cc->new_k || !cc->new_v || !cc->saved)))
+            return -EINVAL;
+    }
+    int64_t s = 0;
+    for (int64_t r = 0; r < cc->nruns; r++) {
+        if (cc->runs[2 * r] < 0 || cc->runs[2 * r + 1] > cc->c || cc->runs[2 * r] >= cc->runs[2 * r + 1]) return -EINVAL;
+        s += cc->runs[2 * r + 1] - cc->runs[2 * r];
+    }
+    const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
+    if (own) isa = own;
+    if (isa == ISA_AUTO)
+        isa = usable & (1 << ISA_AVX512_DOT) ? ISA_AVX512_DOT : usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
+    if (isa < ISA_PORTABLE || isa > ISA_AVX512_DOT || !(usable & (1 << isa))) return -ENOTSUP;
+    *attended = s;
+    *chosen = isa;
+    return 0;
+}
+
+/* What a call needs besides its per-cache arrays (floats, or counts). */
+typedef struct {
+    int64_t items, heads, parts, scratch, work, wneed;
+} call_size_t;
+
+/* The per-cache arrays of a call, from the calling thread's ARENA_CACHES. */
+static int call_arrays(call_t *call, gqa_cache_t *caches, int64_t ncaches) {
+    const size_t nc = (size_t)ncaches;
+    char *at = arena_get(ARENA_CACHES, 6 * 64 + (6 * nc + 2) * sizeof(int64_t) + nc * (sizeof(block_fn) + 2));
+    if (!at) return -ENOMEM;
+    int64_t *ints = carve(&at, (6 * nc + 2) * sizeof(int64_t));
+    *call = (call_t){.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + nc + 1,
+                     .nsplit = ints + 2 * nc + 2, .s = ints + 3 * nc + 2, .part_off = ints + 4 * nc + 2,
+                     .hpi = ints + 5 * nc + 2};
+    call->block = carve(&at, nc * sizeof(block_fn));
+    call->wide = carve(&at, nc);
+    call->deferred = carve(&at, nc);
+    return 0;
+}
+
+/* Cache i checked and its items laid out after those of the caches before it (size so far). */
+static int lay_out_cache(call_t *call, int64_t i, int isa, call_size_t *size) {
+    gqa_cache_t *cc = &call->caches[i];
+    int chosen;
+    const int rc = check_cache(cc, isa, &call->s[i], &chosen);
+    if (rc) return rc;
+    cc->status = 0;
+    call->block[i] = choose_block(cc->enc, chosen);
+    call->wide[i] = chosen >= ISA_AVX512;
+    call->nsplit[i] = (call->s[i] + SPLIT_T - 1) / SPLIT_T;
+    call->item_off[i] = size->items;
+    call->head_off[i] = size->heads;
+    call->part_off[i] = size->parts;
+    if (call->nsplit[i] > 1) {
+        call->hpi[i] = 1;
+        size->items += cc->n * call->nsplit[i];
+        size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
+    } else { /* heads per item: as many as make up one split's positions */
+        const int64_t per = SPLIT_T / (call->s[i] ? call->s[i] : 1);
+        call->hpi[i] = per < 1 ? 1 : per > cc->n ? cc->n : per;
+        size->items += (cc->n + call->hpi[i] - 1) / call->hpi[i];
+    }
+    size->heads += cc->n;
+    const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
+                         cc->g * key_width(cc) * BPIECES / 2 + 1; /* split_query_bf16's */
+    if (need > size->scratch) size->scratch = need;
+    size->work += cc->n * call->s[i];
+    if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
+        const int64_t w = 2 * cc->n * cc->d + 2 * cc->n + (2 * cc->n * cc->d + 3) / 4 + 1;
+        if (w > size->wneed) size->wneed = w;
+    }
+    return 0;
+}
+
+/* The call's shared memory (partials, per-thread scratch, the int8 write's buffer, the merge
+ * counters) from ARENA_CALL; *wbuf: the write's buffer. */
+static int call_memory(call_t *call, const call_size_t *size, int threads, float **wbuf) {
+    call->scratch_floats = (size->scratch + 15) / 16 * 16;
+    const size_t bytes = 4 * 64 + (size_t)size->parts * sizeof(float) +
+                         (size_t)(threads * call->scratch_floats) * sizeof(float) +
+                         (size_t)size->wneed * sizeof(float) + (size_t)size->heads * sizeof(atomic_int);
+    char *at = arena_get(ARENA_CALL, bytes);
+    if (!at) return -ENOMEM;
+    call->part = carve(&at, (size_t)size->parts * sizeof(float));
+    call->scratch = carve(&at, (size_t)(threads * call->scratch_floats) * sizeof(float));
+    *wbuf = carve(&at, (size_t)size->wneed * sizeof(float));
+    call->done = carve(&at, (size_t)size->heads * sizeof(atomic_int));
+    for (int64_t x = 0; x < size->heads; x++) atomic_init(&call->done[x], 0);
+    return 0;
+}
+
+/* Cache i's write before the items run: int8's whole row (its status: -ERANGE for a scale out
+ * of range, nothing written), a dense row nobody attends; an attended dense row is deferred to
+ * the item that reads it. */
+static void write_before(call_t *call, int64_t i, float *wbuf) {
+    gqa_cache_t *cc = &call->caches[i];
+    call->deferred[i] = 0;
+#ifdef GQA_TEST_HOOKS
+    if (injected_failure(cc, wbuf)) return;
+#endif
+    if (cc->write_row < 0) return;
+    if (cc->enc == ENC_INT8) {
+        cc->status = int8_write(cc, wbuf);
+        return;
+    }
+    int attended = 0;
+    for (int64_t r = 0; r < cc->nruns; r++)
+        attended |= cc->write_row >= cc->runs[2 * r] && cc->write_row < cc->runs[2 * r + 1];
+    if (attended) call->deferred[i] = 1;
+    else write_row(cc, 0);
+}
+
+/* Computes the steps (or attentions) of `ncaches` caches; see gqa_internal.h. threads: at most
+ * this many (0: the pool's size). isa: ISA_* for every cache (ISA_AUTO: the fastest each can
+ * run). Returns 0 (each cache's own `status` then says whether it was computed), or a negative
+ * errno-style code for the whole call with nothing written (bad arguments, no memory). */
+int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
+    if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
+    if (threads <= 0) threads = gqa_threads();
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    call_t call;
+    int rc = call_arrays(&call, caches, ncaches);
+    call_size_t size = {.wneed = 1};
+    for (int64_t i = 0; i < ncaches && !rc; i++) rc = lay_out_cache(&call, i, isa, &size);
+    if (rc) return rc;
+    call.item_off[ncaches] = size.items;
+    call.head_off[ncaches] = size.heads;
+    if (size.work < PARALLEL_MIN_WORK) threads = 1;
+    if (threads > size.items) threads = (int)size.items;
+    float *wbuf;
+    rc = call_memory(&call, &size, threads, &wbuf);
+    if (rc) return rc;
+    /* from here on a cache fails alone (its status; its output then is not stored) */
+    for (int64_t i = 0; i < ncaches; i++) write_before(&call, i, wbuf);
+    pool_run(attend_item, &call, size.items, threads); /* and the merges */
+    arena_trim(ARENA_CALL);
+    arena_trim(ARENA_CACHES);
+    return 0;
+}
+
+/* gqa_run over descriptors that live apart (each cache keeps its own): copied into one array,
+ * computed, and each one's `status` copied back. The same return codes as gqa_run. */
+int gqa_run_ptrs(gqa_cache_t *const *ptrs, int64_t ncaches, int threads, int isa) {
+    if (ncaches < 1) return ncaches == 0 ? 0 : -EINVAL;
+    gqa_cache_t *caches = arena_get(ARENA_DESCS, (size_t)ncaches * sizeof *caches);
+    if (!caches) return -ENOMEM;
+    for (int64_t i = 0; i < ncaches; i++) {
+        if (!ptrs[i]) return -EINVAL;
+        caches[i] = *ptrs[i];
+    }
+    const int rc = gqa_run(caches, ncaches, threads, isa);
+    if (!rc)
+        for (int64_t i = 0; i < ncaches; i++) ptrs[i]->status = caches[i].status;
+    arena_trim(ARENA_DESCS);
+    return rc;
+}

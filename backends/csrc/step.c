@@ -1,0 +1,100 @@
+/*
+ * gqa_step: the steps of many caches in one call, each planned from its own state (plan.c),
+ * its inputs checked, then computed together by gqa_run; the caches' T advanced for the rows
+ * that succeeded.
+ */
+#include "gqa_internal.h"
+
+/* Whether the n elements at p (encoding enc) are finite and within +-limit. */
+static int within(int enc, const void *p, int64_t n, float limit) {
+    int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
+    if (enc == ENC_F32) {
+        const float *f = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(f[i]) <= limit;
+    } else if (enc == ENC_BF16) {
+        const uint16_t *h = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(bf16_to_float(h[i])) <= limit;
+    } else {
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(load_elem(enc, p, i)) <= limit;
+    }
+    return ok;
+}
+
+/* int8: the row's query and value finite, its key finite and within float16's range (outlier
+ * channels are stored as float16), as backends/int8_storage.check_values requires. */
+static int int8_values_ok(const gqa_cache_t *x) {
+    const int64_t nd = x->n * x->d;
+    return within(x->io, x->q, nd * x->g, INFINITY) && within(x->io, x->new_k, nd, 65504.0f) &&
+           within(x->io, x->new_v, nd, INFINITY);
+}
+
+/* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
+ * caches), planned from its state. The row's query, new key, new value and output: io[4 * i
+ * + 0..3] when io is given (pointers), else base[j] + i * stride[j] (bytes) for j = q, k, v,
+ * out. Per row: status[i] = 0 (results[i * rcols ..] = the first rcols R_* numbers after the
+ * step, T incremented), or the refusal with nothing written and results zero: -EAGAIN (the
+ * caller's own path: T below python_below), -ENOSPC (policy none, full), -EDOM (int8: a
+ * non-finite input, or a key beyond float16's range), -ERANGE (int8 scale),
+ * -EIO (injected failure), -EINVAL (no cache). Returns 0, or a negative errno for the whole
+ * call (nothing written, no status). */
+int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const void *const *base,
+             const int64_t *stride, int64_t *results, int64_t rcols, int32_t *status, int threads, int isa) {
+    if (n < 0 || rcols < 0 || (!io && (!base || !stride))) return -EINVAL;
+    if (n == 0) return 0;
+    gqa_cache_t *work = arena_get(ARENA_DESCS, (size_t)n * (sizeof *work + sizeof(int64_t)));
+    if (!work) return -ENOMEM;
+    int64_t *row_of = (int64_t *)(work + n);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t *res = results + i * rcols;
+        memset(res, 0, (size_t)rcols * sizeof(int64_t));
+        gqa_cache_t *cc = caches[i];
+        if (!cc) {
+            status[i] = -EINVAL;
+            continue;
+        }
+        if (cc->t < cc->python_below) {
+            status[i] = -EAGAIN;
+            continue;
+        }
+        gqa_cache_t *x = &work[m];
+        *x = *cc;
+        const int rc = plan_step(x, res, rcols);
+        status[i] = rc;
+        if (rc) {
+            memset(res, 0, (size_t)rcols * sizeof(int64_t));
+            continue;
+        }
+        if (io) {
+            x->q = io[4 * i];
+            x->new_k = io[4 * i + 1];
+            x->new_v = io[4 * i + 2];
+            x->out = (void *)io[4 * i + 3];
+        } else {
+            x->q = (const char *)base[0] + i * stride[0];
+            x->new_k = (const char *)base[1] + i * stride[1];
+            x->new_v = (const char *)base[2] + i * stride[2];
+            x->out = (char *)base[3] + i * stride[3];
+        }
+        if (x->enc == ENC_INT8 && !int8_values_ok(x)) { /* nothing written: the caller names the value */
+            status[i] = -EDOM;
+            memset(res, 0, (size_t)rcols * sizeof(int64_t));
+            continue;
+        }
+        row_of[m++] = i;
+    }
+    const int rc = gqa_run(work, m, threads, isa);
+    if (rc) {
+        memset(results, 0, (size_t)(n * rcols) * sizeof(int64_t));
+        arena_trim(ARENA_DESCS);
+        return rc;
+    }
+    for (int64_t x = 0; x < m; x++) {
+        const int64_t i = row_of[x];
+        status[i] = work[x].status;
+        if (work[x].status) memset(results + i * rcols, 0, (size_t)rcols * sizeof(int64_t));
+        else caches[i]->t++;
+    }
+    arena_trim(ARENA_DESCS);
+    return 0;
+}

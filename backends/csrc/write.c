@@ -1,0 +1,142 @@
+/*
+ * The step's write: the new token's key and value into ring row write_row, what they
+ * overwrite saved in `saved` first, so that a failure puts it back (restore) and a failed step
+ * leaves the cache byte-identical. Dense caches per KV head (by the work item that reads the
+ * row, or before the items when the row is not attended); int8 caches before the attention.
+ */
+#include "gqa_internal.h"
+
+/* int8: the new token's bytes per KV head in `saved` (key codes, outlier channels, value codes,
+ * two scales), so that a failure puts them back. */
+static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
+    return cc->dk + 2 * cc->no + cc->d + 2 * ((cc->flags & FLAG_HALF_SCALES) ? 2 : 4);
+}
+
+GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
+    for (int64_t h = 0; h < n; h++) {
+        char *sv = (char *)cc->saved + h * per;
+        char *cells[4];
+        int64_t sizes[4];
+        int64_t line; /* int8 keys: one code a word, channel j's at column + j * line */
+        char *column = (char *)cc->k + key_block(cc, h, row, &line);
+        for (int64_t j = 0; j < dk; j++) {
+            char *cell = column + j * line;
+            if (restore) *cell = sv[j];
+            else sv[j] = *cell;
+        }
+        for (int64_t o = 0; o < no; o++) {
+            char *cell = (char *)(cc->ko + (h * no + o) * c + row);
+            if (restore) memcpy(cell, sv + dk + 2 * o, 2);
+            else memcpy(sv + dk + 2 * o, cell, 2);
+        }
+        cells[0] = (char *)cc->v + (h * c + row) * d;
+        sizes[0] = d;
+        cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
+        cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
+        sizes[1] = sizes[2] = sel;
+        char *at = sv + dk + 2 * no;
+        for (int x = 0; x < 3; x++) {
+            if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
+            else memcpy(at, cells[x], (size_t)sizes[x]);
+            at += sizes[x];
+        }
+    }
+}
+
+/* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
+ * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
+ * values rotated (FLAG_ROTATE) and quantized. -ERANGE (nothing written) if a scale overflows. */
+GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
+    int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
+    float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
+    for (int64_t h = 0; h < n; h++) {
+        const int64_t *order = cc->order + h * d;
+        if (cc->io == ENC_F32) { /* a plain gather */
+            const float *src = (const float *)cc->new_k + h * d;
+            for (int64_t j = 0; j < dk; j++) coded[h * dk + j] = src[order[j]];
+            for (int64_t j = dk; j < d; j++) vals[h * no + (j - dk)] = src[order[j]]; /* outliers, parked */
+            continue;
+        }
+        for (int64_t j = 0; j < d; j++) {
+            const float x = load_elem(cc->io, cc->new_k, h * d + order[j]);
+            if (j < dk) coded[h * dk + j] = x;
+            else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
+        }
+    }
+    float *outl = keys + n * dk;
+    memmove(outl, vals, (size_t)(n * no) * sizeof(float));
+    int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
+    if (rc) return rc;
+    if (cc->io == ENC_F32) memcpy(vals, cc->new_v, (size_t)(n * d) * sizeof(float));
+    else
+        for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
+    if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
+    rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+    if (rc) return rc;
+    int8_swap_row(cc, 0);
+    const int half = cc->flags & FLAG_HALF_SCALES;
+    for (int64_t h = 0; h < n; h++) {
+        int64_t line;
+        int8_t *column = (int8_t *)cc->k + key_block(cc, h, row, &line);
+        for (int64_t j = 0; j < dk; j++) column[j * line] = kcodes[h * dk + j];
+        for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
+        memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
+        const int64_t at = h * cc->scale_stride + row;
+        if (half) {
+            ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
+            ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
+        } else {
+            ((float *)cc->ks)[at] = ksc[h];
+            ((float *)cc->vs)[at] = vsc[h];
+        }
+    }
+    return 0;
+}
+
+/* A key column's `words` words of `word` bytes (a line's P channels of one position), one per
+ * line, `line` bytes apart, swapped with sv (the old bytes out, src's in; restore: sv's back).
+ * word is a constant after inlining: one load and one store per line, no division. */
+static inline __attribute__((always_inline)) void swap_words(char *kk, char *sv, const char *src, int64_t words,
+                                                             int64_t line, const int64_t word, int restore) {
+    for (int64_t l = 0; l < words; l++) {
+        char *cell = kk + l * line;
+        if (restore) {
+            memcpy(cell, sv + l * word, (size_t)word);
+        } else {
+            memcpy(sv + l * word, cell, (size_t)word);
+            memcpy(cell, src + l * word, (size_t)word);
+        }
+    }
+}
+
+/* The step's write for KV head h: its key column and value row of ring row `write_row`, the
+ * old bytes to saved (or back, restore). */
+GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
+    const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
+    char *saved = cc->saved;
+    int64_t line;
+    const int64_t p = kpack(cc->enc), word = p * el;
+    char *kk = (char *)cc->k + key_block(cc, h, row, &line) * el, *sv = saved + h * d * el;
+    const char *src = (const char *)cc->new_k + h * d * el;
+    line *= el;
+    if (word == 4) swap_words(kk, sv, src, d / p, line, 4, restore);
+    else swap_words(kk, sv, src, d / p, line, 2, restore);
+    if (d % p) /* an odd bfloat16 width: the last line's first channel alone (the other is padding) */
+        swap_words(kk + d / p * line, sv + d / p * word, src + d / p * word, 1, line, 2, restore);
+    char *cell = (char *)cc->v + (h * cc->c + row) * d * el, *keep = saved + (n + h) * d * el;
+    if (restore) {
+        memcpy(cell, keep, (size_t)(d * el));
+    } else {
+        memcpy(keep, cell, (size_t)(d * el));
+        memcpy(cell, (const char *)cc->new_v + h * d * el, (size_t)(d * el));
+    }
+}
+
+/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
+GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore) {
+    for (int64_t h = 0; h < cc->n; h++) write_head(cc, h, restore);
+}
