@@ -165,15 +165,7 @@ class ServedCache(Cache):
     # -- decode steps --------------------------------------------------------------------------
     def _decode(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """One step message per new token: (B, Hq, q, D), (B, Hkv, q, D) x2 -> (B, q, Hq, D)."""
-        dtype = self.sessions.dtype
-        outputs = []
-        for t in range(query.shape[2]):
-            q = query[:, :, t].detach().to("cpu", dtype)
-            k = key[:, :, t].detach().to("cpu", dtype)
-            v = value[:, :, t].detach().to("cpu", dtype)
-            outputs.append(torch.as_tensor(self.sessions.step(layer, self.ids, q, k, v)))
-        out = torch.stack(outputs, dim=1) if len(outputs) > 1 else outputs[0].unsqueeze(1)
-        return out.to(query.device, query.dtype)
+        return self.sessions.step(layer, self.ids, query, key, value)
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:

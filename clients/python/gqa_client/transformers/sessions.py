@@ -9,12 +9,17 @@ import threading
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from ..errors import CallFailed, Refused
+from ..errors import CallFailed, Refused, refusal
+from ..tensors import decode
 from .plans import LayerPlan
 
 __all__ = ["ServedAttentionError", "ServedStats", "Sessions"]
+
+# The sessions' dtypes numpy has: their tensors travel as numpy views (``Sessions.step``).
+_NUMPY = {torch.float32: np.dtype("<f4"), torch.float16: np.dtype("<f2")}
 
 
 class ServedAttentionError(RuntimeError):
@@ -133,15 +138,37 @@ class Sessions:
                 ) from None
 
     def step(self, layer: int, ids: list[int], query: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
-        """One token of model layer ``layer`` for the sequences ``ids``: query (B, Hq, D), key
-        and value (B, Hkv, D), CPU tensors of the sessions' dtype; the output (B, Hq, D)."""
+        """The new tokens of model layer ``layer`` for the sequences ``ids``, one step message
+        per token: query (B, Hq, q, D), key and value (B, Hkv, q, D) as the attention function
+        receives them; the output (B, q, Hq, D) of the query's device and dtype."""
+        lean = query.is_cpu and query.dtype == self.dtype and not query.requires_grad and query.shape[2] == 1
+        if lean and self.dtype in _NUMPY:
+            # One token on the CPU in the sessions' dtype: numpy views in, a tensor over the
+            # reply's bytes out. This runs twice per layer per token, each time after the model
+            # has streamed its weights through the caches, so every library call here runs
+            # cold: numpy and protobuf code instead of torch's dispatch halves its cost.
+            r = self._send(layer, ids, query.numpy()[:, :, 0], key.numpy()[:, :, 0], value.numpy()[:, :, 0])
+            out = np.frombuffer(bytearray(r.output.data), _NUMPY[self.dtype])
+            return torch.from_numpy(out.reshape(query.shape[0], 1, query.shape[1], query.shape[3]))
+        outputs = []
+        for t in range(query.shape[2]):
+            q = query[:, :, t].detach().to("cpu", self.dtype)
+            k = key[:, :, t].detach().to("cpu", self.dtype)
+            v = value[:, :, t].detach().to("cpu", self.dtype)
+            outputs.append(decode(self._send(layer, ids, q, k, v).output, q, "output"))
+        out = torch.stack(outputs, dim=1) if len(outputs) > 1 else outputs[0].unsqueeze(1)
+        return out.to(query.device, query.dtype)
+
+    def _send(self, layer: int, ids: list[int], query, key, value):
+        """One step message: query (B, Hq, D), key and value (B, Hkv, D) of the sessions' dtype
+        (numpy arrays or CPU tensors); the server's ``BatchStepResult``."""
         plan = self.plans[layer]
         group = self.groups[plan.group]
         with group.lock:
             session = self._session(group)
             started = time.perf_counter_ns()
             try:
-                result = session.step(plan.index, ids, query, key, value)
+                result = session.step_reply(plan.index, ids, query, key, value)
             except CallFailed as exc:
                 self._broken(group)
                 raise _failed(exc, f"layer {layer}'s decode step", self.address) from None
@@ -157,14 +184,14 @@ class Sessions:
         if layer == self.last_layer:
             stats.tokens += 1
         if result.refusals:
-            sid, refusal = next(iter(result.refusals.items()))
-            code = refusal.code.name
+            first = result.refusals[0]
+            sid, exc = first.id, refusal(first.status, first.id)
             raise ServedAttentionError(
-                f"gqa-serve refused sequence {sid} on layer {layer}: {refusal.message}"
-                + (" (pass a larger max_length)" if code == "RESOURCE_EXHAUSTED" else ""),
-                code,
+                f"gqa-serve refused sequence {sid} on layer {layer}: {exc.message}"
+                + (" (pass a larger max_length)" if exc.code.name == "RESOURCE_EXHAUSTED" else ""),
+                exc.code.name,
             )
-        return result.output
+        return result
 
     def remove(self, added: set[int], ids: list[int]) -> None:
         """Removes ``ids`` from the sessions of the groups in ``added`` (then emptied); never
