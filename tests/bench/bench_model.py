@@ -121,6 +121,7 @@ def measure(model, address: str, length: int, batch: int, cfg: dict) -> dict:
     from gqa_client.transformers import offload_attention
 
     tokens, rounds = cfg["tokens"], cfg["rounds"]
+    load = os.getloadavg()[0]
     start_rss = rss_bytes()
     status(f"S={length} batch {batch}: filling the context")
     handle = offload_attention(model, address)
@@ -165,6 +166,7 @@ def measure(model, address: str, length: int, batch: int, cfg: dict) -> dict:
         served_rss_bytes=served_rss,
         local_rss_bytes=local_rss,
         upload_s=upload_s,
+        load_average=[load, os.getloadavg()[0]],
     )
 
 
@@ -250,5 +252,11 @@ def run(report) -> None:
         stop_server(proc)
     print(table(HEADERS, rows))
     print(LEGEND.format(tokens=cfg["tokens"]))
+    loads = [x for rec in report.records for x in rec["load_average"]]
+    print(
+        f"load average (1 min) during the cases: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores. "
+        "Above the core count, contention flatters served/local: a process that blocks on its server "
+        "every layer is favoured by the scheduler over one that computes throughout."
+    )
     for line in lines:
         print(line)
