@@ -461,6 +461,7 @@ def test_the_client_package_imports_nothing_of_the_server_nor_torch():
             else:
                 continue
             # gqa_client.transformers is the `transformers` extra: torch and transformers by design
-            banned = ("service", "backends", "quant", "tests") + (() if path.name == "transformers.py" else ("torch",))
+            extra = "transformers" in path.relative_to(package).parts[:1]
+            banned = ("service", "backends", "quant", "tests") + (() if extra else ("torch",))
             for name in names:
                 assert name.split(".")[0] not in banned, f"{path}: {name}"

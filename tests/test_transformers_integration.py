@@ -127,15 +127,15 @@ def test_greedy_generation_equals_the_local_eager_model(server, name, length, ba
 
 def test_sliding_layers_are_strict_with_the_models_window_and_full_layers_keep_everything():
     model = make("qwen2")
-    plans = served_hf._plans(model.config, None, None, 4, None)
+    plans = served_hf.plans.plan_layers(model.config, None, None, 4, None)
     assert [(p.policy, p.window, p.group, p.index) for p in plans] == [
         ("none", 0, 0, 0),
         ("strict", WINDOW, 1, 0),
         ("strict", WINDOW, 1, 1),
     ]
     with pytest.raises(ValueError, match="needs window="):
-        served_hf._plans(model.config, "sink", None, 4, None)
-    sink = served_hf._plans(model.config, "sink", 8, 2, None)
+        served_hf.plans.plan_layers(model.config, "sink", None, 4, None)
+    sink = served_hf.plans.plan_layers(model.config, "sink", 8, 2, None)
     assert [(p.policy, p.window, p.sinks) for p in sink] == [("sink", 8, 2), ("sink", WINDOW, 2), ("sink", WINDOW, 2)]
 
 

@@ -14,8 +14,13 @@
 - the split of a served token: transport (round trips less the server's compute), the server's
   compute (``compute_ns`` of the step replies) and the local model (the rest: weights, norms,
   rotary, sampling), from the handle's ``ServedStats``.
-- memory: this process's resident set above the loaded model's, after each mode's first token
-  (the served context uploaded and dropped before the local one is made).
+- floor: the same local model over a 1-position context, taking turns with the other two: a
+  token's weights, norms and sampling without its attention. No served token can cost less, so
+  floor / local is the lowest served / local ratio this machine allows at that context; where it
+  exceeds a target, the verdict line says so.
+- memory: this process's resident set after each mode's first token above its size when the
+  case began (the served context uploaded and dropped before the local one is made), so what an
+  earlier case's local cache left in the allocator does not count.
 - cases: batch 1 at S = 2048, 8192, 32768 and batch 8 at 2048, 8 tokens a round, 3 rounds (about
   a minute on 2 quiet cores); GQA_BENCH_MODE=long adds batch 8 at 8192 and decodes 32 tokens a
   round in 5 rounds.
@@ -99,116 +104,159 @@ def decode(model, cache, batch: int, tokens: int) -> list[float]:
     return times
 
 
-def run(report) -> None:
+def local_cache(model, batch: int, length: int, seed: int):
+    """transformers' own ``DynamicCache`` filled directly with ``length`` random positions."""
     from transformers import DynamicCache
 
+    cache = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(context(model, batch, length, seed)):
+        cache.update(k, v, layer)
+    return cache
+
+
+def measure(model, address: str, length: int, batch: int, cfg: dict) -> dict:
+    """One case: the served cache uploaded, then rounds of ``tokens`` tokens served, local and
+    with the weights floor (the local model over a 1-position context: everything of a token
+    but its attention), taking turns; per-round medians in seconds, memory in bytes."""
     from gqa_client.transformers import offload_attention
 
+    tokens, rounds = cfg["tokens"], cfg["rounds"]
+    load = os.getloadavg()[0]
+    start_rss = rss_bytes()
+    status(f"S={length} batch {batch}: filling the context")
+    handle = offload_attention(model, address)
+    served_cache = handle.new_cache(max_length=length + (rounds + 1) * tokens + 8)
+    kv = context(model, batch, length, seed=length + batch)
+    started = time.perf_counter()
+    served_cache.load(kv)
+    upload_s = time.perf_counter() - started
+    del kv
+    decode(model, served_cache, batch, 1)  # warm-up
+    served_rss = rss_bytes() - start_rss
+    model.set_attn_implementation("sdpa")  # the same model, its own attention and cache
+    caches = {"local": local_cache(model, batch, length, length + batch + 1), "floor": local_cache(model, batch, 1, 0)}
+    decode(model, caches["local"], batch, 1)  # warm-up
+    local_rss = rss_bytes() - start_rss
+    r = dict(served_s=[], local_s=[], floor_s=[], transport_s=[], server_s=[], model_s=[])
+    for i in range(rounds):
+        status(f"S={length} batch {batch}: round {i + 1}/{rounds}")
+        handle.stats.reset()
+        model.set_attn_implementation("gqa_serve")
+        s = statistics.median(decode(model, served_cache, batch, tokens))
+        st = handle.stats
+        per = st.tokens or 1
+        r["served_s"].append(s)
+        r["server_s"].append(st.server_ns / per * 1e-9)
+        r["transport_s"].append((st.round_trip_ns - st.server_ns) / per * 1e-9)
+        r["model_s"].append(s - st.round_trip_ns / per * 1e-9)
+        model.set_attn_implementation("sdpa")
+        for kind in ("local", "floor") if i % 2 == 0 else ("floor", "local"):
+            r[f"{kind}_s"].append(statistics.median(decode(model, caches[kind], batch, tokens)))
+    served_cache.close()
+    handle.close()
+    ratio = per_round_ratio(r["served_s"], r["local_s"])
+    floor_ratio = per_round_ratio(r["floor_s"], r["local_s"])
+    return dict(
+        S=length,
+        batch=batch,
+        tokens=tokens,
+        **r,
+        ratio=ratio,
+        floor_ratio=floor_ratio,
+        served_rss_bytes=served_rss,
+        local_rss_bytes=local_rss,
+        upload_s=upload_s,
+        load_average=[load, os.getloadavg()[0]],
+    )
+
+
+HEADERS = [
+    "S",
+    "B",
+    "local ms/token",
+    "served ms/token",
+    "served/local",
+    "transport ms",
+    "server ms",
+    "model ms",
+    "floor ms",
+    "floor/local",
+    "served MiB",
+    "local MiB",
+    "upload s",
+]
+LEGEND = (
+    "legend: per-token latency, median [p10-p90] over rounds of {tokens} tokens; served = attention on "
+    "gqa-serve (one Batch step message per layer), local = transformers sdpa + DynamicCache; transport = "
+    "round trips less the server's compute; model = the rest of a served token (weights, norms, sampling); "
+    "floor = the local model over a 1-position context (a token without its attention: no served token can "
+    "cost less), floor/local the lowest served/local ratio this machine allows; MiB = this process's "
+    "resident set after the first token above its size before the case (served: the context uploaded and "
+    "dropped); upload = ServedCache.load of the context"
+)
+
+
+def row(rec: dict) -> list:
+    m = statistics.median
+    return [
+        rec["S"],
+        rec["batch"],
+        fmt_spread(rec["local_s"], 1e3),
+        fmt_spread(rec["served_s"], 1e3),
+        fmt_spread(rec["ratio"]),
+        f"{m(rec['transport_s']) * 1e3:.1f}",
+        f"{m(rec['server_s']) * 1e3:.1f}",
+        f"{m(rec['model_s']) * 1e3:.1f}",
+        f"{m(rec['floor_s']) * 1e3:.1f}",
+        f"{m(rec['floor_ratio']):.3g}",
+        f"{rec['served_rss_bytes'] / 2**20:.0f}",
+        f"{rec['local_rss_bytes'] / 2**20:.0f}",
+        f"{rec['upload_s']:.2f}",
+    ]
+
+
+def verdicts(rec: dict, mode: str) -> list[str]:
+    length, batch = rec["S"], rec["batch"]
+    if batch != 1:
+        return []
+    if length not in TARGETS:
+        if mode != "smoke":
+            return []
+        return [verdict_spread(f"batch 1 S={length}: served / local per token (smoke)", rec["ratio"], 1.0)]
+    target = TARGETS[length]
+    lines = [verdict_spread(f"batch 1 S={length}: served / local per token", rec["ratio"], target)]
+    floor = statistics.median(rec["floor_ratio"])
+    if floor > target:
+        lines.append(
+            f"      the model without its attention already costs {floor:.3g}x local here (floor/local): "
+            f"<= {target}x is out of reach on this machine as measured"
+        )
+    return lines
+
+
+def run(report) -> None:
     mode = bench_mode()
     cfg = settings(mode)
     status("building the model")
     model = build_model(cfg["shape"])
-    baseline = rss_bytes()
     proc, address = start_server(["-m", "service.cli", "serve"])
     rows, lines = [], []
     try:
         for length, batch in cfg["cases"]:
-            tokens, rounds = cfg["tokens"], cfg["rounds"]
-            status(f"S={length} batch {batch}: filling the context")
-            handle = offload_attention(model, address)
-            served_cache = handle.new_cache(max_length=length + (rounds + 1) * tokens + 8)
-            kv = context(model, batch, length, seed=length + batch)
-            started = time.perf_counter()
-            served_cache.load(kv)
-            upload_s = time.perf_counter() - started
-            del kv
-            decode(model, served_cache, batch, 1)  # warm-up
-            served_rss = rss_bytes() - baseline
-            model.set_attn_implementation("sdpa")  # the same model, its own attention and cache
-            local_cache = DynamicCache(config=model.config)
-            for layer, (k, v) in enumerate(context(model, batch, length, seed=length + batch + 1)):
-                local_cache.update(k, v, layer)
-            decode(model, local_cache, batch, 1)  # warm-up
-            local_rss = rss_bytes() - baseline
-
-            served_t, local_t, transport, server, model_s = [], [], [], [], []
-            for r in range(rounds):
-                status(f"S={length} batch {batch}: round {r + 1}/{rounds}")
-                handle.stats.reset()
-                model.set_attn_implementation("gqa_serve")
-                s = statistics.median(decode(model, served_cache, batch, tokens))
-                st = handle.stats
-                per = st.tokens or 1
-                served_t.append(s)
-                server.append(st.server_ns / per * 1e-9)
-                transport.append((st.round_trip_ns - st.server_ns) / per * 1e-9)
-                model_s.append(s - st.round_trip_ns / per * 1e-9)
-                model.set_attn_implementation("sdpa")
-                local_t.append(statistics.median(decode(model, local_cache, batch, tokens)))
-            served_cache.close()
-            handle.close()
-            del local_cache, served_cache
-
-            ratio = per_round_ratio(served_t, local_t)
-            rows.append(
-                [
-                    length,
-                    batch,
-                    fmt_spread(local_t, 1e3),
-                    fmt_spread(served_t, 1e3),
-                    fmt_spread(ratio),
-                    f"{statistics.median(transport) * 1e3:.1f}",
-                    f"{statistics.median(server) * 1e3:.1f}",
-                    f"{statistics.median(model_s) * 1e3:.1f}",
-                    f"{served_rss / 2**20:.0f}",
-                    f"{local_rss / 2**20:.0f}",
-                    f"{upload_s:.2f}",
-                ]
-            )
-            report.add(
-                S=length,
-                batch=batch,
-                tokens=tokens,
-                local_s=local_t,
-                served_s=served_t,
-                ratio=ratio,
-                transport_s=transport,
-                server_s=server,
-                model_s=model_s,
-                served_rss_bytes=served_rss,
-                local_rss_bytes=local_rss,
-                upload_s=upload_s,
-            )
-            if batch == 1 and length in TARGETS:
-                lines.append(verdict_spread(f"batch 1 S={length}: served / local per token", ratio, TARGETS[length]))
-            elif mode == "smoke" and batch == 1:
-                lines.append(verdict_spread(f"batch 1 S={length}: served / local per token (smoke)", ratio, 1.0))
+            rec = measure(model, address, length, batch, cfg)
+            gc.collect()
+            report.add(**rec)
+            rows.append(row(rec))
+            lines += verdicts(rec, mode)
     finally:
         stop_server(proc)
+    print(table(HEADERS, rows))
+    print(LEGEND.format(tokens=cfg["tokens"]))
+    loads = [x for rec in report.records for x in rec["load_average"]]
     print(
-        table(
-            [
-                "S",
-                "B",
-                "local ms/token",
-                "served ms/token",
-                "served/local",
-                "transport ms",
-                "server ms",
-                "model ms",
-                "served MiB",
-                "local MiB",
-                "upload s",
-            ],
-            rows,
-        )
-    )
-    print(
-        "legend: per-token latency, median [p10-p90] over rounds of "
-        f"{cfg['tokens']} tokens; served = attention on gqa-serve (one Batch "
-        "step message per layer), local = transformers sdpa + DynamicCache; transport = round trips less "
-        "the server's compute; model = the rest of a served token (weights, norms, sampling); MiB = this "
-        "process's resident set above the loaded model after the decode; upload = ServedCache.load of the context"
+        f"load average (1 min) during the cases: {min(loads):.1f}-{max(loads):.1f} on {os.cpu_count()} cores. "
+        "Above the core count, contention flatters served/local: a process that blocks on its server "
+        "every layer is favoured by the scheduler over one that computes throughout."
     )
     for line in lines:
         print(line)

@@ -220,18 +220,7 @@ class BatchSession(_QueuedCall):
         """One layer's token for the sequences ``ids``: query (N, Hq, D), new_key and new_value
         (N, Hkv, D), row i for ids[i]. Raises a ``Refused`` when the message as a whole is
         refused (a shape, a layer, a repeated id), ``TypeError`` for a tensor of another dtype."""
-        # Built in place: a keyword-built BatchStep would be copied into the request, tensors and all.
-        request = gqa_pb2.BatchRequest(request_id=self._rid + 1)
-        step = request.step
-        step.layer = layer
-        step.ids.extend(ids)
-        encode_into(step.query, query, self.dtype, "query")
-        encode_into(step.new_key, new_key, self.dtype, "new_key")
-        encode_into(step.new_value, new_value, self.dtype, "new_value")
-        rid = self._put(request)
-        r = self._recv(rid).step
-        if r.status.code:
-            raise refusal(r.status)
+        r = self.step_reply(layer, ids, query, new_key, new_value)
         return BatchStepOutput(
             layer=r.layer,
             output=decode(r.output, query, "output"),
@@ -244,6 +233,25 @@ class BatchSession(_QueuedCall):
             compute_ns=r.compute_ns,
             refusals=_refusals(r.refusals),
         )
+
+    def step_reply(self, layer: int, ids: Iterable[int], query, new_key, new_value) -> gqa_pb2.BatchStepResult:
+        """``step`` without its ``BatchStepOutput``: the server's ``BatchStepResult`` message as
+        received (its ``output`` still a ``Tensor`` message; ``gqa_client.tensors.decode``
+        reads it). For a caller that reads only the output and ``compute_ns`` of every layer
+        of every token: a model's decode, where each Python object made costs."""
+        # Built in place: a keyword-built BatchStep would be copied into the request, tensors and all.
+        request = gqa_pb2.BatchRequest(request_id=self._rid + 1)
+        step = request.step
+        step.layer = layer
+        step.ids.extend(ids)
+        encode_into(step.query, query, self.dtype, "query")
+        encode_into(step.new_key, new_key, self.dtype, "new_key")
+        encode_into(step.new_value, new_value, self.dtype, "new_value")
+        rid = self._put(request)
+        r = self._recv(rid).step
+        if r.status.code:
+            raise refusal(r.status)
+        return r
 
     def remove(self, ids: Iterable[int]) -> dict[int, Refused]:
         """Ends sequences, freeing their bytes; returns the refusals (``NotFound`` for unknown ids)."""
