@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from backends.base import CacheSpec, LayerCache
+from backends.base import LayerCache
+from backends.contract import CacheSpec
 from backends.errors import CacheFullError, RollbackError
 from backends.policy import EvictionPolicy, PolicyError
 

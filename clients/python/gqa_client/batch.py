@@ -29,9 +29,10 @@ from typing import Any
 import grpc
 
 from .api import gqa_pb2, gqa_pb2_grpc
-from .client import DEFAULT_CHUNK_BYTES, _QueuedCall, add_prefill, policy_fields
 from .errors import CallFailed, GqaError, Refused, refusal
+from .messages import DEFAULT_CHUNK_BYTES, add_prefill, policy_fields
 from .snapshot import Snapshot, as_snapshot
+from .stream import _QueuedCall
 from .tensors import decode, dtype_name, encode_into
 
 __all__ = ["BatchSession", "BatchStepOutput", "BatchRollbackOutput", "PREFILL_CHUNK_BYTES", "prefill_chunks"]

@@ -30,11 +30,6 @@ from .stream import DecodeStream
 
 __all__ = ["Client"]
 
-# Kept only for batch.py, which imports them from here (issue #26 gives that file to another
-# change this session): once it imports them from .messages and .stream, these two lines go.
-from .messages import DEFAULT_CHUNK_BYTES, add_prefill, policy_fields  # noqa: E402, F401
-from .stream import _QueuedCall  # noqa: E402, F401
-
 
 class Client(_Channel):
     """A blocking client over one channel.
