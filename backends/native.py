@@ -1,4 +1,4 @@
-"""The compiled decode kernels (``backends/csrc/``), built on first use.
+"""The compiled decode kernels (``backends/csrc/``) bound with ctypes, built on first use.
 
 One C library serves every CPU cache: dense float32 / bfloat16 / float16 caches and the int8
 cache's codes, on one online-softmax / split / merge core and one thread pool (see
@@ -10,15 +10,9 @@ with no Python or torch headers, so it builds in about a second with the system 
 is loaded with ``ctypes`` (as Triton builds and caches its launcher stubs); ctypes releases the
 GIL for each call.
 
-The shared library is cached under ``GQA_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/gqa-serve``,
-else ``~/.cache/gqa-serve``), named by a hash of every source and header (names and contents), the flags and the machine
-type, so a changed source never loads a stale build. The build takes no ``-march`` flag: the AVX-512
-path is chosen at run time, so a library built into a container image runs on any x86-64 node.
-``python -m backends.native build`` builds ahead of time (the Dockerfile does, so the runtime
-image needs no compiler).
-
-Where no compiler or no writable cache exists, ``load`` raises ``NativeUnavailable`` with the
-reason and the caches fall back to their torch kernels (``GQA_NATIVE=0`` forces that).
+How and where the library is built and cached: ``backends.native_build``. Where it cannot be
+built or loaded, ``load`` raises ``NativeUnavailable`` with the reason and the caches fall back
+to their torch kernels (``GQA_NATIVE=0`` forces that).
 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
 steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors
@@ -28,23 +22,18 @@ given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_us
 
 from __future__ import annotations
 
-import concurrent.futures
 import ctypes
 import errno
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from .key_layout import KeyBlocks
+from .native_build import NativeUnavailable, build
 
 __all__ = [
     "ENC",
@@ -59,38 +48,11 @@ __all__ = [
     "check_layout",
     "layout_mirror",
     "build",
-    "cache_dir",
     "load",
     "set_threads",
     "threads",
 ]
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
-# GQA_KERNEL_TEST_HOOKS=1 (tests only: tests/conftest.py sets it): the library with its
-# failure injection (csrc/test_hooks.c: FLAG_FAIL_AFTER_WRITE acted on), under its own name;
-# the production library has none of it.
-TEST_HOOKS_FLAGS = ("-DGQA_TEST_HOOKS",)
-# GQA_KERNEL_SANITIZE=1 (tests only: tests/test_sanitizers.py): the library built with
-# AddressSanitizer and UndefinedBehaviorSanitizer (and the test hooks), under its own name; a
-# process loading it needs the ASan runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)).
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g")
-
-
-def sources() -> list[Path]:
-    """The library's C files, in a fixed order (each is compiled into it)."""
-    return sorted(CSRC.glob("*.c"))
-
-
-def _cflags() -> tuple[str, ...]:
-    if os.environ.get("GQA_KERNEL_SANITIZE") == "1":
-        return ("-O1",) + CFLAGS[1:] + TEST_HOOKS_FLAGS + SANITIZE_FLAGS
-    if os.environ.get("GQA_KERNEL_TEST_HOOKS") == "1":
-        return CFLAGS + TEST_HOOKS_FLAGS
-    return CFLAGS
-
-
-LIBS = ("-lm",)
 # implementation choice passed to the kernel (the C enum)
 # "avx512dot": AVX-512 with the VNNI and BF16 dot products (int8 scores by VNNI), where the CPU has them
 ISA = {"auto": 0, "portable": 1, "avx512": 2, "avx512dot": 3}
@@ -130,76 +92,6 @@ def set_threads(n: int) -> None:
 def threads() -> int:
     """The size of the compiled kernels' thread pool."""
     return _threads
-
-
-class NativeUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why."""
-
-
-def cache_dir() -> Path:
-    explicit = os.environ.get("GQA_KERNEL_CACHE")
-    if explicit:
-        return Path(explicit)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "gqa-serve"
-
-
-def _library_name() -> str:
-    key = hashlib.sha256()
-    for path in sorted(CSRC.glob("*.[ch]")):
-        key.update(path.name.encode() + b"\0")
-        key.update(path.read_bytes())
-    flags = _cflags()
-    key.update(" ".join(flags + LIBS).encode())
-    key.update(f"{sys.platform}-{platform.machine()}".encode())
-    kind = "-sanitize" if SANITIZE_FLAGS[0] in flags else "-testhooks" if TEST_HOOKS_FLAGS[0] in flags else ""
-    return f"gqa_decode{kind}-{key.hexdigest()[:16]}.so"
-
-
-def build(directory: Path | None = None) -> Path:
-    """The library's path in ``directory`` (default ``cache_dir()``), compiling it if absent.
-
-    Raises ``NativeUnavailable`` when there is no compiler, the cache is not writable or the
-    compiler fails (with its output).
-    """
-    directory = Path(directory) if directory is not None else cache_dir()
-    target = directory / _library_name()
-    if target.exists():
-        return target
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise NativeUnavailable(
-            f"no C compiler (set CC, or prebuild into {directory} with `python -m backends.native build`)"
-        )
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # compile to a private folder, then rename: concurrent builders never load a partial file
-        work = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
-    except OSError as exc:
-        raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
-    try:
-        flags = _cflags()
-        # one object per source, compiled side by side (16 files: ~4x faster on 4 cores), then linked
-        objects = [str(work / f"{src.stem}.o") for src in sources()]
-        jobs = [[compiler, *flags, "-c", "-o", obj, str(src)] for obj, src in zip(objects, sources())]
-        with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(_compile, jobs))  # the first failure raises
-        _compile([compiler, *flags, "-o", str(work / "lib.so"), *objects, *LIBS])
-        os.replace(work / "lib.so", target)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return target
-
-
-def _compile(cmd: list[str]) -> list[str]:
-    """Runs one compiler command; ``NativeUnavailable`` with its output if it fails."""
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        raise NativeUnavailable(f"cannot run the C compiler {cmd[0]!r} ({exc})") from None
-    if done.returncode != 0:
-        raise NativeUnavailable(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-    return cmd
 
 
 class CacheDesc(ctypes.Structure):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from backends import native
+from backends import native, native_build
 from backends.contract import CacheSpec
 from backends.cpu import DenseCache
 from backends.int8 import Int8Backend, default_kernel
@@ -187,15 +187,15 @@ def test_hadamard_is_the_rotation_product(d):
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
     csrc = tmp_path / "csrc"
-    shutil.copytree(native.CSRC, csrc)
-    monkeypatch.setattr(native, "CSRC", csrc)
+    shutil.copytree(native_build.CSRC, csrc)
+    monkeypatch.setattr(native_build, "CSRC", csrc)
     out = tmp_path / "out"
-    first = native.build(out)
+    first = native_build.build(out)
     mtime = first.stat().st_mtime_ns
-    assert native.build(out) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
+    assert native_build.build(out) == first and first.stat().st_mtime_ns == mtime  # not rebuilt
     header = csrc / "gqa_internal.h"  # a header is part of the key, not only the .c files
     header.write_text(header.read_text() + "\n/* changed */\n")
-    second = native.build(out)
+    second = native_build.build(out)
     assert second != first and second.exists()
     assert len(list(out.glob("*.so"))) == 2  # no temporaries left
 
@@ -218,24 +218,24 @@ def test_the_production_library_has_no_test_hooks(monkeypatch):
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("GQA_KERNEL_CACHE", str(tmp_path / "k"))
-    assert native.cache_dir() == tmp_path / "k"
+    assert native_build.cache_dir() == tmp_path / "k"
     monkeypatch.delenv("GQA_KERNEL_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert native.cache_dir() == tmp_path / "xdg" / "gqa-serve"
+    assert native_build.cache_dir() == tmp_path / "xdg" / "gqa-serve"
 
 
 def test_missing_compiler_says_so(tmp_path, monkeypatch):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with pytest.raises(native.NativeUnavailable, match="cannot run the C compiler"):
-        native.build(tmp_path / "cache")
+        native_build.build(tmp_path / "cache")
 
 
 def test_compiler_errors_are_reported(tmp_path, monkeypatch):
     (tmp_path / "csrc").mkdir()
     (tmp_path / "csrc" / "broken.c").write_text("int f(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native, "CSRC", tmp_path / "csrc")
+    monkeypatch.setattr(native_build, "CSRC", tmp_path / "csrc")
     with pytest.raises(native.NativeUnavailable, match="undeclared_name"):
-        native.build(tmp_path / "cache")
+        native_build.build(tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir()]  # the failed output was removed
 
 
@@ -243,7 +243,7 @@ def test_unwritable_cache_says_so(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(native.NativeUnavailable, match="not writable"):
-        native.build(blocker / "sub")
+        native_build.build(blocker / "sub")
 
 
 def test_backend_falls_back_to_torch_kernels_without_the_native_one(monkeypatch):

@@ -58,7 +58,7 @@
  * quant.quantize_int8 does); a failure after the write restores it, so a failed step leaves the
  * cache byte-identical. The output is written in the stream dtype (int8: rotated back first).
  *
- * The files (one job each; native.py compiles them all into one shared library):
+ * The files (one job each; native_build.py compiles them all into one shared library):
  *
  *     gqa_internal.h      this: shared definitions
  *     gqa_avx512.h        AVX-512 helpers the block files share (exp, widening, softmax, P.V)

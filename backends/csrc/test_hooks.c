@@ -1,5 +1,5 @@
 /*
- * Test-only hooks, compiled into a test build alone (-DGQA_TEST_HOOKS: native.py's
+ * Test-only hooks, compiled into a test build alone (-DGQA_TEST_HOOKS: native_build.py's
  * GQA_KERNEL_TEST_HOOKS=1 and the sanitizer build): the production library has none of this
  * and ignores FLAG_FAIL_AFTER_WRITE.
  */
