@@ -1,7 +1,8 @@
-"""One open stream: its configuration (validated against the server's limits), its caches and
-reservation, its step and rollback; and an admission, a stream counted but not yet built.
+"""What a stream is: its configuration (validated against the server's limits), its caches, its
+reservation, its step and rollback (``Stream``), from its admission on (``Admission``: counted,
+not yet built).
 
-The engine (``service.engine``) creates, admits and closes them; a stream's steps are submitted
+The engine (``service.engine.engine``) creates, admits and closes them; a stream's steps are submitted
 one at a time by its own handler, so a ``Stream`` needs no lock.
 """
 
