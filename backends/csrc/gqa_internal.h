@@ -102,6 +102,8 @@
 #ifndef SPLIT_T
 #define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
 #endif
+#define ITEMS_PER_THREAD 8     /* a long call's work items per thread (run.c: splits_per_item) */
+#define MAX_SPLITS_PER_ITEM 16 /* a head's consecutive splits one item reads at most */
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
@@ -301,7 +303,8 @@ typedef struct {
     int64_t *item_off; /* ncaches + 1: first work item of each cache */
     int64_t *head_off; /* ncaches + 1: first (cache, head) of each cache, for the merge */
     int64_t *nsplit, *s, *part_off;
-    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T) */
+    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T),
+                     or a head's consecutive splits per work item (several-split caches) */
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
     float *scratch;
