@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from . import host_memory
 from .base import LayerCache
 from .contract import CacheSpec
 from .key_layout import KeyBlocks, KeyRows
@@ -32,11 +33,11 @@ class DenseRingCache(LayerCache):
         self._key_layout = key_layout
         self._keys = None
         if key_layout == "rows":
-            self._k = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+            self._k = host_memory.zeros((b, h, c, d), spec.dtype, spec.device)
         else:
             self._keys = _KEY_STORES[key_layout]((b, h), c, d, spec.dtype, spec.device)
             self._k = self._keys.data  # the storage tensor, whatever its layout
-        self._v = torch.zeros((b, h, c, d), dtype=spec.dtype, device=spec.device)
+        self._v = host_memory.zeros((b, h, c, d), spec.dtype, spec.device)
         self._row_bytes = 2 * b * h * d * self._v.element_size()
 
     @staticmethod

@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from . import host_memory
+
 __all__ = ["BLOCK", "PACK", "KeyBlocks", "KeyRows", "key_row_stride"]
 
 BLOCK = 64  # rows per block: the C kernel's TILE_T
@@ -48,7 +50,7 @@ class KeyBlocks:
         self.pack = PACK[dtype]
         self.padded = -(-channels // self.pack) * self.pack
         self.head_stride = capacity * self.padded
-        self.data = torch.zeros((*self.lead, self.head_stride), dtype=dtype, device=device)
+        self.data = host_memory.zeros((*self.lead, self.head_stride), dtype, device)
 
     @staticmethod
     def nbytes_for(lead: tuple[int, int], capacity: int, channels: int, dtype: torch.dtype) -> int:

@@ -175,6 +175,47 @@ def test_outputs_are_bit_identical_alone_batched_and_on_any_thread_count(pool_si
                 assert torch.equal(a, b), (threads, size, i)
 
 
+def _long_steps(dtype):
+    """Two long caches of 8 KV heads and one step for each: policy none over 4001 positions (8
+    splits of 512 per head), and 512 sinks then a wrapped window (a split that starts exactly
+    where a run starts); the same for the same dtype."""
+    gen = torch.Generator().manual_seed(24)
+    steps = []
+    for policy, prefill in ((EvictionPolicy.none(4001), 4000), (EvictionPolicy.sink(2600, 512), 4000)):
+        cache = DenseCache(CacheSpec(1, 32, 8, 64, dtype, policy), "native")
+        kv = [torch.randn(1, 8, prefill, 64, generator=gen).to(dtype) for _ in range(2)]
+        cache.prefill(*kv)
+        tensors = [torch.randn(1, h, 64, generator=gen).to(dtype) for h in (32, 8, 8)]
+        steps.append((BatchStep(cache, *tensors), kv))
+    return steps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dt)
+def test_long_caches_read_by_items_of_several_splits_are_bit_identical(pool_size, dtype):
+    """A long cache's work item reads several consecutive splits of one head (run.c's
+    splits_per_item: 8, 4 and 2 here on 1, 2 and 3 threads); every grouping gives the same bits,
+    alone or batched with a short cache, and the oracle's output."""
+    outs = {}
+    for threads in (1, 2, 3):
+        pool_size(threads)
+        steps = _long_steps(dtype)
+        outs["alone", threads] = [s.cache.step(s.query, s.new_key, s.new_value).output for s, _ in steps]
+        steps = [s for s, _ in _long_steps(dtype)] + [_fleet(3, 1)[0]]
+        outs["batched", threads] = [r.output for r in step_many(steps)[:2]]
+    first = outs["alone", 1]
+    for key, got in outs.items():
+        assert all(torch.equal(a, b) for a, b in zip(first, got)), key
+    (step, (keys, values)), _ = _long_steps(dtype)
+    ref = attention_ref(
+        step.query.double(),
+        torch.cat([keys, step.new_key[:, :, None]], 2).double(),
+        torch.cat([values, step.new_value[:, :, None]], 2).double(),
+        32,
+        8,
+    )
+    assert_close_to_oracle(first[0], ref, dtype, what="S=4001")
+
+
 def test_batch_equals_steps_and_keeps_bookkeeping():
     steps = _fleet(3, 9)
     results = step_many(steps)

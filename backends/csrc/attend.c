@@ -69,10 +69,13 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
 }
 
-/* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block. The
- * item that completes a head's splits merges them (in split order, whoever runs it), while
- * its partials are still in cache. */
-static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int tid) {
+/* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block; the
+ * item reads on to logical position `end` (>= l1): the split's last block prefetches the next
+ * split's first one when that lies in the same run, and `continued` says the block before this
+ * split's first one was this item's (so it prefetched it). The item that completes a head's
+ * splits merges them (in split order, whoever runs it), while its partials are still in cache. */
+static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int64_t end, int continued,
+                        int tid) {
     const gqa_cache_t *cc = &call->caches[i];
     const int64_t nsplit = call->nsplit[i], local = h * nsplit + split, s = call->s[i];
     const int64_t l0 = split * SPLIT_T, l1 = l0 + SPLIT_T < s ? l0 + SPLIT_T : s;
@@ -102,12 +105,14 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
     for (int64_t r = 0; r < cc->nruns && base < l1; r++) {
         const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
         const int64_t lo = l0 > base ? l0 : base, hi = l1 < base + (b - a) ? l1 : base + (b - a);
+        const int64_t reach = end < base + (b - a) ? end : base + (b - a); /* what this run's blocks prefetch */
         for (int64_t x = lo, nt; x < hi; x += nt) {
             /* blocks on the physical 64-position grid: with line-aligned rows, whole lines */
             const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
             nt = hi - x < to_grid ? hi - x : to_grid;
-            if (x == lo) prefetch_block(cc, h, a + (x - base), nt, 3); /* later blocks: by the block before */
-            st.prefetch = x + nt < hi;
+            /* later blocks: prefetched by the block before (the previous split's last one too) */
+            if (x == lo && !(continued && lo == l0 && l0 > base)) prefetch_block(cc, h, a + (x - base), nt, 3);
+            st.prefetch = x + nt < reach;
             block(cc, qf, h, a + (x - base), nt, &st);
         }
         base += b - a;
@@ -127,15 +132,19 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         merge_head(call, i, h, call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
 }
 
-/* One work item: a (cache, head, split) of a cache with several splits; of a one-split cache,
- * `hpi` consecutive heads (a short cache's heads in one item: its set-up, the item's lookup,
- * paid once for all of them). Which heads share an item changes no output. */
+/* One work item: of a cache with several splits, `hpi` consecutive splits of one head (each its
+ * own partial, as if alone); of a one-split cache, `hpi` consecutive heads (a short cache's heads
+ * in one item: its set-up, the item's lookup, paid once for all of them). Which splits or heads
+ * share an item changes no output. */
 GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
     const call_t *call = ctx;
     const int64_t i = find_cache(call->item_off, call->ncaches, item);
     const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
     if (nsplit > 1) {
-        attend_head(call, i, local / nsplit, local % nsplit, tid);
+        const int64_t spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi, h = local / per_head;
+        const int64_t sp0 = local % per_head * spi, sp1 = sp0 + spi < nsplit ? sp0 + spi : nsplit;
+        const int64_t end = sp1 * SPLIT_T < call->s[i] ? sp1 * SPLIT_T : call->s[i];
+        for (int64_t sp = sp0; sp < sp1; sp++) attend_head(call, i, h, sp, end, sp > sp0, tid);
         return;
     }
     const gqa_cache_t *cc = &call->caches[i];
@@ -146,7 +155,7 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
          * heads are each a few KiB apart in memory, each a fresh start for the hardware's
          * prefetcher (a cold step of many short caches otherwise waits on every head's first lines) */
         if (h + 1 < h1) prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
-        attend_head(call, i, h, 0, tid);
+        attend_head(call, i, h, 0, call->s[i], 0, tid);
     }
 }
 

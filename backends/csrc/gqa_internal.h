@@ -27,16 +27,18 @@
  *
  * (q in the cache's key channel order, see backends/int8.py).
  *
- * The core, shared by every encoding: each work item is one (cache, KV head, split), a split
- * being SPLIT_T consecutive attended positions (in logical order); it walks its positions a
+ * The core, shared by every encoding: a split is SPLIT_T consecutive attended positions of a
+ * (cache, KV head) (in logical order), a work item one or several consecutive splits of a head
+ * (a long cache's: up to MAX_SPLITS_PER_ITEM, so a thread streams on from one split into the
+ * next; a short cache's heads share one item instead); each split walks its positions a
  * block of up to TILE_T at a time on the physical TILE_T grid, scores the block for TILE_G query
  * heads at once (each key row is read once for the G heads that share it), keeps an online
  * softmax (running max, sum and float32 accumulator), and leaves a partial result; the item
  * that completes a head's splits merges them by log-sum-exp in split order. Because the split
  * size is fixed in tokens and the merge order is fixed, an output does not depend on the other
  * caches of the call, on the number of threads or on which thread ran which item: it is
- * bit-identical alone or batched. Items are taken from one counter by the threads, so the work
- * spreads by positions (bytes of KV) read, at most SPLIT_T positions per item.
+ * bit-identical alone or batched, whichever splits share an item. Items are taken from one
+ * counter by the threads, so the work spreads by positions (bytes of KV) read.
  *
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
  * once and widened to float32 in registers. Three implementations of the block, chosen at run
@@ -102,6 +104,8 @@
 #ifndef SPLIT_T
 #define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
 #endif
+#define ITEMS_PER_THREAD 8     /* a long call's work items per thread (run.c: splits_per_item) */
+#define MAX_SPLITS_PER_ITEM 16 /* a head's consecutive splits one item reads at most */
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 #define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
@@ -301,7 +305,8 @@ typedef struct {
     int64_t *item_off; /* ncaches + 1: first work item of each cache */
     int64_t *head_off; /* ncaches + 1: first (cache, head) of each cache, for the merge */
     int64_t *nsplit, *s, *part_off;
-    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T) */
+    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T),
+                     or a head's consecutive splits per work item (several-split caches) */
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
     float *scratch;

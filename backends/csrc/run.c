@@ -56,8 +56,18 @@ static int call_arrays(call_t *call, gqa_cache_t *caches, int64_t ncaches) {
     return 0;
 }
 
+/* Splits per work item of a cache with nsplit splits per head: enough items for every thread
+ * to take ITEMS_PER_THREAD of them (the dynamic counter's balance), as few as that allows, so a
+ * thread reads a head's consecutive splits as one stream (its prefetch runs on from one split
+ * into the next instead of starting cold every SPLIT_T positions). Outputs do not depend on it:
+ * every split's partial is the same whichever item computes it. */
+static int64_t splits_per_item(int64_t n, int64_t nsplit, int threads) {
+    const int64_t per = n * nsplit / ((int64_t)threads * ITEMS_PER_THREAD);
+    return per < 1 ? 1 : per > MAX_SPLITS_PER_ITEM ? MAX_SPLITS_PER_ITEM : per > nsplit ? nsplit : per;
+}
+
 /* Cache i checked and its items laid out after those of the caches before it (size so far). */
-static int lay_out_cache(call_t *call, int64_t i, int isa, call_size_t *size) {
+static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_size_t *size) {
     gqa_cache_t *cc = &call->caches[i];
     int chosen;
     const int rc = check_cache(cc, isa, &call->s[i], &chosen);
@@ -70,8 +80,8 @@ static int lay_out_cache(call_t *call, int64_t i, int isa, call_size_t *size) {
     call->head_off[i] = size->heads;
     call->part_off[i] = size->parts;
     if (call->nsplit[i] > 1) {
-        call->hpi[i] = 1;
-        size->items += cc->n * call->nsplit[i];
+        call->hpi[i] = splits_per_item(cc->n, call->nsplit[i], threads);
+        size->items += cc->n * ((call->nsplit[i] + call->hpi[i] - 1) / call->hpi[i]);
         size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
     } else { /* heads per item: as many as make up one split's positions */
         const int64_t per = SPLIT_T / (call->s[i] ? call->s[i] : 1);
@@ -139,7 +149,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     call_t call;
     int rc = call_arrays(&call, caches, ncaches);
     call_size_t size = {.wneed = 1};
-    for (int64_t i = 0; i < ncaches && !rc; i++) rc = lay_out_cache(&call, i, isa, &size);
+    for (int64_t i = 0; i < ncaches && !rc; i++) rc = lay_out_cache(&call, i, isa, threads, &size);
     if (rc) return rc;
     call.item_off[ncaches] = size.items;
     call.head_off[ncaches] = size.heads;

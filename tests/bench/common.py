@@ -12,10 +12,12 @@ import platform
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 
 import grpc
+import numpy as np
 import torch
 
 from tests.metrics_load import free_port
@@ -230,15 +232,32 @@ class Evictor:
     read-modify-write: plain stores, not the non-temporal ones a large ``memset`` may use,
     which would leave the cache as it was). A model's other layers do this between two steps
     of one layer: 32 layers of caches never fit in L3. At least 32 MiB counts as the cache
-    (sysfs may list one slice of a larger one)."""
+    (sysfs may list one slice of a larger one).
+
+    The writes are numpy's on plain threads, one part of the buffer per core (every core's own
+    L2 evicted too), joined before the timed call: not torch's, whose OpenMP workers spin for
+    milliseconds after a parallel op (libgomp's wait policy) and took a core from whatever was
+    timed next, unless it was torch's own (docs/design.md, "Long caches at the memory's speed":
+    the compiled step ran up to 1.4x slower right after a torch eviction than after this one,
+    torch's floor no faster)."""
 
     def __init__(self, factor: float = 3.0, nbytes: int | None = None):
         n = nbytes if nbytes is not None else int(factor * max(llc_bytes(), 32 << 20))
         self.nbytes = n
-        self._buf = torch.zeros(max(1, n // 4), dtype=torch.int32)
+        self._buf = np.zeros(max(1, n // 4), dtype=np.int32)
+        self._parts = np.array_split(self._buf, min(os.cpu_count() or 1, max(1, n >> 20)))
+
+    @staticmethod
+    def _write(part: np.ndarray) -> None:
+        np.add(part, 1, out=part)
 
     def __call__(self) -> None:
-        self._buf.add_(1)
+        helpers = [threading.Thread(target=self._write, args=(p,)) for p in self._parts[1:]]
+        for t in helpers:
+            t.start()
+        self._write(self._parts[0])
+        for t in helpers:
+            t.join()
 
 
 def cold_rounds(
