@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from backends import batch
+from backends import batch, batch_bytes
 from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -124,21 +124,24 @@ def test_64_streams_are_bit_identical_to_each_alone(delay_us):
 
 
 class _Gate:
-    """Holds ``step_many`` call ``i`` until ``release[i]`` is set, recording each call's size."""
+    """Holds batch call ``i`` until ``release[i]`` is set, recording each call's size: the
+    batcher's two entries, ``step_many`` (steps given as tensors) and ``step_bytes`` (steps read
+    from the wire)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[int] = []
         self.entered = [threading.Event() for _ in range(32)]
         self.release = [threading.Event() for _ in range(32)]
-        self._original = batch.step_many
-        monkeypatch.setattr(batch, "step_many", self)
+        originals = batch.step_many, batch_bytes.step_bytes
+        monkeypatch.setattr(batch, "step_many", lambda steps: self._held(originals[0], steps))
+        monkeypatch.setattr(batch_bytes, "step_bytes", lambda steps: self._held(originals[1], steps))
 
-    def __call__(self, steps):
+    def _held(self, original, steps):
         i = len(self.calls)
         self.calls.append(len(steps))
         self.entered[i].set()
         self.release[i].wait(30)
-        return self._original(steps)
+        return original(steps)
 
 
 def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):

@@ -412,12 +412,23 @@ class Engine:
 
     # -- steps ------------------------------------------------------------------------------------
     def submit_step(
-        self, stream: Stream, layer: int, query, new_key, new_value, *, received: float | None = None, reply=None
+        self,
+        stream: Stream,
+        layer: int,
+        query,
+        new_key,
+        new_value,
+        *,
+        received: float | None = None,
+        reply=None,
+        raw: tuple | None = None,
     ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
         itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
-        (checked by the caller); a closed stream or a layer out of range raise at once."""
+        (checked by the caller), or, with ``raw``, spans of one buffer (``PendingStep.raw``:
+        then ``reply.encode`` builds the answer); a closed stream or a layer out of range
+        raise at once."""
         if stream.closed:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
@@ -432,6 +443,7 @@ class Engine:
             time.perf_counter() if received is None else received,
             future,
             reply,
+            raw=raw,
         )
         # A small step of a stream stepping alone runs right here: the hop to a worker and back
         # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
