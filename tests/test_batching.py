@@ -41,9 +41,11 @@ HEADS = [(4, 2, 8), (8, 8, 16), (6, 2, 4)]
 class BatchSizes(EngineObserver):
     def __init__(self):
         self.sizes: list[int] = []
+        self.threads: set[str] = set()  # where batches were computed
 
     def batch_done(self, backend, dtype, size):
         self.sizes.append(size)
+        self.threads.add(threading.current_thread().name)
 
 
 def _script(i: int):
@@ -94,10 +96,14 @@ def _alone(spec, layers, prefill, steps) -> list[torch.Tensor]:
     return [caches[layer].step(q, k, v).output for layer, q, k, v in steps]
 
 
-@pytest.mark.parametrize("delay_us", [0, 1000], ids=["no-delay", "delay-1ms"])
-def test_64_streams_are_bit_identical_to_each_alone(delay_us):
+@pytest.mark.parametrize(
+    "delay_us, inline", [(0, 0), (1000, 0), (0, 10**6)], ids=["no-delay", "delay-1ms", "on-the-loop"]
+)
+def test_64_streams_are_bit_identical_to_each_alone(delay_us, inline):
+    """On the workers (with and without a batching delay), and with --inline-step-bytes on, where
+    these small steps of many streams are batched on the event loop (``Batcher.run_soon``)."""
     observer = BatchSizes()
-    config = dataclasses.replace(BASE, batch_max_delay_us=delay_us)
+    config = dataclasses.replace(BASE, batch_max_delay_us=delay_us, inline_step_bytes=inline)
     scripts = [_script(i) for i in range(STREAMS)]
     expected = [_alone(spec, layers, prefill, steps) for _, spec, layers, prefill, steps in scripts]
     with (
@@ -121,6 +127,8 @@ def test_64_streams_are_bit_identical_to_each_alone(delay_us):
         assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0)
     assert sum(observer.sizes) == STREAMS * STEPS
     assert max(observer.sizes) > 1, "no two streams' steps were ever computed together"
+    on_workers = {name for name in observer.threads if name.startswith("gqa-compute")}
+    assert bool(on_workers) == (not inline), f"batches computed on {observer.threads}"
 
 
 class _Gate:

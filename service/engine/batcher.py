@@ -121,6 +121,10 @@ class Batcher:
         self._stopped = False
         self._name = name
         self._threads: list[threading.Thread] = []  # started with the first queued step
+        # the event loop's batch (``run_soon``): its steps, their cost, its loop
+        self._soon: list[PendingStep] = []
+        self._soon_cost = 0
+        self._soon_loop: asyncio.AbstractEventLoop | None = None
 
     # -- saturation views (read by the metrics) ---------------------------------------------------
     @property
@@ -174,6 +178,59 @@ class Batcher:
                 if self._queue:
                     self._cond.notify()
         return True
+
+    def run_soon(self, step: PendingStep, cost: int, limit: int) -> bool:
+        """Call on the event loop of ``step.future``. Adds ``step`` to that loop's batch, which
+        the loop computes at its next turn in one call, with no thread hop (``_run_batch``):
+        True. False, and nothing done, when the batch's ``cost`` (the steps' cache bytes read)
+        would pass ``limit``, or the batch belongs to another loop."""
+        loop = step.future.get_loop()
+        if self._soon:
+            if self._soon_loop is not loop or self._soon_cost + cost > limit:
+                return False
+        else:
+            self._soon_loop = loop
+            loop.call_soon(self._run_batch)
+        self._soon.append(step)
+        self._soon_cost += cost
+        return True
+
+    def _run_batch(self) -> None:
+        """The loop's batch (``run_soon``), computed here; any step of a stream with a step
+        queued or computing elsewhere, or after ``stop``, goes through ``submit`` instead."""
+        steps, self._soon, self._soon_cost = self._soon, [], 0
+        with self._cond:
+            elsewhere = self._running | {id(s.stream) for s in self._queue}
+            clear = not self._stopped and not any(id(s.stream) in elsewhere for s in steps)
+            if clear:
+                self._in_flight += len(steps)
+                self._running.update(id(s.stream) for s in steps)
+        if not clear:
+            for step in steps:
+                try:
+                    self.submit(step)
+                except ServiceError as exc:
+                    step.result = self._reply(step, exc, 0.0)
+                    _resolve([step])
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            self._compute(steps, t0)
+        except BaseException:
+            log.exception("a batch on the event loop failed as a whole")
+            for step in steps:
+                if step.result is None:
+                    step.result = self._reply(step, Internal(), 0.0)
+        finally:
+            elapsed = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in_flight -= len(steps)
+                self._busy_ns += elapsed
+                for step in steps:
+                    self._running.discard(id(step.stream))
+                if self._queue:
+                    self._cond.notify()
+        _resolve(steps)
 
     def stop(self, join_timeout_s: float | None = None) -> bool:
         """Workers finish the batch they compute and the queued steps, then exit; with

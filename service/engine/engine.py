@@ -72,6 +72,9 @@ _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
 # A lone session's message runs on the event loop when its previous message computed in less
 # than this: the two thread hops cost more, and the loop is held no longer than this.
 _INLINE_MESSAGE_S = 2e-3
+# The event loop's batch of small Decode steps reads at most this many --inline-step-bytes of
+# cache (Batcher.run_soon): the loop is held about as long as that many inline steps.
+_LOOP_BATCH_STEPS = 4
 
 
 class Engine:
@@ -449,16 +452,20 @@ class Engine:
         # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
         # other step queued or computing, and no other stream's step submitted within the last
         # millisecond: when several streams step, their steps go to the batcher together.
+        # Small steps of streams stepping together are computed on the loop too, as one batch
+        # at the loop's next turn (reading at most _LOOP_BATCH_STEPS x --inline-step-bytes of cache):
+        # for them the thread hops cost more than the computation.
         now = pending.received
         alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
         self._last_stream, self._last_step_at = stream, now
-        if (
-            alone
-            and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
-            and self.batcher.run_inline(pending)
-        ):
-            future.set_result(pending.result)
-            return future
+        inline = self.config.inline_step_bytes
+        cost = (cache.resident_length + 1) * cache.row_bytes
+        if cost < inline:
+            if alone and self.batcher.run_inline(pending):
+                future.set_result(pending.result)
+                return future
+            if self.batcher.run_soon(pending, cost, _LOOP_BATCH_STEPS * inline):
+                return future
         self.batcher.submit(pending)
         return future
 
