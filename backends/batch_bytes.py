@@ -14,6 +14,7 @@ the same bytes, so every row keeps ``step_many``'s contract: bit-identical to th
 from __future__ import annotations
 
 import ctypes
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -97,27 +98,53 @@ def _query_bytes(cache: LayerCache) -> int:
     return s.batch_size * s.num_query_heads * s.head_dim * s.dtype.itemsize
 
 
+class _Scratch(threading.local):
+    """A thread's arguments of the native call, kept from call to call (numpy's ``.ctypes.data``
+    costs more than a short cache's step): the rows' descriptors, their four pointers, their
+    numbers and statuses, grown to the largest n, and the arrays' addresses."""
+
+    def __init__(self):
+        self.capacity = 0
+        self.grow(16)
+
+    def grow(self, n: int) -> None:
+        self.capacity = max(n, 2 * self.capacity)
+        self.descs = np.zeros(self.capacity, dtype=np.uint64)
+        self.io = np.zeros((self.capacity, 4), dtype=np.uint64)
+        self.res = np.zeros((self.capacity, _COLUMNS), dtype=np.int64)
+        self.status = np.zeros(self.capacity, dtype=np.int32)
+        self.at = tuple(a.ctypes.data for a in (self.descs, self.io, self.res, self.status))
+
+
+_scratch = _Scratch()
+
+
 def _step_native(steps: Sequence[ByteStep], rows: list[int], base: int, offsets: list[int], fields: list) -> list[int]:
     """One ``gqa_step`` call for ``rows`` of one library; returns the rows it did not step
     (refused or handed back: their caches unchanged), which take the generic path."""
     n = len(rows)
     kernel = steps[rows[0]].cache._native
-    descs = np.fromiter((ctypes.addressof(steps[i].cache._state) for i in rows), dtype=np.uint64, count=n)
-    io = np.empty((n, 4), dtype=np.uint64)
-    spans = []
+    scratch = _scratch
+    if n > scratch.capacity:
+        scratch.grow(n)
+    descs_at, io_at, res_at, status_at = scratch.at
+    descs, spans = [], []
     for i in rows:
         s = steps[i]
+        descs.append(ctypes.addressof(s.cache._state))
         b = ctypes.cast(s.data, _void_p).value
         spans.append((b + s.q_at, b + s.k_at, b + s.v_at, base + offsets[i]))
-    io[:] = spans
-    res = np.zeros((n, _COLUMNS), dtype=np.int64)
-    status = np.zeros(n, dtype=np.int32)
-    rc = kernel.step(
-        descs.ctypes.data, n, io.ctypes.data, None, None, res.ctypes.data, _COLUMNS, status.ctypes.data, 0, 0
-    )
+    scratch.descs[:n] = descs
+    scratch.io[:n] = spans
+    rc = kernel.step(descs_at, n, io_at, None, None, res_at, _COLUMNS, status_at, 0, 0)
     if rc:  # the whole call refused, nothing written: each row meets the refusal on its own path
         return list(rows)
-    done = res.tolist()
+    done = scratch.res[:n].tolist()
+    status = scratch.status[:n]
+    if not status.any():
+        for j, i in enumerate(rows):
+            fields[i] = done[j]
+        return []
     left = []
     for j, st in enumerate(status.tolist()):
         if st:
