@@ -76,6 +76,8 @@ def _varint(n: int) -> bytes:
         return _ONE_BYTE[n]
     if n < 0x4000:
         return bytes(((n & 0x7F) | 0x80, n >> 7))
+    if n < 0x200000:  # a reply's length, compute_ns up to 2 ms
+        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
     return varint(n)
 
 
