@@ -288,3 +288,32 @@ def test_step_errors_map_to_statuses_by_type():
     assert code(CacheFullError("full")) == "RESOURCE_EXHAUSTED"
     assert code(ValueError("an internal shape bug")) == "INTERNAL"
     assert code(TypeError("an internal bug")) == "INTERNAL"
+
+
+def test_a_step_batched_on_the_loop_after_stop_is_refused_and_changes_nothing():
+    """A small step of a stream stepping with others waits for the loop's next turn
+    (``Batcher.run_soon``); the server stopping before then refuses it with UNAVAILABLE, its
+    cache untouched, while the step computed before the stop stands."""
+    engine = Engine(dataclasses.replace(BASE, inline_step_bytes=10**6))
+    try:
+        config = engine.stream_config(
+            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+            num_layers=1, policy="strict", window=4, capacity=0, sink_tokens=0,
+        )  # fmt: skip
+        a, b = engine.open(config), engine.open(config)
+        g = torch.Generator().manual_seed(5)
+        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+
+        async def run():
+            first = engine.submit_step(a, 0, *x)  # alone: computed at once
+            second = engine.submit_step(b, 0, *x)  # another stream at once: the loop's batch
+            assert first.done() and not second.done()
+            engine.batcher.stop()
+            return await first, await second
+
+        ra, rb = asyncio.run(run())
+        assert a.caches[0].tokens_seen == 1 and ra.outcome.tokens_seen == 1
+        assert isinstance(rb, ServiceError) and rb.code == "UNAVAILABLE"
+        assert b.caches[0].tokens_seen == 0
+    finally:
+        engine.stop()
