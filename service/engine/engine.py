@@ -72,8 +72,8 @@ _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
 # A lone session's message runs on the event loop when its previous message computed in less
 # than this: the two thread hops cost more, and the loop is held no longer than this.
 _INLINE_MESSAGE_S = 2e-3
-# The event loop's batch of small Decode steps reads at most this many --inline-step-bytes of
-# cache (Batcher.run_soon): the loop is held about as long as that many inline steps.
+# The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
+# --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
 _LOOP_BATCH_STEPS = 4
 
 
@@ -424,7 +424,7 @@ class Engine:
         *,
         received: float | None = None,
         reply=None,
-        raw: tuple | None = None,
+        raw=None,
     ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
@@ -448,13 +448,10 @@ class Engine:
             reply,
             raw=raw,
         )
-        # A small step of a stream stepping alone runs right here: the hop to a worker and back
-        # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
-        # other step queued or computing, and no other stream's step submitted within the last
-        # millisecond: when several streams step, their steps go to the batcher together.
-        # Small steps of streams stepping together are computed on the loop too, as one batch
-        # at the loop's next turn (reading at most _LOOP_BATCH_STEPS x --inline-step-bytes of cache):
-        # for them the thread hops cost more than the computation.
+        # A small step (--inline-step-bytes; 0 turns this off) runs on the loop, the thread hops
+        # costing more than it does: at once when its stream steps alone (no other step queued or
+        # computing, no other stream's step within the last millisecond), else in the loop's
+        # batch at its next turn (at most _LOOP_BATCH_STEPS x --inline-step-bytes of cache a turn).
         now = pending.received
         alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
         self._last_stream, self._last_step_at = stream, now
