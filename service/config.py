@@ -144,9 +144,12 @@ class ServerConfig:
     """steps reading fewer cache bytes run on the event loop
 
     A step that reads fewer cache bytes than this runs on the event loop thread: a thread hop
-    costs more than the step. Longer steps run on the compute pool so streams stay responsive.
-    A Batch step message runs there when its session steps alone and its previous message
-    computed in under 2 ms; 0 keeps every step and message on the compute pool."""
+    costs more than the step. A stream stepping alone runs it at once; the small steps of
+    streams stepping together are computed as one batch at the loop's next turn (at most four
+    times this many cache bytes a turn; the rest go to the pool). Longer steps run on the
+    compute pool so streams stay responsive. A Batch step message runs on the loop when its
+    session steps alone and its previous message computed in under 2 ms; 0 keeps every step
+    and message on the compute pool."""
 
     workers: int = 0
     """compute threads (0: one per core)

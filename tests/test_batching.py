@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from backends import batch
+from backends import batch, batch_bytes
 from backends.contract import CacheSpec
 from backends.policy import EvictionPolicy
 from backends.registry import get_backend
@@ -41,9 +41,11 @@ HEADS = [(4, 2, 8), (8, 8, 16), (6, 2, 4)]
 class BatchSizes(EngineObserver):
     def __init__(self):
         self.sizes: list[int] = []
+        self.threads: set[str] = set()  # where batches were computed
 
     def batch_done(self, backend, dtype, size):
         self.sizes.append(size)
+        self.threads.add(threading.current_thread().name)
 
 
 def _script(i: int):
@@ -94,10 +96,14 @@ def _alone(spec, layers, prefill, steps) -> list[torch.Tensor]:
     return [caches[layer].step(q, k, v).output for layer, q, k, v in steps]
 
 
-@pytest.mark.parametrize("delay_us", [0, 1000], ids=["no-delay", "delay-1ms"])
-def test_64_streams_are_bit_identical_to_each_alone(delay_us):
+@pytest.mark.parametrize(
+    "delay_us, inline", [(0, 0), (1000, 0), (0, 10**6)], ids=["no-delay", "delay-1ms", "on-the-loop"]
+)
+def test_64_streams_are_bit_identical_to_each_alone(delay_us, inline):
+    """On the workers (with and without a batching delay), and with --inline-step-bytes on, where
+    these small steps of many streams are batched on the event loop (``Batcher.run_soon``)."""
     observer = BatchSizes()
-    config = dataclasses.replace(BASE, batch_max_delay_us=delay_us)
+    config = dataclasses.replace(BASE, batch_max_delay_us=delay_us, inline_step_bytes=inline)
     scripts = [_script(i) for i in range(STREAMS)]
     expected = [_alone(spec, layers, prefill, steps) for _, spec, layers, prefill, steps in scripts]
     with (
@@ -121,24 +127,29 @@ def test_64_streams_are_bit_identical_to_each_alone(delay_us):
         assert wait_until(lambda: srv.engine.active_streams == 0 and srv.engine.bytes_reserved == 0)
     assert sum(observer.sizes) == STREAMS * STEPS
     assert max(observer.sizes) > 1, "no two streams' steps were ever computed together"
+    on_workers = {name for name in observer.threads if name.startswith("gqa-compute")}
+    assert bool(on_workers) == (not inline), f"batches computed on {observer.threads}"
 
 
 class _Gate:
-    """Holds ``step_many`` call ``i`` until ``release[i]`` is set, recording each call's size."""
+    """Holds batch call ``i`` until ``release[i]`` is set, recording each call's size: the
+    batcher's two entries, ``step_many`` (steps given as tensors) and ``step_bytes`` (steps read
+    from the wire)."""
 
     def __init__(self, monkeypatch):
         self.calls: list[int] = []
         self.entered = [threading.Event() for _ in range(32)]
         self.release = [threading.Event() for _ in range(32)]
-        self._original = batch.step_many
-        monkeypatch.setattr(batch, "step_many", self)
+        originals = batch.step_many, batch_bytes.step_bytes
+        monkeypatch.setattr(batch, "step_many", lambda steps: self._held(originals[0], steps))
+        monkeypatch.setattr(batch_bytes, "step_bytes", lambda steps: self._held(originals[1], steps))
 
-    def __call__(self, steps):
+    def _held(self, original, steps):
         i = len(self.calls)
         self.calls.append(len(steps))
         self.entered[i].set()
         self.release[i].wait(30)
-        return self._original(steps)
+        return original(steps)
 
 
 def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):
@@ -277,3 +288,32 @@ def test_step_errors_map_to_statuses_by_type():
     assert code(CacheFullError("full")) == "RESOURCE_EXHAUSTED"
     assert code(ValueError("an internal shape bug")) == "INTERNAL"
     assert code(TypeError("an internal bug")) == "INTERNAL"
+
+
+def test_a_step_batched_on_the_loop_after_stop_is_refused_and_changes_nothing():
+    """A small step of a stream stepping with others waits for the loop's next turn
+    (``Batcher.run_soon``); the server stopping before then refuses it with UNAVAILABLE, its
+    cache untouched, while the step computed before the stop stands."""
+    engine = Engine(dataclasses.replace(BASE, inline_step_bytes=10**6))
+    try:
+        config = engine.stream_config(
+            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+            num_layers=1, policy="strict", window=4, capacity=0, sink_tokens=0,
+        )  # fmt: skip
+        a, b = engine.open(config), engine.open(config)
+        g = torch.Generator().manual_seed(5)
+        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+
+        async def run():
+            first = engine.submit_step(a, 0, *x)  # alone: computed at once
+            second = engine.submit_step(b, 0, *x)  # another stream at once: the loop's batch
+            assert first.done() and not second.done()
+            engine.batcher.stop()
+            return await first, await second
+
+        ra, rb = asyncio.run(run())
+        assert a.caches[0].tokens_seen == 1 and ra.outcome.tokens_seen == 1
+        assert isinstance(rb, ServiceError) and rb.code == "UNAVAILABLE"
+        assert b.caches[0].tokens_seen == 0
+    finally:
+        engine.stop()

@@ -157,12 +157,12 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
     that stream; the rest wait in the transport (HTTP/2 flow control)."""
     import threading
 
-    from backends import batch
+    from backends import batch_bytes
     from service.engine.engine import Stream
 
     release = threading.Event()
     touched: list[int] = []
-    original_step, original_touch = batch.step_many, Stream.touch
+    original_step, original_touch = batch_bytes.step_bytes, Stream.touch
 
     def slow_step(steps):
         release.wait(30)
@@ -172,7 +172,7 @@ def test_read_ahead_stops_at_max_queued_steps(monkeypatch):
         touched.append(1)
         original_touch(self, now)
 
-    monkeypatch.setattr(batch, "step_many", slow_step)
+    monkeypatch.setattr(batch_bytes, "step_bytes", slow_step)
     monkeypatch.setattr(Stream, "touch", counting_touch)
     config = ServerConfig(
         address="127.0.0.1:0", metrics_port=0, max_queued_steps=2, inline_step_bytes=0

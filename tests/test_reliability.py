@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from backends import batch
+from backends import batch, batch_bytes
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.config import ServerConfig
 from service.engine import stateless as stateless_module
@@ -54,22 +54,24 @@ class HeldBuild:
 
 
 class HeldStepMany:
-    """Holds every ``backends.batch.step_many`` call (a step computing on a worker) until
-    released; in place from ``install``, so a test's own set-up steps run freely."""
+    """Holds every batch call of the batcher (``backends.batch.step_many``, and
+    ``backends.batch_bytes.step_bytes`` for steps read from the wire: a step computing on a
+    worker) until released; in place from ``install``, so a test's own set-up steps run freely."""
 
     def __init__(self, monkeypatch):
         self.entered = threading.Event()
         self.release = threading.Event()
         self._monkeypatch = monkeypatch
-        self._original = batch.step_many
+        self._originals = batch.step_many, batch_bytes.step_bytes
 
     def install(self) -> None:
-        self._monkeypatch.setattr(batch, "step_many", self)
+        self._monkeypatch.setattr(batch, "step_many", lambda steps: self._held(self._originals[0], steps))
+        self._monkeypatch.setattr(batch_bytes, "step_bytes", lambda steps: self._held(self._originals[1], steps))
 
-    def __call__(self, steps):
+    def _held(self, original, steps):
         self.entered.set()
         self.release.wait(30)
-        return self._original(steps)
+        return original(steps)
 
 
 class RawCall:

@@ -491,6 +491,17 @@ def test_connection_age_never_cuts_an_open_stream():
         new.close()
 
 
+def test_decode_step_reply_short_varints_are_the_wire_encoding():
+    """The reply's own varint writer (one, two and three bytes without a loop) writes what
+    ``wire.varint`` does, at every width's edges."""
+    from service.transport.decode_step import _varint
+    from service.transport.wire import varint
+
+    edges = [0, 1, 0x7F, 0x80, 0x3FFF, 0x4000, 0x1FFFFF, 0x200000, 2**63 + 5, 2**64 - 1]
+    for n in edges + list(range(0, 0x4100, 7)):
+        assert _varint(n) == varint(n), n
+
+
 @pytest.mark.parametrize("rid", [0, 1, 2**63 + 5])
 @pytest.mark.parametrize("layer", [0, 7])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -10,10 +10,13 @@ worker takes whatever is queued, so a lone stream pays only the thread hop. With
 batch is already ``max_steps`` long). Steps of every backend, dtype and head shape share the
 queue: ``step_many`` groups same-encoding caches into one native call (``backends/batch.py``).
 
-Per step the worker turns the message bytes into read-only tensors (``torch.frombuffer``, no
-copy; the cache copies the token in), computes, maps the outcome to a ``StepReport`` or a
-``ServiceError``, and runs the caller's ``reply`` function on it, so the reply message is built
-off the event loop too.
+A step read from the wire (``PendingStep.raw``: its tensors as spans of the request's bytes)
+goes to ``backends.batch_bytes.step_bytes`` with its batch-mates: one native call, no tensor
+made, and the caller's ``reply.encode`` builds the reply from the row of numbers and the
+output's bytes. Any other step's message bytes become read-only tensors (``torch.frombuffer``,
+no copy; the cache copies the token in) for ``step_many``; its outcome becomes a ``StepReport``
+or a ``ServiceError`` and the caller's ``reply`` function runs on it. Either way the reply
+message is built off the event loop.
 
 No gRPC here. The batcher keeps the saturation views the metrics read (``waiting``,
 ``in_flight``, ``busy_seconds``; README, "Metrics, dashboard and alerts") and calls
@@ -34,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from backends import batch as batch_module
+from backends import batch_bytes
 from backends.base import LayerCache
 from backends.contract import StepOutcome
 
@@ -51,7 +55,10 @@ log = logging.getLogger("gqa.batcher")
 @dataclass(eq=False, slots=True)
 class PendingStep:
     """One submitted step. ``query``/``new_key``/``new_value`` are tensors or the raw
-    little-endian bytes of tensors of ``shapes`` in the cache's dtype (checked by the caller)."""
+    little-endian bytes of tensors of ``shapes`` in the cache's dtype (checked by the caller).
+    Or ``raw``: (data, q_at, k_at, v_at), the three as spans of one buffer (a request's bytes,
+    ``backends.batch_bytes.ByteStep``), with a ``reply`` that has ``encode(fields, compute_ns,
+    output)`` (the numbers ``batch_bytes`` gives, the output's bytes): no tensor is made."""
 
     stream: "Stream"
     layer: int
@@ -63,6 +70,7 @@ class PendingStep:
     future: asyncio.Future
     reply: Callable[["StepReport | ServiceError", float], Any] | None = None
     result: Any = field(default=None)
+    raw: tuple | None = None
 
 
 @dataclass(eq=False, slots=True)
@@ -113,6 +121,10 @@ class Batcher:
         self._stopped = False
         self._name = name
         self._threads: list[threading.Thread] = []  # started with the first queued step
+        # the event loop's batch (``run_soon``): its steps, their cost, its loop
+        self._soon: list[PendingStep] = []
+        self._soon_cost = 0
+        self._soon_loop: asyncio.AbstractEventLoop | None = None
 
     # -- saturation views (read by the metrics) ---------------------------------------------------
     @property
@@ -166,6 +178,59 @@ class Batcher:
                 if self._queue:
                     self._cond.notify()
         return True
+
+    def run_soon(self, step: PendingStep, cost: int, limit: int) -> bool:
+        """Call on the event loop of ``step.future``. Adds ``step`` to that loop's batch, which
+        the loop computes at its next turn in one call, with no thread hop (``_run_batch``):
+        True. False, and nothing done, when the batch's ``cost`` (the steps' cache bytes read)
+        would pass ``limit``, or the batch belongs to another loop."""
+        loop = step.future.get_loop()
+        if self._soon:
+            if self._soon_loop is not loop or self._soon_cost + cost > limit:
+                return False
+        else:
+            self._soon_loop = loop
+            loop.call_soon(self._run_batch)
+        self._soon.append(step)
+        self._soon_cost += cost
+        return True
+
+    def _run_batch(self) -> None:
+        """The loop's batch (``run_soon``), computed here; any step of a stream with a step
+        queued or computing elsewhere, or after ``stop``, goes through ``submit`` instead."""
+        steps, self._soon, self._soon_cost = self._soon, [], 0
+        with self._cond:
+            elsewhere = self._running | {id(s.stream) for s in self._queue}
+            clear = not self._stopped and not any(id(s.stream) in elsewhere for s in steps)
+            if clear:
+                self._in_flight += len(steps)
+                self._running.update(id(s.stream) for s in steps)
+        if not clear:
+            for step in steps:
+                try:
+                    self.submit(step)
+                except ServiceError as exc:
+                    step.result = self._reply(step, exc, 0.0)
+                    _resolve([step])
+            return
+        t0 = time.perf_counter_ns()
+        try:
+            self._compute(steps, t0)
+        except BaseException:
+            log.exception("a batch on the event loop failed as a whole")
+            for step in steps:
+                if step.result is None:
+                    step.result = self._reply(step, Internal(), 0.0)
+        finally:
+            elapsed = time.perf_counter_ns() - t0
+            with self._cond:
+                self._in_flight -= len(steps)
+                self._busy_ns += elapsed
+                for step in steps:
+                    self._running.discard(id(step.stream))
+                if self._queue:
+                    self._cond.notify()
+        _resolve(steps)
 
     def stop(self, join_timeout_s: float | None = None) -> bool:
         """Workers finish the batch they compute and the queued steps, then exit; with
@@ -259,15 +324,60 @@ class Batcher:
             job = steps[0]
             job.result = job.run(started)
             return
+        spans: list[PendingStep] = []
+        tensors: list[PendingStep] = []
+        for step in steps:
+            if step.stream.closed:
+                error = Unavailable(f"stream {step.stream.id} is closed ({step.stream.close_reason})")
+                step.result = self._reply(step, error, max(0.0, started - step.received))
+            elif step.raw is not None:
+                spans.append(step)
+            else:
+                tensors.append(step)
+        groups: dict[tuple[str, str], int] = {}
+        if spans:
+            self._compute_spans(spans, t0, groups)
+        if tensors:
+            self._compute_tensors(tensors, t0, groups)
+        for (backend, dtype), size in groups.items():
+            self.observer.batch_done(backend, dtype, size)
+
+    def _compute_spans(self, steps: list[PendingStep], t0: int, groups: dict) -> None:
+        """Steps read from the wire: one ``batch_bytes.step_bytes`` call, each reply encoded
+        from its row of numbers and its output's bytes."""
+        done = batch_bytes.step_bytes([batch_bytes.ByteStep(s.cache, *s.raw) for s in steps])
+        compute_ns = time.perf_counter_ns() - t0
+        started, compute_s = t0 * 1e-9, compute_ns * 1e-9
+        offsets, output, n = done.offsets, done.output, len(steps)
+        for i, step in enumerate(steps):
+            queue_seconds = max(0.0, started - step.received)
+            stream = step.stream
+            exc = done.refused.get(i)
+            if exc is not None:
+                error = classify_step_error(exc, f"stream {stream.id}: step on layer {step.layer}")
+                self.observer.steps_refused(stream.labels, error.code)
+                step.result = self._reply(step, error, queue_seconds)
+                continue
+            fields = done.fields[i]
+            evicted = fields[4]
+            self.observer.steps_done(
+                stream.labels, 1, queue_seconds, compute_s, evicted, 1 if evicted else 0, step.cache.row_bytes
+            )
+            end = offsets[i + 1] if i + 1 < n else len(output)
+            try:
+                step.result = step.reply.encode(fields, compute_ns, output[offsets[i] : end])
+            except Exception as exc:  # building the reply failed: the step still gets an answer
+                log.exception("building a step reply failed")
+                step.result = exc
+            key = (stream.config.backend, stream.config.dtype)
+            groups[key] = groups.get(key, 0) + 1
+
+    def _compute_tensors(self, steps: list[PendingStep], t0: int, groups: dict) -> None:
+        """Steps given as tensors (or bytes of whole tensors): one ``step_many`` call."""
+        started = t0 * 1e-9
         live: list[PendingStep] = []
         batch: list[batch_module.BatchStep] = []
         for step in steps:
-            queue_seconds = max(0.0, started - step.received)
-            if step.stream.closed:
-                step.result = self._reply(
-                    step, Unavailable(f"stream {step.stream.id} is closed ({step.stream.close_reason})"), queue_seconds
-                )
-                continue
             spec = step.cache.spec
             b, hq, hkv, d = spec.batch_size, spec.num_query_heads, spec.num_kv_heads, spec.head_dim
             try:
@@ -280,14 +390,13 @@ class Batcher:
                     )
                 )
             except (TypeError, ValueError, RuntimeError) as exc:
-                step.result = self._reply(step, InvalidArgument(f"step: {exc}"), queue_seconds)
+                step.result = self._reply(step, InvalidArgument(f"step: {exc}"), max(0.0, started - step.received))
                 continue
             live.append(step)
         if not live:
             return
         outcomes = batch_module.step_many(batch)
         compute_ns = time.perf_counter_ns() - t0
-        groups: dict[tuple[str, str], int] = {}
         compute_s = compute_ns * 1e-9
         for step, outcome in zip(live, outcomes):
             queue_seconds = max(0.0, started - step.received)
@@ -305,8 +414,6 @@ class Batcher:
                 error = classify_step_error(outcome, f"stream {stream.id}: step on layer {step.layer}")
                 self.observer.steps_refused(stream.labels, error.code)
                 step.result = self._reply(step, error, queue_seconds)
-        for (backend, dtype), size in groups.items():
-            self.observer.batch_done(backend, dtype, size)
 
     @staticmethod
     def _reply(step, value, queue_seconds: float):

@@ -72,6 +72,9 @@ _CONCURRENT_MESSAGE_WINDOW_S = 10e-3
 # A lone session's message runs on the event loop when its previous message computed in less
 # than this: the two thread hops cost more, and the loop is held no longer than this.
 _INLINE_MESSAGE_S = 2e-3
+# The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
+# --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
+_LOOP_BATCH_STEPS = 4
 
 
 class Engine:
@@ -412,12 +415,23 @@ class Engine:
 
     # -- steps ------------------------------------------------------------------------------------
     def submit_step(
-        self, stream: Stream, layer: int, query, new_key, new_value, *, received: float | None = None, reply=None
+        self,
+        stream: Stream,
+        layer: int,
+        query,
+        new_key,
+        new_value,
+        *,
+        received: float | None = None,
+        reply=None,
+        raw=None,
     ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
         itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
-        (checked by the caller); a closed stream or a layer out of range raise at once."""
+        (checked by the caller), or, with ``raw``, spans of one buffer (``PendingStep.raw``:
+        then ``reply.encode`` builds the answer); a closed stream or a layer out of range
+        raise at once."""
         if stream.closed:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
@@ -432,21 +446,23 @@ class Engine:
             time.perf_counter() if received is None else received,
             future,
             reply,
+            raw=raw,
         )
-        # A small step of a stream stepping alone runs right here: the hop to a worker and back
-        # would cost more than the step (--inline-step-bytes, 0 turns it off). Alone means no
-        # other step queued or computing, and no other stream's step submitted within the last
-        # millisecond: when several streams step, their steps go to the batcher together.
+        # A small step (--inline-step-bytes; 0 turns this off) runs on the loop, the thread hops
+        # costing more than it does: at once when its stream steps alone (no other step queued or
+        # computing, no other stream's step within the last millisecond), else in the loop's
+        # batch at its next turn (at most _LOOP_BATCH_STEPS x --inline-step-bytes of cache a turn).
         now = pending.received
         alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
         self._last_stream, self._last_step_at = stream, now
-        if (
-            alone
-            and (cache.resident_length + 1) * cache.row_bytes < self.config.inline_step_bytes
-            and self.batcher.run_inline(pending)
-        ):
-            future.set_result(pending.result)
-            return future
+        inline = self.config.inline_step_bytes
+        cost = (cache.resident_length + 1) * cache.row_bytes
+        if cost < inline:
+            if alone and self.batcher.run_inline(pending):
+                future.set_result(pending.result)
+                return future
+            if self.batcher.run_soon(pending, cost, _LOOP_BATCH_STEPS * inline):
+                return future
         self.batcher.submit(pending)
         return future
 

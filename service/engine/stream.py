@@ -88,9 +88,9 @@ class Stream:
     def last_active(self, now: float) -> None:
         self.activity.last_active = now
 
-    @property
-    def labels(self) -> tuple[str, str, str]:
-        return self.config.backend, self.config.dtype, self.config.policy.kind.value
+    def __post_init__(self) -> None:
+        # (backend, dtype, policy): the metrics' labels of every step, made once
+        self.labels: tuple[str, str, str] = (self.config.backend, self.config.dtype, self.config.policy.kind.value)
 
     def bytes_in_use(self) -> int:
         return sum(c.resident_length * c.row_bytes for c in self.caches)

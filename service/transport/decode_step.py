@@ -23,9 +23,10 @@ __all__ = ["StepShape", "StepReply", "step_refusal", "step_input_error"]
 
 class StepShape:
     """What a stream's step tensors must be, as the integers the wire carries: checked with
-    integer comparisons, no tensor built on the event loop."""
+    integer comparisons, no tensor built on the event loop. Also the constant parts of the
+    stream's step replies (``output_field``), encoded once."""
 
-    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layout")
+    __slots__ = ("dtype", "q_shape", "kv_shape", "q_bytes", "kv_bytes", "out_shape", "layout", "output_field")
 
     def __init__(self, stream: Stream):
         c = stream.config
@@ -38,6 +39,7 @@ class StepShape:
         self.out_shape = self.q_shape
         # The stream's step requests as the runtimes encode them: read by checking prefixes
         self.layout = DecodeStepLayout(self.dtype, self.q_shape, self.kv_shape, self.q_bytes, self.kv_bytes)
+        self.output_field = output_field(self.out_shape, self.dtype, self.q_bytes)
 
     def matches(self, step) -> bool:
         q, k, v = step.query, step.new_key, step.new_value
@@ -53,23 +55,45 @@ class StepShape:
             and tuple(v.shape) == self.kv_shape
         )
 
+    def reply(self, rid: int, layer: int) -> "StepReply":
+        return StepReply(rid, layer, self.out_shape, self.dtype, self.q_bytes, self.output_field)
+
+
+def output_field(shape: tuple[int, ...], dtype: int, nbytes: int) -> bytes:
+    """StepResult.output = 3's tag, length and Tensor head (dtype = 1, shape = 2 packed, data = 3
+    tag and length; proto3 omits empty bytes): everything of the field but the data."""
+    dims = b"".join(varint(x) for x in shape)
+    head = b"\x08" + varint(dtype) + b"\x12" + varint(len(dims)) + dims + (b"\x1a" + varint(nbytes) if nbytes else b"")
+    return b"\x1a" + varint(len(head) + nbytes) + head
+
+
+_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+
+
+def _varint(n: int) -> bytes:
+    """``wire.varint`` for the non-negative ints of a step's numbers, the short ones without a loop."""
+    if n < 0x80:
+        return _ONE_BYTE[n]
+    if n < 0x4000:
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
+    if n < 0x200000:  # a reply's length, compute_ns up to 2 ms
+        return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
+    return varint(n)
+
 
 class StepReply:
     """Builds a step's reply on the compute worker, as bytes: ``DecodeResponse(step=...)`` with
-    its fields encoded here and the output's bytes copied once, straight from the tensor into
-    the reply (tests/test_service.py checks the bytes parse to what upb builds). A refusal is a
-    message (rare: upb builds it)."""
+    its fields encoded here and the output's bytes copied once, straight into the reply
+    (tests/test_service.py checks the bytes parse to what upb builds). ``encode`` takes the
+    step's numbers (``backends.batch_bytes``: tokens_seen, resident, first and last position,
+    evicted tokens, rollback reach) and output bytes; calling it takes a ``StepReport`` or a
+    refusal. A refusal is a message (rare: upb builds it)."""
 
-    __slots__ = ("rid", "layer", "head", "tensor_head", "nbytes")
+    __slots__ = ("rid", "layer", "output_field", "nbytes")
 
-    def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int):
+    def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int, field: bytes = b""):
         self.rid, self.layer, self.nbytes = rid, layer, nbytes
-        self.head = (b"\x08" + varint(rid) if rid else b"") + b"\x1a"  # DecodeResponse.step = 3
-        dims = b"".join(varint(x) for x in shape)
-        # Tensor: dtype = 1, shape = 2 (packed), data = 3 (proto3 omits empty bytes)
-        self.tensor_head = (
-            b"\x08" + varint(dtype) + b"\x12" + varint(len(dims)) + dims + (b"\x1a" + varint(nbytes) if nbytes else b"")
-        )
+        self.output_field = field or output_field(shape, dtype, nbytes)
 
     def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
         if isinstance(value, ServiceError):
@@ -78,32 +102,38 @@ class StepReply:
         out = o.output
         if not (out.is_cpu and out.is_contiguous()):
             out = out.cpu().contiguous()
+        fields = (o.tokens_seen, o.resident, o.first_position, o.last_position, o.evicted_tokens, value.rollback_reach)
+        output = out.reshape(-1).view(torch.uint8).numpy() if self.nbytes else b""
+        return self.encode(fields, value.compute_ns, output)
+
+    def encode(self, fields, compute_ns: int, output) -> bytes:
+        t, resident, first, last, evicted, reach = fields
         # StepResult: status = 1 (present, OK), layer = 2, output = 3, tokens_seen = 4,
         # resident = 5, first_position = 6, last_position = 7, evicted = 8, evicted_tokens = 9,
         # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does.
         parts = [b"\x0a\x00"]
         if self.layer:
-            parts += [b"\x10", varint(self.layer)]
+            parts += (b"\x10", _varint(self.layer))
         for tag, v in (
-            (b"\x20", o.tokens_seen),
-            (b"\x28", o.resident),
-            (b"\x30", o.first_position),
-            (b"\x38", o.last_position),
-            (b"\x40", 1 if o.evicted_tokens > 0 else 0),
-            (b"\x48", o.evicted_tokens),
-            (b"\x50", value.compute_ns),
-            (b"\x58", value.rollback_reach),
+            (b"\x20", t),
+            (b"\x28", resident),
+            (b"\x30", first),
+            (b"\x38", last),
+            (b"\x40", 1 if evicted > 0 else 0),
+            (b"\x48", evicted),
+            (b"\x50", compute_ns),
+            (b"\x58", reach),
         ):
             if v:
-                parts += [tag, varint(v)]
-        fields = b"".join(parts)
-        tensor_len = len(self.tensor_head) + self.nbytes
-        output_field = b"\x1a" + varint(tensor_len) + self.tensor_head
-        step_len = len(fields) + len(output_field) + self.nbytes
-        head = b"".join((self.head, varint(step_len), fields, output_field))
+                parts += (tag, _varint(v))
+        parts.append(self.output_field)
+        body = b"".join(parts)
+        step_len = len(body) + self.nbytes
+        # DecodeResponse: request_id = 1, step = 3
+        head = (b"\x08" + _varint(self.rid) + b"\x1a" if self.rid else b"\x1a") + _varint(step_len)
         if not self.nbytes:
-            return head
-        return b"".join((head, out.reshape(-1).view(torch.uint8).numpy()))
+            return head + body
+        return b"".join((head, body, output))
 
 
 def step_refusal(rid: int, layer: int, exc: ServiceError) -> gqa_pb2.DecodeResponse:

@@ -33,7 +33,7 @@ from ..engine.tensors import from_proto, to_proto
 from ..errors import InvalidArgument, ServiceError
 from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES, TORCH_TO_DTYPE
 from . import batch_rpc
-from .decode_step import StepReply, StepShape, step_input_error, step_refusal
+from .decode_step import StepShape, step_input_error, step_refusal
 from .session import EOF, StreamClosed, StreamSession
 from .statuses import malformed_request
 from .wire import read_decode_step
@@ -191,9 +191,13 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         raise InvalidArgument("the first message of a Decode stream must be `open` or `restore`")
 
     async def _answers(self, stream: Stream, shape: StepShape, raw: bytes) -> list:
-        """The replies to one request after the open: the hot path reads a step from its bytes
-        (the stream's layout, else field by field); anything else is parsed."""
-        fast = shape.layout.read(raw) or read_decode_step(raw)
+        """The replies to one request after the open: the hot path finds a step's tensors in
+        its bytes (the stream's layout: computed from the request's bytes, no view made), else
+        reads it field by field; anything else is parsed."""
+        found = shape.layout.locate(raw)
+        if found is not None:
+            return [await self._step_raw(stream, shape, raw, *found)]
+        fast = read_decode_step(raw)
         if fast is not None:
             return [await self._step(stream, shape, fast[1], fast[0])]
         return await self._handle(stream, shape, _parse(raw))
@@ -350,7 +354,21 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 step.new_key.data,
                 step.new_value.data,
                 received=received,
-                reply=StepReply(rid, layer, shape.out_shape, shape.dtype, shape.q_bytes),
+                reply=shape.reply(rid, layer),
+            )
+        except ServiceError as exc:
+            self.engine.observer.steps_refused(stream.labels, exc.code)
+            return step_refusal(rid, layer, exc)
+        return await future
+
+    async def _step_raw(self, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int):
+        """A step in the stream's layout (its dtype and shapes checked by the layout): its
+        tensors go to the worker as offsets into ``raw``."""
+        received = time.perf_counter()
+        spans = (raw, q_at, q_at + shape.layout.k_from_q, q_at + shape.layout.v_from_q)
+        try:
+            future = self.engine.submit_step(
+                stream, layer, None, None, None, received=received, reply=shape.reply(rid, layer), raw=spans
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)

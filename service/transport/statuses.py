@@ -114,14 +114,16 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
             return None
         behavior, factory = handler_kind(handler)
         method = handler_call_details.method
+        # A behaviour marked ``raw_requests`` reads its requests' bytes and parses them itself:
+        # nothing to refuse as malformed on the way, so its reads go to the context unguarded.
+        raw = getattr(behavior, "raw_requests", False)
+        guard = handler.request_streaming and not raw
         if inspect.isasyncgenfunction(behavior):
-            wrapped = self._wrap_generator(behavior, method, handler.request_streaming)
+            wrapped = self._wrap_generator(behavior, method, guard)
         elif inspect.iscoroutinefunction(behavior):
-            wrapped = self._wrap_coroutine(behavior, method, handler.request_streaming)
+            wrapped = self._wrap_coroutine(behavior, method, guard)
         else:
             return handler
-        # A behaviour marked ``raw_requests`` reads its requests' bytes and parses them itself.
-        raw = getattr(behavior, "raw_requests", False)
         return factory(
             wrapped,
             request_deserializer=None if raw else _tolerant(handler.request_deserializer),
@@ -129,18 +131,20 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
         )
 
     @staticmethod
-    async def _prepare(request, context, method: str, request_streaming: bool):
-        if request_streaming:
+    async def _prepare(request, context, method: str, guard: bool):
+        """The request (iterator) and context the behaviour gets: with ``guard``, a streamed
+        request that did not parse is refused where it is read."""
+        if guard:
             return _guarded_iterator(request, method), _GuardedContext(context, method)
         if request is _MALFORMED:
             await _refuse_malformed(context, method)
-        return request, _GuardedContext(context, method)
+        return request, context
 
-    def _wrap_coroutine(self, behavior, method: str, request_streaming: bool):
+    def _wrap_coroutine(self, behavior, method: str, guard: bool):
         internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
 
         async def handler(request, context):
-            request, guarded = await self._prepare(request, context, method, request_streaming)
+            request, guarded = await self._prepare(request, context, method, guard)
             try:
                 return await behavior(request, guarded)
             except (grpc.aio.AbortError, asyncio.CancelledError):
@@ -150,11 +154,11 @@ class SafeStatusInterceptor(grpc.aio.ServerInterceptor):
 
         return handler
 
-    def _wrap_generator(self, behavior, method: str, request_streaming: bool):
+    def _wrap_generator(self, behavior, method: str, guard: bool):
         internal = getattr(behavior, "internal_message", INTERNAL_MESSAGE)
 
         async def handler(request, context):
-            request, guarded = await self._prepare(request, context, method, request_streaming)
+            request, guarded = await self._prepare(request, context, method, guard)
             responses = behavior(request, guarded)
             try:
                 async for response in responses:

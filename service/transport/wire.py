@@ -301,7 +301,10 @@ class DecodeStepLayout:
     (``read_decode_step`` or the runtime then reads it). Contract as ``read_decode_step``:
     what ``read`` returns is what upb parses (tests/test_wire.py)."""
 
-    __slots__ = ("_q", "_k", "_v", "_q_bytes", "_kv_bytes", "_dtype", "_q_shape", "_kv_shape", "_body")
+    __slots__ = (
+        "_q", "_k", "_v", "_q_bytes", "_kv_bytes", "_dtype", "_q_shape", "_kv_shape", "_body",
+        "_v_prefix_at", "k_from_q", "v_from_q",
+    )  # fmt: skip
 
     def __init__(self, dtype: int, q_shape: tuple[int, ...], kv_shape: tuple[int, ...], q_bytes: int, kv_bytes: int):
         def tensor(tag: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
@@ -316,42 +319,50 @@ class DecodeStepLayout:
         self._q_bytes, self._kv_bytes = q_bytes, kv_bytes
         self._dtype, self._q_shape, self._kv_shape = dtype, tuple(q_shape), tuple(kv_shape)
         self._body = len(self._q) + len(self._k) + len(self._v) + q_bytes + 2 * kv_bytes
+        # offsets from the query's first byte: the new key's prefix, data, the new value's
+        self._v_prefix_at = q_bytes + len(self._k) + kv_bytes
+        self.k_from_q = q_bytes + len(self._k)
+        self.v_from_q = self._v_prefix_at + len(self._v)
 
-    def read(self, raw: bytes) -> tuple[int, DecodeStep] | None:
+    def locate(self, raw: bytes) -> tuple[int, int, int] | None:
+        """(request id, layer, the query's byte offset) of a step in this layout, else None;
+        the new key is at that offset + ``k_from_q``, the new value at + ``v_from_q``."""
         if not (self._q_bytes and self._kv_bytes):
             return None
-        buf = memoryview(raw)
         end = len(raw)
         try:
-            rid, pos = _read_varint(buf, 1, end) if raw[:1] == b"\x08" else (0, 0)
+            rid, pos = _read_varint(raw, 1, end) if raw[:1] == b"\x08" else (0, 0)
             if raw[pos : pos + 1] != b"\x1a":  # DecodeRequest.step = 3
                 return None
-            length, pos = _read_varint(buf, pos + 1, end)
+            length, pos = _read_varint(raw, pos + 1, end)
             if pos + length != end:
                 return None
             layer = 0
             if raw[pos : pos + 1] == b"\x08":  # Step.layer = 1
-                layer, pos = _read_varint(buf, pos + 1, end)
+                layer, pos = _read_varint(raw, pos + 1, end)
                 if layer >> 32:  # the runtime truncates; leave that to it
                     return None
             if end - pos != self._body or not raw.startswith(self._q, pos):
                 return None
-            pos += len(self._q)
-            q = buf[pos : pos + self._q_bytes]
-            pos += self._q_bytes
-            if not raw.startswith(self._k, pos):
+            q_at = pos + len(self._q)
+            if not (
+                raw.startswith(self._k, q_at + self._q_bytes) and raw.startswith(self._v, q_at + self._v_prefix_at)
+            ):
                 return None
-            pos += len(self._k)
-            k = buf[pos : pos + self._kv_bytes]
-            pos += self._kv_bytes
-            if not raw.startswith(self._v, pos):
-                return None
-            v = buf[pos + len(self._v) :]
         except _Unhandled:
             return None
+        return rid, layer, q_at
+
+    def read(self, raw: bytes) -> tuple[int, DecodeStep] | None:
+        found = self.locate(raw)
+        if found is None:
+            return None
+        rid, layer, q_at = found
+        buf = memoryview(raw)
+        k_at, v_at = q_at + self.k_from_q, q_at + self.v_from_q
         return rid, DecodeStep(
             layer,
-            TensorView(self._dtype, self._q_shape, q),
-            TensorView(self._dtype, self._kv_shape, k),
-            TensorView(self._dtype, self._kv_shape, v),
+            TensorView(self._dtype, self._q_shape, buf[q_at : q_at + self._q_bytes]),
+            TensorView(self._dtype, self._kv_shape, buf[k_at : k_at + self._kv_bytes]),
+            TensorView(self._dtype, self._kv_shape, buf[v_at:]),
         )

@@ -1,0 +1,173 @@
+"""``step_many`` for steps whose tensors are spans of byte buffers: a Decode step's query, new
+key and new value as they lie in its request's bytes, many caches in one native call.
+
+A step read from the wire needs no tensor: the library takes a pointer per input and output.
+``step_bytes`` gathers the spans' addresses and the caches' descriptors into arrays, calls
+``gqa_step`` once per library, and gives back per row the numbers the reply carries and the
+output's bytes, with no Python object per row but a list of six ints. A row the library
+refuses or hands back (the Python path of an int8 cache calibrating, a full cache under policy
+none), and a cache without the compiled step, go through ``batch.step_many`` with tensors over
+the same bytes, so every row keeps ``step_many``'s contract: bit-identical to the cache's
+``step`` alone, a refused row refused alone with its cache unchanged.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from .base import LayerCache
+from .batch import BatchStep
+from .batch import step_many as _step_many
+from .contract import StepOutcome
+
+__all__ = ["ByteStep", "ByteBatch", "step_bytes"]
+
+# The generic path's tensors view the caller's immutable bytes; a step never writes its inputs
+# (``LayerCache.step``'s contract), so torch's once-per-process warning about a read-only
+# buffer does not apply: taken here, silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(bytes(4), dtype=torch.float32)
+
+_COLUMNS = 6  # native.RESULT_COLUMNS: tokens_seen, resident, first, last, evicted, rollback_reach
+_void_p = ctypes.c_void_p
+
+
+class ByteStep(NamedTuple):
+    """One step: its cache, and ``data`` holding the step's query (B, Hq, D) at byte offset
+    ``q_at``, new key and new value (B, Hkv, D) at ``k_at`` and ``v_at``, contiguous and
+    little-endian in the cache's dtype (the caller checked the sizes; never written to)."""
+
+    cache: LayerCache
+    data: bytes
+    q_at: int
+    k_at: int
+    v_at: int
+
+
+class ByteBatch(NamedTuple):
+    """What ``step_bytes`` did. ``fields[i]``: row i's ``native.RESULT_COLUMNS`` after its step
+    (zeros when refused); ``refused``: row -> the exception its step raised (its cache
+    unchanged); ``output``: every row's output, row i's at ``offsets[i]`` for the query's byte
+    length (left as it was for a refused row)."""
+
+    fields: list[list[int]]
+    refused: dict[int, Exception]
+    output: memoryview
+    offsets: list[int]
+
+
+def step_bytes(steps: Sequence[ByteStep]) -> ByteBatch:
+    """Runs every step (distinct caches, ``ValueError`` for the whole call otherwise); see the
+    module docstring. The GIL is released during the native call."""
+    n = len(steps)
+    if len({id(s.cache) for s in steps}) != n:
+        raise ValueError("step_bytes: a cache appears twice in one batch")
+    offsets, total = [], 0
+    for s in steps:
+        offsets.append(total)
+        total += _query_bytes(s.cache)
+    out = np.empty(total, dtype=np.uint8)
+    fields = [[0] * _COLUMNS for _ in range(n)]
+    refused: dict[int, Exception] = {}
+    native: dict[int, list[int]] = {}
+    generic: list[int] = []
+    for i, s in enumerate(steps):
+        cache = s.cache
+        if cache._state is not None and getattr(type(cache), "step_group", None) is None:
+            native.setdefault(id(cache._native), []).append(i)
+        else:
+            generic.append(i)
+    base = out.ctypes.data
+    for rows in native.values():
+        generic += _step_native(steps, rows, base, offsets, fields)
+    for i in sorted(generic):
+        _step_generic(steps[i], out, offsets[i], fields[i], refused, i)
+    return ByteBatch(fields, refused, memoryview(out), offsets)
+
+
+def _query_bytes(cache: LayerCache) -> int:
+    s = cache.spec
+    return s.batch_size * s.num_query_heads * s.head_dim * s.dtype.itemsize
+
+
+class _Scratch(threading.local):
+    """A thread's arguments of the native call, kept from call to call (numpy's ``.ctypes.data``
+    costs more than a short cache's step): the rows' descriptors, their four pointers, their
+    numbers and statuses, grown to the largest n, and the arrays' addresses."""
+
+    def __init__(self):
+        self.capacity = 0
+        self.grow(16)
+
+    def grow(self, n: int) -> None:
+        self.capacity = max(n, 2 * self.capacity)
+        self.descs = np.zeros(self.capacity, dtype=np.uint64)
+        self.io = np.zeros((self.capacity, 4), dtype=np.uint64)
+        self.res = np.zeros((self.capacity, _COLUMNS), dtype=np.int64)
+        self.status = np.zeros(self.capacity, dtype=np.int32)
+        self.at = tuple(a.ctypes.data for a in (self.descs, self.io, self.res, self.status))
+
+
+_scratch = _Scratch()
+
+
+def _step_native(steps: Sequence[ByteStep], rows: list[int], base: int, offsets: list[int], fields: list) -> list[int]:
+    """One ``gqa_step`` call for ``rows`` of one library; returns the rows it did not step
+    (refused or handed back: their caches unchanged), which take the generic path."""
+    n = len(rows)
+    kernel = steps[rows[0]].cache._native
+    scratch = _scratch
+    if n > scratch.capacity:
+        scratch.grow(n)
+    descs_at, io_at, res_at, status_at = scratch.at
+    descs, spans = [], []
+    for i in rows:
+        s = steps[i]
+        descs.append(ctypes.addressof(s.cache._state))
+        b = ctypes.cast(s.data, _void_p).value
+        spans.append((b + s.q_at, b + s.k_at, b + s.v_at, base + offsets[i]))
+    scratch.descs[:n] = descs
+    scratch.io[:n] = spans
+    rc = kernel.step(descs_at, n, io_at, None, None, res_at, _COLUMNS, status_at, 0, 0)
+    if rc:  # the whole call refused, nothing written: each row meets the refusal on its own path
+        return list(rows)
+    done = scratch.res[:n].tolist()
+    status = scratch.status[:n]
+    if not status.any():
+        for j, i in enumerate(rows):
+            fields[i] = done[j]
+        return []
+    left = []
+    for j, st in enumerate(status.tolist()):
+        if st:
+            left.append(rows[j])
+        else:
+            fields[rows[j]] = done[j]
+    return left
+
+
+def _step_generic(s: ByteStep, out: np.ndarray, at: int, row: list, refused: dict, i: int) -> None:
+    """Row ``i`` through ``batch.step_many`` (bound at import: a test holding ``step_bytes`` holds
+    it once) with tensors viewing its bytes; its numbers into
+    ``row``, its output into ``out[at:]``, or its exception into ``refused``."""
+    spec = s.cache.spec
+    b, hq, hkv, d, dtype = spec.batch_size, spec.num_query_heads, spec.num_kv_heads, spec.head_dim, spec.dtype
+    q = torch.frombuffer(s.data, dtype=dtype, count=b * hq * d, offset=s.q_at).view(b, hq, d)
+    k = torch.frombuffer(s.data, dtype=dtype, count=b * hkv * d, offset=s.k_at).view(b, hkv, d)
+    v = torch.frombuffer(s.data, dtype=dtype, count=b * hkv * d, offset=s.v_at).view(b, hkv, d)
+    (o,) = _step_many([BatchStep(s.cache, q, k, v)])
+    if not isinstance(o, StepOutcome):
+        refused[i] = o
+        return
+    output = o.output.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    out[at : at + len(output)] = output
+    t = o.tokens_seen
+    row[:] = (t, o.resident, o.first_position, o.last_position, o.evicted_tokens, s.cache.policy.rollback_reach(t))
