@@ -288,6 +288,7 @@ static inline void store_elem(int enc, void *p, int64_t i, float x) {
 #if GQA_HAVE_AVX512
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #endif
 
 /* A block of nt positions at ring row phys of KV head h: scores, online softmax, values. */
@@ -311,7 +312,7 @@ typedef struct {
     char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
 } call_t;
 
-/* block_portable.c, block_avx512.c, block_avx512_bf16.c */
+/* block_portable.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
                                  state_t *st);
 #if GQA_HAVE_AVX512
@@ -320,6 +321,7 @@ AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, i
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
 AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *dst, int64_t n);
 #endif
