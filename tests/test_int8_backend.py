@@ -523,19 +523,25 @@ def test_full_cache_under_none_is_refused_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(before, cache.export_quantized()))
 
 
+# a step while the outlier channels are chosen (Python), and one after (the library checks the
+# values itself; the step then names the tensor)
+REFUSAL_STEPS = [4, CALIBRATION_TOKENS + 2]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("target", ["query", "new_key", "new_value"])
-def test_non_finite_step_input_is_refused_before_writing(target, bad):
-    hq, hkv, d = 4, 2, 8
+@pytest.mark.parametrize("steps", REFUSAL_STEPS, ids=[f"T{t}" for t in REFUSAL_STEPS])
+def test_non_finite_step_input_is_refused_before_writing(steps, target, bad):
+    hq, hkv, d = 4, 2, 16
     cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(3)))
-    for _ in range(4):
+    for _ in range(steps):
         cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
     raw_before = [t.clone() for t in _raw(cache)]
     args = {"query": torch.randn(1, hq, d), "new_key": torch.randn(1, hkv, d), "new_value": torch.randn(1, hkv, d)}
     args[target][0, 0, 1] = bad
     with pytest.raises(ValueError, match=rf"^{target}: 1 non-finite"):
         cache.step(args["query"], args["new_key"], args["new_value"])
-    assert cache.tokens_seen == 4
+    assert cache.tokens_seen == steps
     assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
     cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))  # still usable
 
