@@ -34,22 +34,24 @@ static inline __mmask32 lanes32(int64_t n, int i) {
 /* Head h's query (qf: G rows of dk + no float32, scaled) as int16 channel pairs, one int32 word
  * per pair (the odd last channel paired with 0), (dk + 1) / 2 words per query head at st->qb,
  * then each head's scale (float32): q ~= word halves x scale. Made on an item's first block. */
-static void query_int16(const gqa_cache_t *cc, const float *qf, state_t *st) {
+AVX512VNNI static void query_int16(const gqa_cache_t *cc, const float *qf, state_t *st) {
     const int64_t G = cc->g, dk = cc->dk, dq = dk + cc->no, words = (dk + 1) / 2;
     int16_t *q16 = (int16_t *)st->qb;
     float *scale = (float *)(q16 + 2 * G * words);
     for (int64_t g = 0; g < G; g++) {
         const float *q = qf + g * dq;
-        float amax = 0.0f;
-        for (int64_t j = 0; j < dk; j++) amax = fabsf(q[j]) > amax ? fabsf(q[j]) : amax;
-        const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        __m512 mx = _mm512_setzero_ps();
+        for (int64_t j = 0; j < dk; j += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_maskz_loadu_ps(lanes16(dk - j, 0), q + j)));
+        const float amax = _mm512_reduce_max_ps(mx), inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        const __m512 vinv = _mm512_set1_ps(inv);
         int16_t *row = q16 + 2 * g * words;
-        for (int64_t j = 0; j < dk; j++) {
-            float x = rintf(q[j] * inv);
-            x = x > 32767.0f ? 32767.0f : x < -32767.0f ? -32767.0f : x;
-            row[j] = (int16_t)x;
+        for (int64_t j = 0; j < 2 * words; j += 16) { /* round to nearest even; the pad channel 0 */
+            const __mmask16 m = lanes16(dk - j, 0);
+            const __m512i c = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, q + j), vinv));
+            const __m512i lim = _mm512_set1_epi32(32767);
+            _mm256_mask_storeu_epi16(row + j, lanes16(2 * words - j, 0),
+                                     _mm512_cvtepi32_epi16(_mm512_max_epi32(_mm512_min_epi32(c, lim), _mm512_sub_epi32(_mm512_setzero_si512(), lim))));
         }
-        if (dk % 2) row[dk] = 0;
         scale[g] = amax / 32767.0f;
     }
     st->qready = 1;
