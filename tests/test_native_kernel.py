@@ -132,6 +132,18 @@ def test_float16_key_outlier_channels_add_to_the_scores(outliers, isa):
     assert _rel(out, ref) <= _rtol(isa)
 
 
+@pytest.mark.parametrize("isa", [_isa_param("avx512dot", 576)])
+def test_more_than_512_coded_channels_take_the_float_block(isa):
+    """int32 sums of more channel pairs could overflow: the integer path hands such heads to the
+    float block, whose float32 rounding (RTOL) the integer path's 15 bits would not meet."""
+    gen = torch.Generator().manual_seed(5)
+    n, g, d, c = 1, 4, 576, 150
+    q, k, v, ks, vs = _problem(n, g, d, c, gen)
+    runs = [(0, c)]
+    ref, _ = _reference(q, k, v, ks, vs, runs)
+    assert _rel(KERNEL.attend(q, k, v, ks, vs, runs, isa=isa), ref) <= RTOL
+
+
 def test_padded_key_rows():
     """Key rows a line apart beyond C, as the cache has them."""
     gen = torch.Generator().manual_seed(2)
