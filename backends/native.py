@@ -54,7 +54,8 @@ __all__ = [
 ]
 
 # implementation choice passed to the kernel (the C enum)
-# "avx512dot": AVX-512 with the VNNI and BF16 dot products (int8 scores by VNNI), where the CPU has them
+# "avx512dot": AVX-512 with the VNNI and BF16 dot products (bfloat16 scores by vdpbf16ps, int8
+# scores and values by vpdpwssd on int16 query and weights), where the CPU has both
 ISA = {"auto": 0, "portable": 1, "avx512": 2, "avx512dot": 3}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}

@@ -62,7 +62,7 @@ class NativeStep:
     def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path
         (``python_below``: the int8 cache's calibration)."""
-        self.check_tensors(query, new_key, new_value)
+        self.check_native_inputs(query, new_key, new_value)
         _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
         fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
@@ -78,9 +78,16 @@ class NativeStep:
         if status.value:
             if status.value == -errno.EAGAIN:
                 return None
+            if status.value == -errno.EDOM:  # the library's value check failed: name the tensor
+                self.check_tensors(query, new_key, new_value)
             raise self.step_error(status.value)
         r = res[:7]
         return StepOutcome(out, r[0], r[1], r[2], r[3], r[4], self.row_bytes, 0, r[6])
+
+    def check_native_inputs(self, query, new_key, new_value) -> None:
+        """The checks of ``check_tensors`` that ``gqa_step`` does not make itself (here: all of
+        them); raises as ``check_tensors`` does."""
+        self.check_tensors(query, new_key, new_value)
 
     def step_error(self, status: int) -> Exception:
         """The exception for a row the native step refused with ``status`` (-errno; the cache

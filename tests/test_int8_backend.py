@@ -57,6 +57,11 @@ KERNEL_STEPS = 45  # enough to wrap every ring of KERNEL_POLICIES
 KERNEL_RTOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 6e-3}
 # The two kernels compute the same sums in different orders.
 KERNELS_AGREE_RTOL = 1e-5
+# The native kernel's integer path (avx512dot: query and block weights in 15 bits, VNNI
+# products) adds that rounding, ~1e-5..1e-4, far below the cache's own 5e-3..1e-2
+# (docs/design.md, "int8 by integer dot products"); as tests/test_native_kernel.py's bound.
+INTEGER_RTOL = 2e-4
+
 # Quantization budget against full precision on the original data, the issue's 1e-2 for both
 # kinds. Measured: 0.70-0.92% on N(0, 1) data (per-token absmax int8: a half-step error of
 # absmax / 254 with absmax ~3 sigma), 0.50-0.60% with the outlier channels below.
@@ -69,6 +74,18 @@ OUTLIER_GAIN = 20.0
 DEFENCE_GAIN_MIN = 2.0
 # bytes per token at D = 128 relative to a float16 cache
 BYTES_RATIO_TARGET = 0.52
+
+
+def _integer_path(kernel: str, d: int = 128) -> bool:
+    """Whether an int8 kernel computes by the integer path here at head width d ("native": the
+    fastest ISA that runs d)."""
+    if kernel == "native":
+        return native.load().isas(d)[-1] == "avx512dot"
+    return kernel == "native-avx512dot"
+
+
+def _kernel_rtol(kernel: str, dtype: torch.dtype, d: int = 128) -> float:
+    return max(KERNEL_RTOL[dtype], INTEGER_RTOL) if _integer_path(kernel, d) else KERNEL_RTOL[dtype]
 
 
 def _kernel_params():
@@ -151,7 +168,7 @@ def test_kernel_matches_oracle_on_dequantized_cache(length, dtype, kernel):
     ).output
     assert out.dtype == dtype and out.shape == (2, hq, d)
     k, v = _dequantized(cache)
-    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[dtype]
+    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= _kernel_rtol(kernel, dtype)
 
 
 @pytest.mark.parametrize("scale_dtype", SCALE_DTYPES, ids=_ids(SCALE_DTYPES))
@@ -165,7 +182,7 @@ def test_kernel_heads_widths_and_scale_dtypes(heads, d, scale_dtype):
     q = torch.randn(3, hq, d, generator=gen)
     out = cache.step(q, torch.randn(3, hkv, d, generator=gen), torch.randn(3, hkv, d, generator=gen)).output
     k, v = _dequantized(cache)
-    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= KERNEL_RTOL[torch.float32]
+    assert _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)) <= _kernel_rtol("native", torch.float32, d)
 
 
 @pytest.mark.parametrize("kernel", list(_kernel_params()))
@@ -180,7 +197,7 @@ def test_kernel_matches_oracle_through_wrapped_rings(policy_name, kernel):
         out = cache.step(q, torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)).output
         k, v = _attended_rows(cache, policy_name)
         worst = max(worst, _rel(out, attention_ref(q.double().numpy(), k, v, hq, hkv)))
-    assert worst <= KERNEL_RTOL[torch.float32]
+    assert worst <= _kernel_rtol(kernel, torch.float32, d)
 
 
 def test_kernels_agree():
@@ -203,7 +220,8 @@ def test_kernels_agree():
     assert len(outs) >= 4  # native (and its portable path), int_mm, blocks
     ref = outs["blocks"]
     for kernel, out in outs.items():
-        assert torch.linalg.norm(out - ref) <= KERNELS_AGREE_RTOL * torch.linalg.norm(ref), kernel
+        rtol = INTEGER_RTOL if _integer_path(kernel, d) else KERNELS_AGREE_RTOL
+        assert torch.linalg.norm(out - ref) <= rtol * torch.linalg.norm(ref), kernel
 
 
 # -- quantization budget --------------------------------------------------------------------------
@@ -505,19 +523,25 @@ def test_full_cache_under_none_is_refused_unchanged():
     assert all(torch.equal(a, b) for a, b in zip(before, cache.export_quantized()))
 
 
+# a step while the outlier channels are chosen (Python), and one after (the library checks the
+# values itself; the step then names the tensor)
+REFUSAL_STEPS = [4, CALIBRATION_TOKENS + 2]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
 @pytest.mark.parametrize("target", ["query", "new_key", "new_value"])
-def test_non_finite_step_input_is_refused_before_writing(target, bad):
-    hq, hkv, d = 4, 2, 8
+@pytest.mark.parametrize("steps", REFUSAL_STEPS, ids=[f"T{t}" for t in REFUSAL_STEPS])
+def test_non_finite_step_input_is_refused_before_writing(steps, target, bad):
+    hq, hkv, d = 4, 2, 16
     cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(3)))
-    for _ in range(4):
+    for _ in range(steps):
         cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
     raw_before = [t.clone() for t in _raw(cache)]
     args = {"query": torch.randn(1, hq, d), "new_key": torch.randn(1, hkv, d), "new_value": torch.randn(1, hkv, d)}
     args[target][0, 0, 1] = bad
     with pytest.raises(ValueError, match=rf"^{target}: 1 non-finite"):
         cache.step(args["query"], args["new_key"], args["new_value"])
-    assert cache.tokens_seen == 4
+    assert cache.tokens_seen == steps
     assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
     cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))  # still usable
 

@@ -34,6 +34,18 @@ GROUPS = [1, 3, 4, 5, 8]  # query heads per KV head, around the tile of 4
 LENGTHS = [1, 63, 64, 65, 1000]
 # float32 sums in a different order than float64: relative L2 of the output
 RTOL = 1e-5
+# The integer path (avx512dot: the query and each block's weights in 15 bits, VNNI products)
+# adds that rounding: ~1e-5..1e-4 here, where the int8 cache's own codes cost 5e-3..1e-2 against
+# the original data; the bound and why it is negligible there: docs/design.md, "int8 by integer
+# dot products".
+RTOL_INTEGER = 2e-4
+
+
+def _rtol(isa: str = "auto") -> float:
+    """The bound for an implementation ("auto": the fastest this CPU runs)."""
+    if isa == "auto":
+        isa = KERNEL.isas(128)[-1]
+    return RTOL_INTEGER if isa == "avx512dot" else RTOL
 
 
 def _isa_param(isa: str, d: int = 128):
@@ -81,7 +93,7 @@ def test_matches_oracle_across_widths_and_groups(g, d, isa):
     ref, pos = _reference(q, k, v, ks, vs, runs)
     out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa)
     assert out.shape == (2, g, d) and out.dtype == torch.float32
-    assert _rel(out, ref) <= RTOL
+    assert _rel(out, ref) <= _rtol(isa)
 
 
 @pytest.mark.parametrize("scales", [torch.float32, torch.float16], ids=["f32-scales", "f16-scales"])
@@ -102,7 +114,7 @@ def test_matches_oracle_across_lengths_runs_and_threads(length, isa, scales):
         ref, pos = _reference(q, k, v, ks, vs, runs)
         for threads in (1, 2, 3):  # one KV head: more threads means splits of the positions
             out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa, threads=threads)
-            assert _rel(out, ref) <= RTOL, (runs, threads)
+            assert _rel(out, ref) <= _rtol(isa), (runs, threads)
 
 
 @pytest.mark.parametrize("isa", [_isa_param(i) for i in ISAS])
@@ -117,7 +129,19 @@ def test_float16_key_outlier_channels_add_to_the_scores(outliers, isa):
     runs = [(7, 180)]
     ref, _ = _reference(q, k, v, ks, vs, runs, ko)
     out = KERNEL.attend(q, k, v, ks, vs, runs, ko, isa=isa)
-    assert _rel(out, ref) <= RTOL
+    assert _rel(out, ref) <= _rtol(isa)
+
+
+@pytest.mark.parametrize("isa", [_isa_param("avx512dot", 576)])
+def test_more_than_512_coded_channels_take_the_float_block(isa):
+    """int32 sums of more channel pairs could overflow: the integer path hands such heads to the
+    float block, whose float32 rounding (RTOL) the integer path's 15 bits would not meet."""
+    gen = torch.Generator().manual_seed(5)
+    n, g, d, c = 1, 4, 576, 150
+    q, k, v, ks, vs = _problem(n, g, d, c, gen)
+    runs = [(0, c)]
+    ref, _ = _reference(q, k, v, ks, vs, runs)
+    assert _rel(KERNEL.attend(q, k, v, ks, vs, runs, isa=isa), ref) <= RTOL
 
 
 def test_padded_key_rows():
@@ -129,7 +153,7 @@ def test_padded_key_rows():
     runs = [(10, 150)]
     ref, pos = _reference(q, k.contiguous(), v, ks_ring, vs_ring, runs)
     out = KERNEL.attend(q, k, v, ks_ring, vs_ring, runs)
-    assert _rel(out, ref) <= RTOL
+    assert _rel(out, ref) <= _rtol()
 
 
 def test_zero_rows_and_peaked_scores_stay_finite():
@@ -144,7 +168,7 @@ def test_zero_rows_and_peaked_scores_stay_finite():
     for isa in KERNEL.isas(d):
         out = KERNEL.attend(q, k, v, ks, vs, runs, isa=isa)
         assert bool(torch.isfinite(out).all())
-        assert _rel(out, ref) <= RTOL
+        assert _rel(out, ref) <= _rtol(isa), isa
 
 
 def test_bad_arguments_are_refused():

@@ -43,9 +43,10 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 #endif
     const int64_t *order = cc->order ? cc->order + h * d : NULL;
     if (order && cc->io == ENC_F32) { /* int8 with float32 tensors: a plain gather */
-        const float *q = (const float *)cc->q + h * G * d;
+        const float *restrict q = (const float *)cc->q + h * G * d;
+        const float qs = cc->qscale; /* a local: a store to qf may alias *cc, so cc->qscale was reloaded */
         for (int64_t g = 0; g < G; g++)
-            for (int64_t j = 0; j < d; j++) qf[g * d + j] = q[g * d + order[j]] * cc->qscale;
+            for (int64_t j = 0; j < d; j++) qf[g * d + j] = q[g * d + order[j]] * qs;
         return;
     }
     for (int64_t g = 0; g < G; g++)

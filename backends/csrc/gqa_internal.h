@@ -43,9 +43,10 @@
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
  * once and widened to float32 in registers. Three implementations of the block, chosen at run
  * time per cache: AVX-512 (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16),
- * AVX-512 with BF16 (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16;
- * the other encodings as AVX-512) and portable C (the specification the fast paths are tested
- * against). The library builds with no -march flag. The AVX-512 blocks prefetch the next block
+ * AVX-512 with BF16 and VNNI (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own
+ * bfloat16; int8 scores and values by vpdpwssd on an int16 query and int16 block weights, within
+ * 2e-4 of the others; float32 and float16 as AVX-512) and portable C (the specification the fast
+ * paths are tested against). The library builds with no -march flag. The AVX-512 blocks prefetch the next block
  * into L2 as they go (its key block is one contiguous run, its value rows another).
  * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
@@ -67,6 +68,7 @@
  *     block_portable.c    the portable block (the specification the fast paths are tested against)
  *     block_avx512.c      the AVX-512 blocks of every encoding, and row widening / narrowing
  *     block_avx512_bf16.c the bfloat16 block with vdpbf16ps (AVX-512 BF16)
+ *     block_avx512_int8.c the int8 block with vpdpwssd (AVX-512 VNNI): int16 query and weights
  *     isa.c               which ISAs this CPU runs, and the block a cache gets
  *     pool.c              the thread pool
  *     arena.c             per-thread memory kept between calls
@@ -117,8 +119,8 @@
 #endif
 
 
-/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 (bfloat16 scores by vdpbf16ps; the
- * other encodings as ISA_AVX512). */
+/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 and VNNI (bfloat16 scores by vdpbf16ps,
+ * int8 scores and values by vpdpwssd; the other encodings as ISA_AVX512). */
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 /* FLAG_FAIL_AFTER_WRITE: acted on only by a test build (test_hooks.c); part of the layout either way */
@@ -292,6 +294,7 @@ static inline void store_elem(int enc, void *p, int64_t i, float x) {
 #if GQA_HAVE_AVX512
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
 #endif
 
 /* A block of nt positions at ring row phys of KV head h: scores, online softmax, values. */
@@ -316,7 +319,7 @@ typedef struct {
     char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
 } call_t;
 
-/* block_portable.c, block_avx512.c, block_avx512_bf16.c */
+/* block_portable.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
                                  state_t *st);
 #if GQA_HAVE_AVX512
@@ -325,6 +328,7 @@ AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, i
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
 AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *dst, int64_t n);
 #endif

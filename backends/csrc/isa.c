@@ -19,14 +19,15 @@ int gqa_avx512_usable(void) {
 #endif
 }
 
-/* Whether the CPU has AVX-512 BF16 besides gqa_avx512_usable's. */
+/* Whether the CPU has AVX-512 BF16 and VNNI (every CPU with the first has the second) besides
+ * gqa_avx512_usable's. */
 static int gqa_avx512_dot_usable(void) {
 #if GQA_HAVE_AVX512
     static atomic_int known = -1;
     int v = atomic_load(&known);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512bf16");
+        v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
         atomic_store(&known, v);
     }
     return v;
@@ -48,6 +49,7 @@ int gqa_usable_isas(int64_t d) {
 GQA_INTERNAL block_fn choose_block(int enc, int isa) {
 #if GQA_HAVE_AVX512
     if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && BF16_PACK == 2) return block_dot_bf16;
+    if (isa == ISA_AVX512_DOT && enc == ENC_INT8) return block_dot_int8;
     if (isa == ISA_AVX512 || isa == ISA_AVX512_DOT) {
         switch (enc) {
             case ENC_F32: return block_avx512_f32;

@@ -3,6 +3,8 @@
  * its inputs checked, then computed together by gqa_run; the caches' T advanced for the rows
  * that succeeded.
  */
+#include <float.h>
+
 #include "gqa_internal.h"
 
 /* Whether the n elements at p (encoding enc) are finite and within +-limit. */
@@ -24,8 +26,9 @@ static int within(int enc, const void *p, int64_t n, float limit) {
  * channels are stored as float16), as backends/int8_storage.check_values requires. */
 static int int8_values_ok(const gqa_cache_t *x) {
     const int64_t nd = x->n * x->d;
-    return within(x->io, x->q, nd * x->g, INFINITY) && within(x->io, x->new_k, nd, 65504.0f) &&
-           within(x->io, x->new_v, nd, INFINITY);
+    /* FLT_MAX, not INFINITY: |inf| <= inf would pass */
+    return within(x->io, x->q, nd * x->g, FLT_MAX) && within(x->io, x->new_k, nd, 65504.0f) &&
+           within(x->io, x->new_v, nd, FLT_MAX);
 }
 
 /* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
