@@ -35,7 +35,7 @@ import torch
 
 from quant import dequantize_int8, hadamard_rotation, quantize_int8
 
-from . import native
+from . import host_memory, native
 from .base import LayerCache
 from .contract import CacheSpec
 from .errors import InputValueError
@@ -164,8 +164,8 @@ class Int8Storage(LayerCache):
         # the key codes: blocks for the compiled kernel, transposed rows for torch's
         self._keys = (KeyBlocks if key_blocks else KeyRows)((b, h), c, d - o, torch.int8, dev)
         self._k = self._keys.data
-        self._ko = torch.zeros((b, h, o, c), dtype=torch.float16, device=dev)
-        self._v = torch.zeros((b, h, c, d), dtype=torch.int8, device=dev)
+        self._ko = host_memory.zeros((b, h, o, c), torch.float16, dev)
+        self._v = host_memory.zeros((b, h, c, d), torch.int8, dev)
         self._ks = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         self._vs = torch.zeros((b, h, c), dtype=scale_dtype, device=dev)
         # what the native step overwrites, kept until it has succeeded
