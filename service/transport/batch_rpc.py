@@ -112,7 +112,7 @@ def _opened(request_id: int, session: Session) -> gqa_pb2.BatchResponse:
 
 async def _answers(session: Session, raw: bytes):
     """The replies to one request (a step message read from its bytes; anything else parsed)."""
-    fast = wire.read_step_request(raw)
+    fast = session.layout.read(raw) or wire.read_step_request(raw)
     if fast is not None:
         rid, step = fast
         yield await session.step(step, rid)
