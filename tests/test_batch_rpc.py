@@ -127,6 +127,9 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
         want.step.refusals.add(index=row, id=sid, status=gqa_pb2.Status(code=exc.code_number, message=exc.message))
     want.step.output.CopyFrom(to_proto(output))
     raw = step_reply_bytes(rid, 3, StepResult(fields, refusals, 123456789, output))
+    # the set's output buffer hands its bytes as a buffer over the same memory: the same reply
+    data = memoryview(output.reshape(-1).view(torch.uint8).numpy())
+    assert step_reply_bytes(rid, 3, StepResult(fields, refusals, 123456789, output, data)) == raw
     got = gqa_pb2.BatchResponse.FromString(raw)
     assert got == want
     assert got.step.HasField("status") and got.step.HasField("output")

@@ -10,6 +10,9 @@ bytes"). tests/test_batch_rpc.py checks the bytes parse to the message upb build
 
 from __future__ import annotations
 
+import functools
+import math
+
 from ..api import gqa_pb2
 from ..engine.plane import FIELDS, StepResult
 from ..errors import ServiceError
@@ -56,7 +59,9 @@ def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=Non
     if refused is not None:
         body = gqa_pb2.BatchStepResult(status=status(refused), layer=layer).SerializeToString()
         return (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(len(body)) + body
-    output = result.output if output is None else output
+    output_data = None
+    if output is None:
+        output, output_data = result.output, result.data
     parts = [_STATUS_OK]
     if layer:
         parts += [_TAG_LAYER, varint(layer)]
@@ -73,22 +78,29 @@ def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=Non
     if result.compute_ns:
         parts += [_TAG_COMPUTE, varint(result.compute_ns)]
     rest = b"".join(parts)
-    nbytes = output.numel() * output.element_size()
-    shape = b"".join(varint(x) for x in output.shape)
-    tensor_head = (
-        b"\x08"  # Tensor.dtype = 1 (varint)
-        + varint(TORCH_TO_DTYPE[output.dtype])
-        + _TAG_TENSOR_SHAPE
-        + varint(len(shape))
-        + shape
-        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
-    )
-    output_field = _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head
+    output_field, nbytes = _output_head(output.dtype, output.shape)
     step_len = len(rest) + len(output_field) + nbytes
     head = (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(step_len) + rest + output_field
     if not nbytes:
         return head
-    return b"".join((head, _bytes_of(output)))
+    return b"".join((head, _bytes_of(output) if output_data is None else output_data))
+
+
+@functools.lru_cache(maxsize=256)
+def _output_head(dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """(the output field's bytes up to its data, the data's byte count) for an output of
+    ``dtype`` and ``shape``: the same for every message of a session's size, so built once."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    dims = b"".join(varint(x) for x in shape)
+    tensor_head = (
+        b"\x08"  # Tensor.dtype = 1 (varint)
+        + varint(TORCH_TO_DTYPE[dtype])
+        + _TAG_TENSOR_SHAPE
+        + varint(len(dims))
+        + dims
+        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
+    )
+    return _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head, nbytes
 
 
 def _bytes_of(tensor):
