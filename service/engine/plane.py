@@ -360,15 +360,15 @@ class SequenceSet:
             if ok:
                 evicted = batch.fields[:, 4]
                 compute_s = compute_ns * 1e-9
-                in_use = [i for i, count in enumerate(self._per_label) if count]
-                if len(in_use) == 1:
+                if len(self._labels) == 1:  # one policy in the session (the usual case)
+                    evicted_tokens = int(evicted.sum())
                     observer.steps_done(
-                        self._labels[in_use[0]],
+                        self._labels[0],
                         ok,
                         queue_seconds,
                         compute_s,
-                        int(evicted.sum()),
-                        int(np.count_nonzero(evicted)),
+                        evicted_tokens,
+                        int(np.count_nonzero(evicted)) if evicted_tokens else 0,
                         ok * self._row_bytes,
                     )
                 else:  # sequences of several policies: one call per policy
