@@ -48,6 +48,31 @@ _TAG_REFUSAL = b"\x52"  # BatchStepResult.refusals = 10
 _TAG_COMPUTE = b"\x58"  # BatchStepResult.compute_ns = 11 (varint)
 
 
+# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: a reply's per-sequence fields
+# of a session whose counts are below it are joined from this table by a C loop (``map``)
+# rather than by a dozen numpy calls, which cost more than the work for a few sequences and
+# far more when the step arrives with the caches cold.
+_SMALL = 1 << 14
+_VARINTS = [varint(i) for i in range(_SMALL)]
+
+
+def _packed_fields(fields) -> list[bytes]:
+    """The six packed per-sequence fields (tag, length, data each) of int64 ``fields`` (n, 6)."""
+    parts = []
+    rows = fields.T.tolist()
+    if 0 <= min(map(min, rows)) and max(map(max, rows)) < _SMALL:
+        for tag, row in zip(_TAG_FIELDS, rows):
+            data = b"".join(map(_VARINTS.__getitem__, row))
+            parts += [tag, varint(len(data)), data]
+        return parts
+    data, lengths = packed_varints(fields.T)
+    pos = 0
+    for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
+        parts += [tag, varint(length), data[pos : pos + length]]
+        pos += length
+    return parts
+
+
 def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=None, *, refused=None) -> bytes:
     """``BatchResponse(request_id=rid, step=BatchStepResult(...))`` serialized, written here:
     the per-sequence fields packed from ``result.fields`` (int64 (n, 6), vectorized), the
@@ -65,13 +90,8 @@ def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=Non
     parts = [_STATUS_OK]
     if layer:
         parts += [_TAG_LAYER, varint(layer)]
-    n = len(result.fields)
-    if n:
-        data, lengths = packed_varints(result.fields.T)
-        pos = 0
-        for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
-            parts += [tag, varint(length), data[pos : pos + length]]
-            pos += length
+    if len(result.fields):
+        parts += _packed_fields(result.fields)
     for row, sid, exc in result.refusals:
         r = sequence_refusal(row, sid, exc).SerializeToString()
         parts += [_TAG_REFUSAL, varint(len(r)), r]
