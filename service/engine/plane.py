@@ -70,7 +70,7 @@ class SetShape:
 
 
 class StepPlan(NamedTuple):
-    """A step message checked on the event loop, ready for a compute worker."""
+    """A step message checked on the event loop, ready to compute (``SequenceSet.run``)."""
 
     layer: int
     ids: np.ndarray  # uint64 (n,), the message's ids
@@ -99,7 +99,8 @@ class StepResult(NamedTuple):
 
 class SequenceSet:
     """The sequences of one Batch session. Driven by one handler: ``add``, ``remove``,
-    ``plan`` on the event loop, ``run`` on a compute worker while the handler waits for it."""
+    ``plan`` on the event loop, ``run`` on the loop or a compute worker while the handler waits
+    for it (``Engine.submit_message`` decides)."""
 
     def __init__(self, shape: SetShape, observer: EngineObserver, activity: "Activity"):
         self.shape = shape
@@ -284,7 +285,7 @@ class SequenceSet:
         return t if s.device == "cpu" else t.to(s.device)
 
     def run(self, plan: StepPlan, started: float, received: float) -> StepResult:
-        """Computes a planned message on a compute worker: one ``CacheSet.step`` over its live
+        """Computes a planned message (on the loop or a compute worker): one ``CacheSet.step`` over its live
         rows. Never raises: a failure of the call as a whole refuses every live row (INTERNAL,
         nothing was written)."""
         s = self.shape

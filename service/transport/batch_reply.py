@@ -1,5 +1,5 @@
 """A ``Batch`` stream's replies as bytes: a step message's answer encoded around its output
-buffer (``step_reply_bytes``, on the compute worker), and the in-band statuses and refusals
+buffer (``step_reply_bytes``, where the step computed), and the in-band statuses and refusals
 every Batch answer carries.
 
 The step reply is written here rather than by upb: the per-sequence fields packed from the
@@ -131,7 +131,7 @@ def _bytes_of(tensor):
 
 
 class StepReply:
-    """Encodes a step message's answer on the compute worker (``Engine.submit_message``)."""
+    """Encodes a step message's answer where it computed (``Engine.submit_message``)."""
 
     __slots__ = ("rid", "layer")
 

@@ -345,7 +345,8 @@ class Session:
     async def step(self, request, rid: int) -> bytes:
         """Answers a step message (``wire.StepRequest``, or the runtime's ``BatchStep``): the
         ``BatchResponse`` with request id ``rid``, serialized. Integer checks and the plan here;
-        the computation and the reply's encoding on a compute worker."""
+        the computation and the reply's encoding where ``Engine.submit_message`` runs them (the
+        event loop or a compute worker)."""
         received = time.perf_counter()
         s = self.shared
         layer = request.layer
