@@ -152,6 +152,33 @@ def test_a_refused_message_reply_is_status_and_layer_only():
 
 
 # -- Batch == Decode == oracle ---------------------------------------------------------------
+def test_concurrent_sessions_get_the_bits_a_lone_session_gets(channel):
+    """Sessions stepping at once (each message computed on the event loop or on a compute
+    worker, whichever ``Engine.submit_message`` picks) answer every message with the bits one
+    session stepping alone gets for the same inputs."""
+    import threading
+
+    g = torch.Generator().manual_seed(11)
+    steps = [packed(g, 4) for _ in range(12)]
+
+    def run(results: list, i: int) -> None:
+        with session(channel) as s:
+            for sid in range(4):
+                s.add(sid, policy="strict", window=3)
+            results[i] = [s.step(j % LAYERS, [0, 1, 2, 3], *steps[j]).output for j in range(len(steps))]
+
+    alone = [None]
+    run(alone, 0)
+    together = [None] * 3
+    threads = [threading.Thread(target=run, args=(together, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for outputs in together:
+        assert outputs is not None and all(torch.equal(a, b) for a, b in zip(outputs, alone[0], strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
     g = torch.Generator().manual_seed(3)
