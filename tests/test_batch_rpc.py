@@ -103,7 +103,8 @@ def prefills(g, lengths, dtype):
 @pytest.mark.parametrize("rid", [0, 1, 300, 2**63 + 5])
 @pytest.mark.parametrize("n", [0, 1, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
+@pytest.mark.parametrize("reach", [2**14 - 1, 2**40])  # the fields from the small-varint table, or vectorized
+def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype, reach):
     import numpy as np
 
     from service.engine.plane import NotFound, StepResult
@@ -114,8 +115,8 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
     output = torch.randn(n, 32, 128, generator=g).to(dtype)
     fields = np.zeros((n, 6), dtype=np.int64)
     fields[:, 0] = np.arange(n)
-    fields[:, 1] = np.arange(n) * 300  # one- and two-byte varints
-    fields[:, 5] = 2**40
+    fields[:, 1] = np.arange(n) * 200  # one- and two-byte varints
+    fields[:, 5] = reach
     refusals = [(n - 1, 7, NotFound("step.ids: sequence 7 ...")), (n, 2**63, InvalidArgument("x"))] if n else []
     want = gqa_pb2.BatchResponse(request_id=rid, step=gqa_pb2.BatchStepResult(layer=3, compute_ns=123456789))
     want.step.status.SetInParent()
@@ -127,6 +128,9 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype):
         want.step.refusals.add(index=row, id=sid, status=gqa_pb2.Status(code=exc.code_number, message=exc.message))
     want.step.output.CopyFrom(to_proto(output))
     raw = step_reply_bytes(rid, 3, StepResult(fields, refusals, 123456789, output))
+    # the set's output buffer hands its bytes as a buffer over the same memory: the same reply
+    data = memoryview(output.reshape(-1).view(torch.uint8).numpy())
+    assert step_reply_bytes(rid, 3, StepResult(fields, refusals, 123456789, output, data)) == raw
     got = gqa_pb2.BatchResponse.FromString(raw)
     assert got == want
     assert got.step.HasField("status") and got.step.HasField("output")
@@ -148,6 +152,33 @@ def test_a_refused_message_reply_is_status_and_layer_only():
 
 
 # -- Batch == Decode == oracle ---------------------------------------------------------------
+def test_concurrent_sessions_get_the_bits_a_lone_session_gets(channel):
+    """Sessions stepping at once (each message computed on the event loop or on a compute
+    worker, whichever ``Engine.submit_message`` picks) answer every message with the bits one
+    session stepping alone gets for the same inputs."""
+    import threading
+
+    g = torch.Generator().manual_seed(11)
+    steps = [packed(g, 4) for _ in range(12)]
+
+    def run(results: list, i: int) -> None:
+        with session(channel) as s:
+            for sid in range(4):
+                s.add(sid, policy="strict", window=3)
+            results[i] = [s.step(j % LAYERS, [0, 1, 2, 3], *steps[j]).output for j in range(len(steps))]
+
+    alone = [None]
+    run(alone, 0)
+    together = [None] * 3
+    threads = [threading.Thread(target=run, args=(together, i)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for outputs in together:
+        assert outputs is not None and all(torch.equal(a, b) for a, b in zip(outputs, alone[0], strict=True))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
     g = torch.Generator().manual_seed(3)

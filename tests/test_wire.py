@@ -17,7 +17,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.api import gqa_pb2
-from service.transport.wire import DecodeStepLayout, packed_varints, read_decode_step, read_step_request, varint
+from service.transport.wire import (
+    BatchStepLayout,
+    DecodeStepLayout,
+    packed_varints,
+    read_decode_step,
+    read_step_request,
+    varint,
+)
 
 U64 = st.integers(0, 2**64 - 1)
 TENSOR = st.tuples(
@@ -297,3 +304,39 @@ def test_a_stream_layout_reads_what_upb_parses(rid, layer, dtype, shapes, sizes,
         for name in ("query", "new_key", "new_value"):
             mine, theirs = getattr(step, name), getattr(want.step, name)
             assert (mine.dtype, mine.shape, bytes(mine.data)) == (theirs.dtype, tuple(theirs.shape), theirs.data)
+
+
+# -- a Batch session's step layout (its tensor headers per n) ------------------------------------
+@settings(max_examples=300, deadline=None)
+@given(
+    rid=U64,
+    layer=st.integers(0, 2**32 - 1),
+    ids=st.lists(U64, min_size=1, max_size=6),
+    heads=st.tuples(st.integers(1, 4), st.integers(1, 4), st.integers(1, 8)),
+    itemsize=st.sampled_from([1, 2, 4]),
+    dtype=st.integers(1, 5),
+    same=st.booleans(),
+    seed=st.integers(0, 2**32),
+)
+def test_a_session_layout_reads_what_upb_parses(rid, layer, ids, heads, itemsize, dtype, same, seed):
+    """Messages built by upb in the session's dtype and shapes (``same``) or others, and their
+    truncations, byte flips and unknown fields: ``read`` is None or upb's values."""
+    rng = random.Random(seed)
+    hq, hkv, d = heads
+    n = len(ids)
+    layout = BatchStepLayout(dtype, hq, hkv, d, itemsize)
+    if same:
+        tensors = [(dtype, [n, h, d], rng.randbytes(n * h * d * itemsize)) for h in (hq, hkv, hkv)]
+    else:
+        tensors = [(rng.randint(0, 5), [n, rng.randint(1, 4), d], rng.randbytes(rng.randint(1, 40))) for _ in range(3)]
+    raw = _step_message(rid, layer, ids, tensors).SerializeToString()
+    if same:
+        assert layout.read(raw) is not None  # the runtime's own encoding of this session's steps
+    variants = [raw, raw + _unknown(rng)]
+    for _ in range(4):
+        variants.append(raw[: rng.randrange(len(raw) + 1)])
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        variants.append(bytes(flipped))
+    for data in variants:
+        _same_as_upb(data, layout.read)

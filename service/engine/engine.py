@@ -65,12 +65,11 @@ log = logging.getLogger("gqa.engine")
 
 # Steps of different streams submitted closer together than this count as concurrent.
 _CONCURRENT_WINDOW_S = 1e-3
-# A Batch message (milliseconds of transport each way) counts as concurrent with any other
-# stream's or session's work submitted this recently: then it goes to the compute workers, so
-# the event loop serves the other sessions while it computes.
-_CONCURRENT_MESSAGE_WINDOW_S = 10e-3
-# A lone session's message runs on the event loop when its previous message computed in less
-# than this: the two thread hops cost more, and the loop is held no longer than this.
+# A Batch session's message runs on the event loop when its previous message computed in less
+# than this and no step is queued or computing, whatever other sessions do: the two thread hops
+# (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
+# forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it,
+# docs/design.md), and the loop is held no longer than this.
 _INLINE_MESSAGE_S = 2e-3
 # The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
 # --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
@@ -354,9 +353,8 @@ class Engine:
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
         that refused the whole message). A message of a session whose previous message computed
-        in under ``_INLINE_MESSAGE_S``, with nothing else queued or computing and no other
-        stream or session stepping within the last ``_CONCURRENT_MESSAGE_WINDOW_S``, runs right
-        here (unless ``--inline-step-bytes`` is 0, which keeps every step off the loop)."""
+        in under ``_INLINE_MESSAGE_S``, with nothing else queued or computing, runs right here
+        (unless ``--inline-step-bytes`` is 0, which keeps every step off the loop)."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
@@ -368,12 +366,10 @@ class Engine:
                 return Internal() if not isinstance(exc, ServiceError) else exc
 
         job = PendingJob(sequences, run, received, future)
-        alone = self._last_stream is sequences or received - self._last_step_at > _CONCURRENT_MESSAGE_WINDOW_S
-        self._last_stream, self._last_step_at = sequences, received
+        self._last_stream, self._last_step_at = sequences, received  # Decode's steps see it
         last = sequences.last_compute_ns
         if (
-            alone
-            and last is not None
+            last is not None
             and last < _INLINE_MESSAGE_S * 1e9
             and self.config.inline_step_bytes
             and self.batcher.run_inline(job)

@@ -70,7 +70,7 @@ class SetShape:
 
 
 class StepPlan(NamedTuple):
-    """A step message checked on the event loop, ready for a compute worker."""
+    """A step message checked on the event loop, ready to compute (``SequenceSet.run``)."""
 
     layer: int
     ids: np.ndarray  # uint64 (n,), the message's ids
@@ -92,11 +92,15 @@ class StepResult(NamedTuple):
     refusals: list
     compute_ns: int
     output: torch.Tensor
+    # ``output``'s bytes as a buffer over the same memory (the set's output buffer lives in a
+    # bytearray, so the reply reads it without a tensor call); None when ``output`` is a copy
+    data: memoryview | None = None
 
 
 class SequenceSet:
     """The sequences of one Batch session. Driven by one handler: ``add``, ``remove``,
-    ``plan`` on the event loop, ``run`` on a compute worker while the handler waits for it."""
+    ``plan`` on the event loop, ``run`` on the loop or a compute worker while the handler waits
+    for it (``Engine.submit_message`` decides)."""
 
     def __init__(self, shape: SetShape, observer: EngineObserver, activity: "Activity"):
         self.shape = shape
@@ -118,6 +122,8 @@ class SequenceSet:
         self._per_label: list[int] = []  # live sequences per label index
         self._row_bytes = 0
         self._output: torch.Tensor | None = None
+        self._output_bytes: bytearray | None = None
+        self._output_row = shape.num_query_heads * shape.head_dim * shape.torch_dtype.itemsize
         # nanoseconds the last message's computation took (None before the first): the engine
         # predicts the next message's by it to decide where to run it
         self.last_compute_ns: int | None = None
@@ -248,11 +254,28 @@ class SequenceSet:
 
     def _output_buffer(self, n: int) -> torch.Tensor:
         """(n, Hq, D) rows the kernel writes into: one buffer the set keeps (the reply copies it
-        before the next message), not a fresh tensor per message (page faults, docs/design.md)."""
+        before the next message), not a fresh tensor per message (page faults, docs/design.md).
+        On the CPU its memory is a bytearray the set keeps (``_output_bytes``), so the reply
+        takes the bytes as a memoryview slice, with no tensor call per message."""
         s = self.shape
         if self._output is None or self._output.shape[0] < n:
-            self._output = torch.empty((max(n, 1), s.num_query_heads, s.head_dim), dtype=s.torch_dtype, device=s.device)
+            rows = max(n, 1)
+            if s.device == "cpu":
+                row = s.num_query_heads * s.head_dim * s.torch_dtype.itemsize
+                self._output_bytes = bytearray(rows * row)
+                self._output = torch.frombuffer(self._output_bytes, dtype=s.torch_dtype).view(
+                    rows, s.num_query_heads, s.head_dim
+                )
+            else:
+                self._output_bytes = None
+                self._output = torch.empty((rows, s.num_query_heads, s.head_dim), dtype=s.torch_dtype, device=s.device)
         return self._output[:n]
+
+    def _output_data(self, n: int) -> memoryview | None:
+        """The first ``n`` rows of the output buffer as bytes (None off the CPU)."""
+        if self._output_bytes is None:
+            return None
+        return memoryview(self._output_bytes)[: n * self._output_row]
 
     def _tensor(self, data, n: int, heads: int) -> torch.Tensor:
         s = self.shape
@@ -262,7 +285,7 @@ class SequenceSet:
         return t if s.device == "cpu" else t.to(s.device)
 
     def run(self, plan: StepPlan, started: float, received: float) -> StepResult:
-        """Computes a planned message on a compute worker: one ``CacheSet.step`` over its live
+        """Computes a planned message (on the loop or a compute worker): one ``CacheSet.step`` over its live
         rows. Never raises: a failure of the call as a whole refuses every live row (INTERNAL,
         nothing was written)."""
         s = self.shape
@@ -273,7 +296,8 @@ class SequenceSet:
         queue_seconds = max(0.0, started - received)
         if plan.live is not None and not len(plan.live):
             out.zero_()
-            return self._answer(StepResult(np.zeros((n, len(FIELDS)), np.int64), refusals, 0, out), 0, queue_seconds)
+            result = StepResult(np.zeros((n, len(FIELDS)), np.int64), refusals, 0, out, self._output_data(n))
+            return self._answer(result, 0, queue_seconds)
         q = self._tensor(plan.query, n, hq)
         k = self._tensor(plan.new_key, n, hkv)
         v = self._tensor(plan.new_value, n, hkv)
@@ -293,7 +317,9 @@ class SequenceSet:
             out.zero_()
             for j, (_, _, error) in enumerate(failed):
                 self.observer.steps_refused(self._labels[self._policy[plan.slots[j]]], error.code)
-            result = StepResult(np.zeros((n, len(FIELDS)), np.int64), sorted(refusals + failed, key=_row), 0, out)
+            result = StepResult(
+                np.zeros((n, len(FIELDS)), np.int64), sorted(refusals + failed, key=_row), 0, out, self._output_data(n)
+            )
             return self._answer(result, 0, queue_seconds)
         fields = batch.fields
         if batch.refused:
@@ -314,9 +340,10 @@ class SequenceSet:
             refusals.sort(key=_row)
         elif batch.refused:
             refusals.sort(key=_row)
-        if out.device.type != "cpu":
+        data = self._output_data(n)
+        if data is None:
             out = out.cpu()
-        result = StepResult(fields, refusals, batch.compute_ns, out)
+        result = StepResult(fields, refusals, batch.compute_ns, out, data)
         self.last_compute_ns = batch.compute_ns
         return self._answer(
             result, batch.compute_ns, queue_seconds, stepped=len(plan.slots), batch=batch, slots=plan.slots
@@ -334,15 +361,15 @@ class SequenceSet:
             if ok:
                 evicted = batch.fields[:, 4]
                 compute_s = compute_ns * 1e-9
-                in_use = [i for i, count in enumerate(self._per_label) if count]
-                if len(in_use) == 1:
+                if len(self._labels) == 1:  # one policy in the session (the usual case)
+                    evicted_tokens = int(evicted.sum())
                     observer.steps_done(
-                        self._labels[in_use[0]],
+                        self._labels[0],
                         ok,
                         queue_seconds,
                         compute_s,
-                        int(evicted.sum()),
-                        int(np.count_nonzero(evicted)),
+                        evicted_tokens,
+                        int(np.count_nonzero(evicted)) if evicted_tokens else 0,
                         ok * self._row_bytes,
                     )
                 else:  # sequences of several policies: one call per policy

@@ -307,13 +307,13 @@ class MetricsRecorder(EngineObserver):
         child = self._batch_children.get((backend, dtype))
         if child is None:
             child = self._batch_children[backend, dtype] = self.batch_size.labels(backend, dtype)
-        child.observe(size)
+        _observe_n(child, size, 1)  # observe()'s effect in fewer calls: counted once per message
 
     def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
         child = self._message_children.get((backend, dtype))
         if child is None:
             child = self._message_children[backend, dtype] = self.batch_message_sequences.labels(backend, dtype)
-        child.observe(sequences)
+        _observe_n(child, sequences, 1)
 
 
 def _cuda_memory() -> list[tuple[str, int, int]]:

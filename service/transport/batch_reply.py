@@ -1,5 +1,5 @@
 """A ``Batch`` stream's replies as bytes: a step message's answer encoded around its output
-buffer (``step_reply_bytes``, on the compute worker), and the in-band statuses and refusals
+buffer (``step_reply_bytes``, where the step computed), and the in-band statuses and refusals
 every Batch answer carries.
 
 The step reply is written here rather than by upb: the per-sequence fields packed from the
@@ -9,6 +9,9 @@ bytes"). tests/test_batch_rpc.py checks the bytes parse to the message upb build
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 from ..api import gqa_pb2
 from ..engine.plane import FIELDS, StepResult
@@ -45,6 +48,31 @@ _TAG_REFUSAL = b"\x52"  # BatchStepResult.refusals = 10
 _TAG_COMPUTE = b"\x58"  # BatchStepResult.compute_ns = 11 (varint)
 
 
+# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: a reply's per-sequence fields
+# of a session whose counts are below it are joined from this table by a C loop (``map``)
+# rather than by a dozen numpy calls, which cost more than the work for a few sequences and
+# far more when the step arrives with the caches cold.
+_SMALL = 1 << 14
+_VARINTS = [varint(i) for i in range(_SMALL)]
+
+
+def _packed_fields(fields) -> list[bytes]:
+    """The six packed per-sequence fields (tag, length, data each) of int64 ``fields`` (n, 6)."""
+    parts = []
+    rows = fields.T.tolist()
+    if 0 <= min(map(min, rows)) and max(map(max, rows)) < _SMALL:
+        for tag, row in zip(_TAG_FIELDS, rows):
+            data = b"".join(map(_VARINTS.__getitem__, row))
+            parts += [tag, varint(len(data)), data]
+        return parts
+    data, lengths = packed_varints(fields.T)
+    pos = 0
+    for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
+        parts += [tag, varint(length), data[pos : pos + length]]
+        pos += length
+    return parts
+
+
 def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=None, *, refused=None) -> bytes:
     """``BatchResponse(request_id=rid, step=BatchStepResult(...))`` serialized, written here:
     the per-sequence fields packed from ``result.fields`` (int64 (n, 6), vectorized), the
@@ -56,39 +84,43 @@ def step_reply_bytes(rid: int, layer: int, result: StepResult | None, output=Non
     if refused is not None:
         body = gqa_pb2.BatchStepResult(status=status(refused), layer=layer).SerializeToString()
         return (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(len(body)) + body
-    output = result.output if output is None else output
+    output_data = None
+    if output is None:
+        output, output_data = result.output, result.data
     parts = [_STATUS_OK]
     if layer:
         parts += [_TAG_LAYER, varint(layer)]
-    n = len(result.fields)
-    if n:
-        data, lengths = packed_varints(result.fields.T)
-        pos = 0
-        for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
-            parts += [tag, varint(length), data[pos : pos + length]]
-            pos += length
+    if len(result.fields):
+        parts += _packed_fields(result.fields)
     for row, sid, exc in result.refusals:
         r = sequence_refusal(row, sid, exc).SerializeToString()
         parts += [_TAG_REFUSAL, varint(len(r)), r]
     if result.compute_ns:
         parts += [_TAG_COMPUTE, varint(result.compute_ns)]
     rest = b"".join(parts)
-    nbytes = output.numel() * output.element_size()
-    shape = b"".join(varint(x) for x in output.shape)
-    tensor_head = (
-        b"\x08"  # Tensor.dtype = 1 (varint)
-        + varint(TORCH_TO_DTYPE[output.dtype])
-        + _TAG_TENSOR_SHAPE
-        + varint(len(shape))
-        + shape
-        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
-    )
-    output_field = _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head
+    output_field, nbytes = _output_head(output.dtype, output.shape)
     step_len = len(rest) + len(output_field) + nbytes
     head = (b"\x08" + varint(rid) if rid else b"") + _TAG_RESPONSE_STEP + varint(step_len) + rest + output_field
     if not nbytes:
         return head
-    return b"".join((head, _bytes_of(output)))
+    return b"".join((head, _bytes_of(output) if output_data is None else output_data))
+
+
+@functools.lru_cache(maxsize=256)
+def _output_head(dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
+    """(the output field's bytes up to its data, the data's byte count) for an output of
+    ``dtype`` and ``shape``: the same for every message of a session's size, so built once."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    dims = b"".join(varint(x) for x in shape)
+    tensor_head = (
+        b"\x08"  # Tensor.dtype = 1 (varint)
+        + varint(TORCH_TO_DTYPE[dtype])
+        + _TAG_TENSOR_SHAPE
+        + varint(len(dims))
+        + dims
+        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
+    )
+    return _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head, nbytes
 
 
 def _bytes_of(tensor):
@@ -99,7 +131,7 @@ def _bytes_of(tensor):
 
 
 class StepReply:
-    """Encodes a step message's answer on the compute worker (``Engine.submit_message``)."""
+    """Encodes a step message's answer where it computed (``Engine.submit_message``)."""
 
     __slots__ = ("rid", "layer")
 

@@ -7,9 +7,9 @@ engine ``Stream`` of batch size 1, admitted and built like a ``Decode`` stream (
 budget, ``max_streams``, the idle reaper and the drain apply to it exactly as to a ``Decode``
 stream; the idle timeout is the session's). A step message is read from its bytes
 (``service.transport.wire``: the ids one numpy array, the tensors views of the request), planned on the
-event loop (ids -> slots, refusals), computed by the engine's compute workers with the Decode
-streams' steps (one ``CacheSet.step``), and its reply encoded on the worker around the output
-buffer (``service.transport.batch_reply``). Refusals are per sequence and in-band
+event loop (ids -> slots, refusals), computed by the engine in one ``CacheSet.step`` (on the loop
+after a fast message, else on its compute workers with the Decode streams' steps), and its reply
+encoded where it computed, around the output buffer (``service.transport.batch_reply``). Refusals are per sequence and in-band
 (``service.transport.batch_session``); only a broken protocol, a refused ``open``, the idle timeout and
 shutdown end the RPC.
 """
@@ -111,12 +111,7 @@ def _opened(request_id: int, session: Session) -> gqa_pb2.BatchResponse:
 
 
 async def _answers(session: Session, raw: bytes):
-    """The replies to one request (a step message read from its bytes; anything else parsed)."""
-    fast = wire.read_step_request(raw)
-    if fast is not None:
-        rid, step = fast
-        yield await session.step(step, rid)
-        return
+    """The replies to a request other than a step message read by ``wire`` (parsed here)."""
     request = _parse(raw)
     rid = request.request_id
     kind = request.WhichOneof("kind")
@@ -158,8 +153,14 @@ async def serve(engine: Engine, config: ServerConfig, context):
     session = Session(engine, config, shared, f"b{next(_session_ids)}", forced)
     try:
         yield _opened(first.request_id, session)
+        layout = session.layout
         while (request := await forced.read(context)) is not grpc.aio.EOF:
             session.touch()
+            # a step message read from its bytes is answered here, without a generator of its own
+            step = layout.read(request) or wire.read_step_request(request)
+            if step is not None:
+                yield await session.step(step[1], step[0])
+                continue
             async for reply in _answers(session, request):
                 yield reply
     finally:

@@ -25,6 +25,7 @@ from ..engine.tensors import from_proto
 from ..errors import InvalidArgument, ServiceError
 from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE, POLICY_ENUMS, POLICY_NAMES
 from .batch_reply import OK, StepReply, sequence_refusal, status, step_reply_bytes
+from .wire import BatchStepLayout
 
 __all__ = ["Session"]
 
@@ -65,6 +66,10 @@ class Session:
         self._dtype_enum = NAME_TO_DTYPE[shape.dtype]
         self._q_row = shape.num_query_heads * shape.head_dim * itemsize
         self._kv_row = shape.num_kv_heads * shape.head_dim * itemsize
+        # the runtimes' encoding of this session's step messages (``wire.BatchStepLayout``)
+        self.layout = BatchStepLayout(
+            self._dtype_enum, shape.num_query_heads, shape.num_kv_heads, shape.head_dim, itemsize
+        )
 
     # -- bookkeeping ------------------------------------------------------------------------
     def touch(self) -> None:
@@ -340,7 +345,8 @@ class Session:
     async def step(self, request, rid: int) -> bytes:
         """Answers a step message (``wire.StepRequest``, or the runtime's ``BatchStep``): the
         ``BatchResponse`` with request id ``rid``, serialized. Integer checks and the plan here;
-        the computation and the reply's encoding on a compute worker."""
+        the computation and the reply's encoding where ``Engine.submit_message`` runs them (the
+        event loop or a compute worker)."""
         received = time.perf_counter()
         s = self.shared
         layer = request.layer

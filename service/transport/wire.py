@@ -29,6 +29,7 @@ __all__ = [
     "read_step_request",
     "read_decode_step",
     "DecodeStepLayout",
+    "BatchStepLayout",
     "varint",
     "packed_varints",
 ]
@@ -365,4 +366,97 @@ class DecodeStepLayout:
             TensorView(self._dtype, self._q_shape, buf[q_at : q_at + self._q_bytes]),
             TensorView(self._dtype, self._kv_shape, buf[k_at : k_at + self._kv_bytes]),
             TensorView(self._dtype, self._kv_shape, buf[v_at:]),
+        )
+
+
+class BatchStepLayout:
+    """The encoding of one Batch session's step messages as the protobuf runtimes write them
+    (fields in number order, packed ids and shapes): for n sequences, each tensor's header (its
+    field's tag and length, dtype, shape, the data's tag and length) is a constant of the
+    session's dtype, heads, head width and n, kept per n. ``read`` decodes the request id, the
+    layer and the ids and checks the three headers with ``bytes.startswith``: a handful of
+    operations instead of walking some twenty fields (a step message arrives with the caches
+    cold behind a model's weights, where every line of Python touched costs). A matched header
+    also means the tensors have the session's dtype and shapes. Anything else returns ``None``
+    (``read_step_request`` or the runtime then reads it). Contract as ``read_step_request``:
+    what ``read`` returns is what upb parses (tests/test_wire.py)."""
+
+    __slots__ = ("_dtype", "_heads", "_row", "_headers")
+
+    def __init__(self, dtype: int, num_query_heads: int, num_kv_heads: int, head_dim: int, itemsize: int):
+        self._dtype = dtype
+        self._heads = (num_query_heads, num_kv_heads, head_dim)
+        self._row = (num_query_heads * head_dim * itemsize, num_kv_heads * head_dim * itemsize)
+        self._headers: dict[int, tuple] = {}
+
+    def _for(self, n: int) -> tuple:
+        """(query header, new_key header, new_value header, query bytes, kv bytes, shapes) for n."""
+        hq, hkv, d = self._heads
+
+        def header(tag: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
+            dims = b"".join(varint(x) for x in shape)
+            head = b"\x08" + varint(self._dtype) + b"\x12" + varint(len(dims)) + dims + b"\x1a" + varint(nbytes)
+            return tag + varint(len(head) + nbytes) + head
+
+        q_shape, kv_shape = (n, hq, d), (n, hkv, d)
+        q_bytes, kv_bytes = n * self._row[0], n * self._row[1]
+        found = (
+            header(b"\x1a", q_shape, q_bytes),  # BatchStep.query = 3
+            header(b"\x22", kv_shape, kv_bytes),  # BatchStep.new_key = 4
+            header(b"\x2a", kv_shape, kv_bytes),  # BatchStep.new_value = 5
+            q_bytes,
+            kv_bytes,
+            q_shape,
+            kv_shape,
+        )
+        if len(self._headers) < 64:  # a session's message sizes are few; never grow unbounded
+            self._headers[n] = found
+        return found
+
+    def read(self, raw: bytes) -> tuple[int, StepRequest] | None:
+        if not self._dtype:
+            return None
+        buf = memoryview(raw)
+        end = len(raw)
+        try:
+            rid, pos = _read_varint(buf, 1, end) if raw[:1] == b"\x08" else (0, 0)
+            if raw[pos : pos + 1] != b"\x22":  # BatchRequest.step = 4
+                return None
+            length, pos = _read_varint(buf, pos + 1, end)
+            if pos + length != end:
+                return None
+            layer = 0
+            if raw[pos : pos + 1] == b"\x08":  # BatchStep.layer = 1
+                layer, pos = _read_varint(buf, pos + 1, end)
+                if layer >> 32:  # the runtime truncates; leave that to it
+                    return None
+            if raw[pos : pos + 1] != b"\x12":  # BatchStep.ids = 2, packed
+                return None
+            length, pos = _read_varint(buf, pos + 1, end)
+            if not length or length > end - pos:
+                return None
+            ids = _packed_uint64(buf, (pos, pos + length))
+            pos += length
+            n = len(ids)
+            q_head, k_head, v_head, q_bytes, kv_bytes, q_shape, kv_shape = self._headers.get(n) or self._for(n)
+            if end - pos != len(q_head) + len(k_head) + len(v_head) + q_bytes + 2 * kv_bytes:
+                return None
+            if not raw.startswith(q_head, pos):
+                return None
+            pos += len(q_head)
+            q = buf[pos : pos + q_bytes]
+            pos += q_bytes
+            if not raw.startswith(k_head, pos):
+                return None
+            pos += len(k_head)
+            k = buf[pos : pos + kv_bytes]
+            pos += kv_bytes
+            if not raw.startswith(v_head, pos):
+                return None
+            v = buf[pos + len(v_head) :]
+        except _Unhandled:
+            return None
+        dtype = self._dtype
+        return rid, StepRequest(
+            layer, ids, TensorView(dtype, q_shape, q), TensorView(dtype, kv_shape, k), TensorView(dtype, kv_shape, v)
         )
