@@ -45,6 +45,7 @@ from ..errors import (
 )
 from ..vocab import TORCH_DTYPES
 from .batcher import Batcher, PendingJob, PendingStep
+from .placement import Placement
 from .plane import SequenceSet, SetShape
 from .report import EngineObserver, StepReport
 from .stream import Activity, Admission, Stream, StreamConfig, build_caches, validate_config
@@ -62,18 +63,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("gqa.engine")
-
-# Steps of different streams submitted closer together than this count as concurrent.
-_CONCURRENT_WINDOW_S = 1e-3
-# A Batch session's message runs on the event loop when its previous message computed in less
-# than this and no step is queued or computing, whatever other sessions do: the two thread hops
-# (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
-# forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it,
-# docs/design.md), and the loop is held no longer than this.
-_INLINE_MESSAGE_S = 2e-3
-# The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
-# --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
-_LOOP_BATCH_STEPS = 4
 
 
 class Engine:
@@ -104,15 +93,13 @@ class Engine:
         self._closed_all: ServiceError | None = None  # set by close_all: no stream opens after it
         # Where opens are built (``build_async``); the server sets its pool, None: asyncio's default.
         self.pool = None
-        # the stream (or Batch session) of the last step submitted, and when
-        self._last_stream: Stream | SequenceSet | None = None
-        self._last_step_at = 0.0
         self.batcher = Batcher(
             config.compute_workers,
             observer=self.observer,
             max_delay_s=config.batch_max_delay_us * 1e-6,
             max_steps=config.batch_max_steps,
         )
+        self.placement = Placement(config, self.batcher)
 
     # -- views ----------------------------------------------------------------------------
     @property
@@ -352,9 +339,8 @@ class Engine:
         """Queues a planned Batch step message (``SequenceSet.plan``) on the compute workers,
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
-        that refused the whole message). A message of a session whose previous message computed
-        in under ``_INLINE_MESSAGE_S``, with nothing else queued or computing, runs right here
-        (unless ``--inline-step-bytes`` is 0, which keeps every step off the loop)."""
+        that refused the whole message). Where it computes is ``Placement.message``'s choice: a
+        message of a session whose previous one was fast may run right here."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
@@ -366,17 +352,8 @@ class Engine:
                 return Internal() if not isinstance(exc, ServiceError) else exc
 
         job = PendingJob(sequences, run, received, future)
-        self._last_stream, self._last_step_at = sequences, received  # Decode's steps see it
-        last = sequences.last_compute_ns
-        if (
-            last is not None
-            and last < _INLINE_MESSAGE_S * 1e9
-            and self.config.inline_step_bytes
-            and self.batcher.run_inline(job)
-        ):
+        if self.placement.message(job):
             future.set_result(job.result)
-            return future
-        self.batcher.submit(job)
         return future
 
     # -- stateless steps, backend descriptions ------------------------------------------------
@@ -444,22 +421,8 @@ class Engine:
             reply,
             raw=raw,
         )
-        # A small step (--inline-step-bytes; 0 turns this off) runs on the loop, the thread hops
-        # costing more than it does: at once when its stream steps alone (no other step queued or
-        # computing, no other stream's step within the last millisecond), else in the loop's
-        # batch at its next turn (at most _LOOP_BATCH_STEPS x --inline-step-bytes of cache a turn).
-        now = pending.received
-        alone = self._last_stream is stream or now - self._last_step_at > _CONCURRENT_WINDOW_S
-        self._last_stream, self._last_step_at = stream, now
-        inline = self.config.inline_step_bytes
-        cost = (cache.resident_length + 1) * cache.row_bytes
-        if cost < inline:
-            if alone and self.batcher.run_inline(pending):
-                future.set_result(pending.result)
-                return future
-            if self.batcher.run_soon(pending, cost, _LOOP_BATCH_STEPS * inline):
-                return future
-        self.batcher.submit(pending)
+        if self.placement.step(pending):
+            future.set_result(pending.result)
         return future
 
     def close(self, stream: Stream, reason: str = "closed") -> bool:

@@ -1,0 +1,69 @@
+"""Where a step computes: on the event loop at once, in the loop's batch at its next turn, or on
+the compute workers. One decision for a Decode stream's step and a Batch session's message, so
+both front ends weigh the thread hops the same way (docs/design.md, "The Decode path, per step"
+and "A Batch message's per-message cost, round three")."""
+
+from __future__ import annotations
+
+from ..config import ServerConfig
+from .batcher import Batcher, PendingJob, PendingStep
+
+__all__ = ["Placement"]
+
+# Steps of different streams submitted closer together than this count as concurrent.
+CONCURRENT_WINDOW_S = 1e-3
+# A Batch session's message runs on the event loop when its previous message computed in less
+# than this and no step is queued or computing, whatever other sessions do: the two thread hops
+# (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
+# forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it), and the
+# loop is held no longer than this.
+INLINE_MESSAGE_S = 2e-3
+# The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
+# --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
+LOOP_BATCH_STEPS = 4
+
+
+class Placement:
+    """Sends each step to where it costs least; call on the event loop. ``--inline-step-bytes``
+    (read from ``config`` at every step; 0 keeps every step off the loop) is the cache bytes a
+    step may read on the loop."""
+
+    def __init__(self, config: ServerConfig, batcher: Batcher):
+        self.config = config
+        self.batcher = batcher
+        self._last = None  # the stream or Batch session of the last step placed, and when
+        self._last_at = 0.0
+
+    def message(self, job: PendingJob) -> bool:
+        """Places a Batch message; True when it already ran here (``job.result`` is set)."""
+        sequences = job.stream
+        self._last, self._last_at = sequences, job.received  # Decode's steps see it
+        last = sequences.last_compute_ns
+        if (
+            last is not None
+            and last < INLINE_MESSAGE_S * 1e9
+            and self.config.inline_step_bytes
+            and self.batcher.run_inline(job)
+        ):
+            return True
+        self.batcher.submit(job)
+        return False
+
+    def step(self, pending: PendingStep) -> bool:
+        """Places a Decode step; True when it already ran here (``pending.result`` is set). A
+        small step runs at once when its stream steps alone (no other step queued or computing,
+        no other stream's step within ``CONCURRENT_WINDOW_S``), else in the loop's batch at its
+        next turn (at most ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn); a larger
+        one goes to the workers."""
+        now, stream, cache = pending.received, pending.stream, pending.cache
+        alone = self._last is stream or now - self._last_at > CONCURRENT_WINDOW_S
+        self._last, self._last_at = stream, now
+        inline = self.config.inline_step_bytes
+        cost = (cache.resident_length + 1) * cache.row_bytes
+        if cost < inline:
+            if alone and self.batcher.run_inline(pending):
+                return True
+            if self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
+                return False
+        self.batcher.submit(pending)
+        return False
