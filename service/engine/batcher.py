@@ -162,21 +162,7 @@ class Batcher:
                 return False
             self._in_flight = 1
             self._running.add(id(step.stream))
-        t0 = time.perf_counter_ns()
-        try:
-            self._compute([step], t0)
-        except BaseException:
-            log.exception("an inline step failed as a whole")
-            if step.result is None:
-                step.result = self._reply(step, Internal(), 0.0)
-        finally:
-            elapsed = time.perf_counter_ns() - t0
-            with self._cond:
-                self._in_flight -= 1
-                self._busy_ns += elapsed
-                self._running.discard(id(step.stream))
-                if self._queue:
-                    self._cond.notify()
+        self._run([step], "an inline step")
         return True
 
     def run_soon(self, step: PendingStep, cost: int, limit: int) -> bool:
@@ -213,23 +199,7 @@ class Batcher:
                     step.result = self._reply(step, exc, 0.0)
                     _resolve([step])
             return
-        t0 = time.perf_counter_ns()
-        try:
-            self._compute(steps, t0)
-        except BaseException:
-            log.exception("a batch on the event loop failed as a whole")
-            for step in steps:
-                if step.result is None:
-                    step.result = self._reply(step, Internal(), 0.0)
-        finally:
-            elapsed = time.perf_counter_ns() - t0
-            with self._cond:
-                self._in_flight -= len(steps)
-                self._busy_ns += elapsed
-                for step in steps:
-                    self._running.discard(id(step.stream))
-                if self._queue:
-                    self._cond.notify()
+        self._run(steps, "a batch on the event loop")
         _resolve(steps)
 
     def stop(self, join_timeout_s: float | None = None) -> bool:
@@ -300,14 +270,22 @@ class Batcher:
                 steps = self._take()
             if steps is None:
                 return
-            t0 = time.perf_counter_ns()
-            try:
-                self._compute(steps, t0)
-            except BaseException:  # never lose a worker; every step still gets an answer
-                log.exception("a batch failed as a whole")
-                for step in steps:
-                    if step.result is None:
-                        step.result = self._reply(step, Internal(), 0.0)
+            self._run(steps, "a batch")
+            self._hand_back(steps)
+
+    def _run(self, steps: list, what: str) -> None:
+        """Computes ``steps`` (counted in flight, their streams marked running) on this thread,
+        then releases them and wakes a worker if steps are queued. A failure of the whole batch
+        answers every step not yet answered INTERNAL: no worker is lost, no step unanswered."""
+        t0 = time.perf_counter_ns()
+        try:
+            self._compute(steps, t0)
+        except BaseException:
+            log.exception("%s failed as a whole", what)
+            for step in steps:
+                if step.result is None:
+                    step.result = self._reply(step, Internal(), 0.0)
+        finally:
             elapsed = time.perf_counter_ns() - t0
             with self._cond:
                 self._in_flight -= len(steps)
@@ -316,7 +294,6 @@ class Batcher:
                     self._running.discard(id(step.stream))
                 if self._queue:
                     self._cond.notify()
-            self._hand_back(steps)
 
     def _compute(self, steps: list, t0: int) -> None:
         started = t0 * 1e-9
