@@ -94,6 +94,15 @@ def _unknown(rng: random.Random) -> bytes:
     )
 
 
+def _damaged(raw: bytes, rng: random.Random, times: int = 4):
+    """``times`` pairs of ``raw`` truncated at random and ``raw`` with one bit flipped."""
+    for _ in range(times):
+        yield raw[: rng.randrange(len(raw) + 1)]
+        flipped = bytearray(raw)
+        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+        yield bytes(flipped)
+
+
 def _shuffled(rng: random.Random, parts: list[bytes], unknown: bool) -> bytes:
     if unknown:
         parts = parts + [_unknown(rng) for _ in range(rng.randint(1, 3))]
@@ -166,11 +175,8 @@ def test_other_field_orders_unknown_fields_and_damage(rid, layer, ids, tensors, 
     rng = random.Random(seed)
     raw = _hand_encoded(rng, rid, layer, ids, tensors)
     _same_as_upb(raw)
-    for _ in range(4):  # truncated, and a byte changed
-        _same_as_upb(raw[: rng.randrange(len(raw) + 1)])
-        flipped = bytearray(raw)
-        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
-        _same_as_upb(bytes(flipped))
+    for damaged in _damaged(raw, rng):  # truncated, and a bit changed
+        _same_as_upb(damaged)
 
 
 @given(st.binary(max_size=200))
@@ -223,11 +229,8 @@ def test_decode_steps_in_other_orders_with_unknown_fields_and_damage(rid, layer,
     rng = random.Random(seed)
     raw = _hand_encoded_decode(rng, rid, layer, tensors)
     _decode_same_as_upb(raw)
-    for _ in range(4):
-        _decode_same_as_upb(raw[: rng.randrange(len(raw) + 1)])
-        flipped = bytearray(raw)
-        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
-        _decode_same_as_upb(bytes(flipped))
+    for damaged in _damaged(raw, rng):
+        _decode_same_as_upb(damaged)
 
 
 @given(st.binary(max_size=200))
@@ -288,12 +291,7 @@ def test_a_stream_layout_reads_what_upb_parses(rid, layer, dtype, shapes, sizes,
     raw = _decode_message(rid, layer, tensors).SerializeToString()
     if same and q_bytes and kv_bytes:
         assert layout.read(raw) is not None  # the runtime's own encoding of this stream's steps
-    variants = [raw, raw + _unknown(rng)]
-    for _ in range(4):
-        variants.append(raw[: rng.randrange(len(raw) + 1)])
-        flipped = bytearray(raw)
-        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
-        variants.append(bytes(flipped))
+    variants = [raw, raw + _unknown(rng), *_damaged(raw, rng)]
     for data in variants:
         got = layout.read(data)
         if got is None:
@@ -332,11 +330,6 @@ def test_a_session_layout_reads_what_upb_parses(rid, layer, ids, heads, itemsize
     raw = _step_message(rid, layer, ids, tensors).SerializeToString()
     if same:
         assert layout.read(raw) is not None  # the runtime's own encoding of this session's steps
-    variants = [raw, raw + _unknown(rng)]
-    for _ in range(4):
-        variants.append(raw[: rng.randrange(len(raw) + 1)])
-        flipped = bytearray(raw)
-        flipped[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
-        variants.append(bytes(flipped))
+    variants = [raw, raw + _unknown(rng), *_damaged(raw, rng)]
     for data in variants:
         _same_as_upb(data, layout.read)
