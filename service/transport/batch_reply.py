@@ -17,7 +17,7 @@ from ..api import gqa_pb2
 from ..engine.plane import FIELDS, StepResult
 from ..errors import ServiceError
 from ..vocab import TORCH_TO_DTYPE
-from .wire import packed_varints, varint
+from .wire import packed_varints, tensor_field_head, varint
 
 __all__ = ["OK", "status", "sequence_refusal", "step_reply_bytes", "StepReply"]
 
@@ -36,8 +36,6 @@ def sequence_refusal(index: int, sid: int, exc: ServiceError) -> gqa_pb2.Sequenc
 
 # Wire tags (field number << 3 | wire type) of the step reply's fields, which it encodes itself;
 # tests/test_batch_rpc.py checks the bytes parse to the message upb builds.
-_TAG_TENSOR_SHAPE = b"\x12"  # Tensor.shape = 2 (packed)
-_TAG_TENSOR_DATA = b"\x1a"  # Tensor.data = 3
 _TAG_RESULT_OUTPUT = b"\x1a"  # BatchStepResult.output = 3
 _TAG_RESPONSE_STEP = b"\x22"  # BatchResponse.step = 4
 _STATUS_OK = b"\x0a\x00"  # BatchStepResult.status = 1, present and empty (code OK)
@@ -111,16 +109,7 @@ def _output_head(dtype, shape: tuple[int, ...]) -> tuple[bytes, int]:
     """(the output field's bytes up to its data, the data's byte count) for an output of
     ``dtype`` and ``shape``: the same for every message of a session's size, so built once."""
     nbytes = math.prod(shape) * dtype.itemsize
-    dims = b"".join(varint(x) for x in shape)
-    tensor_head = (
-        b"\x08"  # Tensor.dtype = 1 (varint)
-        + varint(TORCH_TO_DTYPE[dtype])
-        + _TAG_TENSOR_SHAPE
-        + varint(len(dims))
-        + dims
-        + (_TAG_TENSOR_DATA + varint(nbytes) if nbytes else b"")  # proto3 omits empty bytes
-    )
-    return _TAG_RESULT_OUTPUT + varint(len(tensor_head) + nbytes) + tensor_head, nbytes
+    return tensor_field_head(_TAG_RESULT_OUTPUT, TORCH_TO_DTYPE[dtype], shape, nbytes), nbytes
 
 
 def _bytes_of(tensor):

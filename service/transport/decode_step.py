@@ -16,7 +16,7 @@ from ..engine.report import StepReport, classify_step_error
 from ..engine.tensors import from_proto
 from ..errors import InvalidArgument, ServiceError
 from ..vocab import NAME_TO_DTYPE, TORCH_DTYPES
-from .wire import DecodeStepLayout, varint
+from .wire import DecodeStepLayout, tensor_field_head, varint
 
 __all__ = ["StepShape", "StepReply", "step_refusal", "step_input_error"]
 
@@ -62,9 +62,7 @@ class StepShape:
 def output_field(shape: tuple[int, ...], dtype: int, nbytes: int) -> bytes:
     """StepResult.output = 3's tag, length and Tensor head (dtype = 1, shape = 2 packed, data = 3
     tag and length; proto3 omits empty bytes): everything of the field but the data."""
-    dims = b"".join(varint(x) for x in shape)
-    head = b"\x08" + varint(dtype) + b"\x12" + varint(len(dims)) + dims + (b"\x1a" + varint(nbytes) if nbytes else b"")
-    return b"\x1a" + varint(len(head) + nbytes) + head
+    return tensor_field_head(b"\x1a", dtype, shape, nbytes)
 
 
 _ONE_BYTE = [bytes((i,)) for i in range(0x80)]

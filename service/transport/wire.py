@@ -78,6 +78,19 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
+def tensor_field_head(tag: bytes, dtype: int, shape, nbytes: int) -> bytes:
+    """A ``Tensor`` field as the protobuf runtimes write it, all but its data: ``tag``, the
+    field's length, then dtype = 1, shape = 2 (packed) and data = 3's tag and length, each left
+    out where proto3 leaves it out (0, no dimensions, no bytes)."""
+    dims = b"".join(varint(x) for x in shape)
+    head = (
+        (b"\x08" + varint(dtype) if dtype else b"")
+        + (b"\x12" + varint(len(dims)) + dims if dims else b"")
+        + (b"\x1a" + varint(nbytes) if nbytes else b"")
+    )
+    return tag + varint(len(head) + nbytes) + head
+
+
 _SEVEN = np.uint64(7)
 _LOW7 = np.uint64(0x7F)
 
@@ -308,15 +321,9 @@ class DecodeStepLayout:
     )  # fmt: skip
 
     def __init__(self, dtype: int, q_shape: tuple[int, ...], kv_shape: tuple[int, ...], q_bytes: int, kv_bytes: int):
-        def tensor(tag: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
-            dims = b"".join(varint(x) for x in shape)
-            head = (b"\x08" + varint(dtype) if dtype else b"") + (b"\x12" + varint(len(dims)) + dims if dims else b"")
-            head += b"\x1a" + varint(nbytes)
-            return tag + varint(len(head) + nbytes) + head
-
-        self._q = tensor(b"\x12", q_shape, q_bytes)  # Step.query = 2
-        self._k = tensor(b"\x1a", kv_shape, kv_bytes)  # Step.new_key = 3
-        self._v = tensor(b"\x22", kv_shape, kv_bytes)  # Step.new_value = 4
+        self._q = tensor_field_head(b"\x12", dtype, q_shape, q_bytes)  # Step.query = 2
+        self._k = tensor_field_head(b"\x1a", dtype, kv_shape, kv_bytes)  # Step.new_key = 3
+        self._v = tensor_field_head(b"\x22", dtype, kv_shape, kv_bytes)  # Step.new_value = 4
         self._q_bytes, self._kv_bytes = q_bytes, kv_bytes
         self._dtype, self._q_shape, self._kv_shape = dtype, tuple(q_shape), tuple(kv_shape)
         self._body = len(self._q) + len(self._k) + len(self._v) + q_bytes + 2 * kv_bytes
@@ -392,18 +399,12 @@ class BatchStepLayout:
     def _for(self, n: int) -> tuple:
         """(query header, new_key header, new_value header, query bytes, kv bytes, shapes) for n."""
         hq, hkv, d = self._heads
-
-        def header(tag: bytes, shape: tuple[int, ...], nbytes: int) -> bytes:
-            dims = b"".join(varint(x) for x in shape)
-            head = b"\x08" + varint(self._dtype) + b"\x12" + varint(len(dims)) + dims + b"\x1a" + varint(nbytes)
-            return tag + varint(len(head) + nbytes) + head
-
         q_shape, kv_shape = (n, hq, d), (n, hkv, d)
         q_bytes, kv_bytes = n * self._row[0], n * self._row[1]
         found = (
-            header(b"\x1a", q_shape, q_bytes),  # BatchStep.query = 3
-            header(b"\x22", kv_shape, kv_bytes),  # BatchStep.new_key = 4
-            header(b"\x2a", kv_shape, kv_bytes),  # BatchStep.new_value = 5
+            tensor_field_head(b"\x1a", self._dtype, q_shape, q_bytes),  # BatchStep.query = 3
+            tensor_field_head(b"\x22", self._dtype, kv_shape, kv_bytes),  # BatchStep.new_key = 4
+            tensor_field_head(b"\x2a", self._dtype, kv_shape, kv_bytes),  # BatchStep.new_value = 5
             q_bytes,
             kv_bytes,
             q_shape,
