@@ -306,6 +306,26 @@ def _read_request(raw: bytes, step_field: int, last_field: int, read_step):
         return None
 
 
+def _step_envelope(raw: bytes, step_tag: bytes) -> tuple[int, int, int] | None:
+    """(request id, layer, the position after the layer) of a request written as the runtimes
+    write a step: request_id = 1 (if set), then only the step field at ``step_tag``, its layer =
+    1 first (if set); None when it is written otherwise. Raises ``_Unhandled`` where a varint is
+    left to the runtime."""
+    end = len(raw)
+    rid, pos = _read_varint(raw, 1, end) if raw[:1] == b"\x08" else (0, 0)
+    if raw[pos : pos + 1] != step_tag:
+        return None
+    length, pos = _read_varint(raw, pos + 1, end)
+    if pos + length != end:
+        return None
+    layer = 0
+    if raw[pos : pos + 1] == b"\x08":  # the step's layer = 1
+        layer, pos = _read_varint(raw, pos + 1, end)
+        if layer >> 32:  # the runtime truncates; leave that to it
+            return None
+    return rid, layer, pos
+
+
 class DecodeStepLayout:
     """The encoding of one Decode stream's step requests as the protobuf runtimes write them
     (fields in number order, packed shapes, every field present but a zero request id or
@@ -339,17 +359,10 @@ class DecodeStepLayout:
             return None
         end = len(raw)
         try:
-            rid, pos = _read_varint(raw, 1, end) if raw[:1] == b"\x08" else (0, 0)
-            if raw[pos : pos + 1] != b"\x1a":  # DecodeRequest.step = 3
+            found = _step_envelope(raw, b"\x1a")  # DecodeRequest.step = 3
+            if found is None:
                 return None
-            length, pos = _read_varint(raw, pos + 1, end)
-            if pos + length != end:
-                return None
-            layer = 0
-            if raw[pos : pos + 1] == b"\x08":  # Step.layer = 1
-                layer, pos = _read_varint(raw, pos + 1, end)
-                if layer >> 32:  # the runtime truncates; leave that to it
-                    return None
+            rid, layer, pos = found
             if end - pos != self._body or not raw.startswith(self._q, pos):
                 return None
             q_at = pos + len(self._q)
@@ -420,17 +433,10 @@ class BatchStepLayout:
         buf = memoryview(raw)
         end = len(raw)
         try:
-            rid, pos = _read_varint(buf, 1, end) if raw[:1] == b"\x08" else (0, 0)
-            if raw[pos : pos + 1] != b"\x22":  # BatchRequest.step = 4
+            found = _step_envelope(raw, b"\x22")  # BatchRequest.step = 4
+            if found is None:
                 return None
-            length, pos = _read_varint(buf, pos + 1, end)
-            if pos + length != end:
-                return None
-            layer = 0
-            if raw[pos : pos + 1] == b"\x08":  # BatchStep.layer = 1
-                layer, pos = _read_varint(buf, pos + 1, end)
-                if layer >> 32:  # the runtime truncates; leave that to it
-                    return None
+            rid, layer, pos = found
             if raw[pos : pos + 1] != b"\x12":  # BatchStep.ids = 2, packed
                 return None
             length, pos = _read_varint(buf, pos + 1, end)
