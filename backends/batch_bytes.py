@@ -22,6 +22,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import native
 from .base import LayerCache
 from .batch import BatchStep
 from .batch import step_many as _step_many
@@ -36,7 +37,7 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     torch.frombuffer(bytes(4), dtype=torch.float32)
 
-_COLUMNS = 6  # native.RESULT_COLUMNS: tokens_seen, resident, first, last, evicted, rollback_reach
+_COLUMNS = len(native.RESULT_COLUMNS)  # tokens_seen, resident, first, last, evicted, rollback_reach
 _void_p = ctypes.c_void_p
 
 
@@ -77,16 +78,16 @@ def step_bytes(steps: Sequence[ByteStep]) -> ByteBatch:
     out = np.empty(total, dtype=np.uint8)
     fields = [[0] * _COLUMNS for _ in range(n)]
     refused: dict[int, Exception] = {}
-    native: dict[int, list[int]] = {}
+    by_library: dict[int, list[int]] = {}
     generic: list[int] = []
     for i, s in enumerate(steps):
         cache = s.cache
         if cache._state is not None and getattr(type(cache), "step_group", None) is None:
-            native.setdefault(id(cache._native), []).append(i)
+            by_library.setdefault(id(cache._native), []).append(i)
         else:
             generic.append(i)
     base = out.ctypes.data
-    for rows in native.values():
+    for rows in by_library.values():
         generic += _step_native(steps, rows, base, offsets, fields)
     for i in sorted(generic):
         _step_generic(steps[i], out, offsets[i], fields[i], refused, i)
