@@ -4,7 +4,8 @@ Each module prints its tables on stdout and writes its raw records to bench-resu
 (``GQA_BENCH_DIR`` to change); then PNG plots are drawn from those records under the same
 folder: latency against S per implementation (cpu.json), service throughput against streams
 (service.json) and a model's per-token latency against its context, served and local
-(model.json). A plot whose records lack the fields it needs is skipped with a message.
+(model.json). A plot whose records lack the fields it needs is skipped with a message. Two or
+more benchmarks run one after another, each in a fresh process, so none inherits another's state.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 import json
 import math
 import pathlib
+import subprocess
 import sys
 import time
 
@@ -46,6 +48,8 @@ def build_parser(names: dict[str, str]) -> argparse.ArgumentParser:
     parser.add_argument("names", nargs="*", metavar="name", help="benchmarks to run (default: all)")
     parser.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     parser.add_argument("--no-plots", action="store_true", help="do not draw the PNG plots")
+    # set by the parent that runs each benchmark in its own process: "i/n" for the progress line
+    parser.add_argument("--position", help=argparse.SUPPRESS)
     parser.add_argument(
         "--plots-only",
         action="store_true",
@@ -67,8 +71,8 @@ class _Progress:
         else:
             self._rich = sys.stderr.isatty()
 
-    def start(self, index: int, total: int, name: str) -> None:
-        self.prefix = f"bench {index}/{total}: {name}"
+    def start(self, position: str, name: str) -> None:
+        self.prefix = f"bench {position}: {name}"
         self.t0 = time.perf_counter()
         if not self._rich:
             print(f"[{self.prefix} ...]", file=sys.stderr, flush=True)
@@ -107,21 +111,44 @@ def main(argv: list[str]) -> int:
         return 2
     selected = args.names or list(names)
     if not args.plots_only:
-        progress = _Progress()
-        for i, name in enumerate(selected, start=1):
-            module = importlib.import_module(f"tests.bench.bench_{name}")
-            report = Report(name)
-            print(f"\n=== {name} ===", flush=True)
-            t0 = time.perf_counter()
-            progress.start(i, len(selected), name)
-            try:
-                module.run(report)
-            finally:
-                progress.stop()
-            path = report.write()
-            print(f"[{name}: {time.perf_counter() - t0:.0f} s, raw numbers in {path}]", flush=True)
+        if len(selected) > 1:
+            failed = run_each_in_its_own_process(selected)
+            if failed:
+                return failed
+        else:
+            run_here(selected[0], args.position or "1/1")
     if not args.no_plots:
         draw_plots(RESULTS_DIR)
+    return 0
+
+
+def run_here(name: str, position: str) -> None:
+    """Runs benchmark ``name`` in this process: its tables on stdout, its records written."""
+    module = importlib.import_module(f"tests.bench.bench_{name}")
+    report = Report(name)
+    print(f"\n=== {name} ===", flush=True)
+    t0 = time.perf_counter()
+    progress = _Progress()
+    progress.start(position, name)
+    try:
+        module.run(report)
+    finally:
+        progress.stop()
+    path = report.write()
+    print(f"[{name}: {time.perf_counter() - t0:.0f} s, raw numbers in {path}]", flush=True)
+
+
+def run_each_in_its_own_process(selected: list[str]) -> int:
+    """Runs each benchmark in a fresh interpreter, one after another: what one leaves behind
+    (the allocator's thresholds after freeing large buffers, thread pools, libraries loaded,
+    torch's thread settings) then cannot tilt the next one's figures. The first failure's exit
+    status, or 0."""
+    for i, name in enumerate(selected, start=1):
+        argv = [sys.executable, "-m", "tests.bench", "--no-plots", f"--position={i}/{len(selected)}", name]
+        code = subprocess.run(argv, check=False).returncode
+        if code:
+            print(f"python -m tests.bench: {name} failed (exit status {code})", file=sys.stderr)
+            return code
     return 0
 
 
