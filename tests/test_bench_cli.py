@@ -98,3 +98,20 @@ def test_latency_series_reads_per_round_samples_as_the_cpu_benchmark_writes_them
     s, median, lo, hi = point
     assert (s, median) == (2048, 0.003) and lo <= median <= hi
     assert "ort" not in series["float32"]  # no samples, no point
+
+
+def test_two_benchmarks_run_each_in_a_fresh_process_and_a_failure_stops_the_run(monkeypatch):
+    from tests.bench import __main__ as cli
+
+    started = []
+
+    def run(argv, check):
+        started.append(argv)
+        return subprocess.CompletedProcess(argv, 3 if argv[-1] == "metrics" else 0)
+
+    monkeypatch.setattr(cli.subprocess, "run", run)
+    assert cli.main(["--no-plots", "client", "metrics", "model"]) == 3
+    assert started == [
+        [sys.executable, "-m", "tests.bench", "--no-plots", "--position=1/3", "client"],
+        [sys.executable, "-m", "tests.bench", "--no-plots", "--position=2/3", "metrics"],
+    ]
