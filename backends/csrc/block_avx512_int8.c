@@ -179,8 +179,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
 }
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
- * (a constant) groups of 32: two value rows at a time, the sums in int32 registers. The first
- * chunk's pass also prefetches the rows of the next block. */
+ * (a constant) groups of 32: two value rows at a time, the sums in int32 registers. Each pass
+ * also prefetches its columns of the next block's rows. */
 AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     float *acc_mem, int64_t d, int64_t j0, int64_t n, const char *vb, const int16_t *wq, const float *scale,
     int64_t nt, const int gt, const int nc, const int prefetch) {
@@ -188,17 +188,29 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     const __mmask32 m32[2] = {lanes32(n, 0), lanes32(n, 1)};
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < 2 * nc; i++) acc[g][i] = _mm512_setzero_si512();
+    /* the misses spread over every chunk's pass, not a burst of all of them in the first one's,
+     * which stalled on full miss queues (docs/design.md, "int8, fourth session") */
+    const int64_t ahead = PREFETCH_BLOCKS * TILE_T * d;
+    const int straddle = ((uintptr_t)(vb + j0 + ahead) & 63) + n > 64 || d % 64;
     int64_t t = 0;
     for (; t + 1 < nt; t += 2) {
         const char *r0 = vb + t * d + j0;
-        if (j0 == 0 && prefetch)
-            for (int64_t x = 0; x < 2 * d; x += 64) _mm_prefetch(r0 + PREFETCH_BLOCKS * TILE_T * d + x, _MM_HINT_T1);
+        if (prefetch) {
+            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
+            _mm_prefetch(r0 + d + ahead, _MM_HINT_T1);
+            if (straddle) {
+                _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
+                _mm_prefetch(r0 + d + ahead + n - 1, _MM_HINT_T1);
+            }
+        }
         value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc);
     }
     if (t < nt) { /* the odd last row, paired with zeros (its partner's weight is 0) */
         const char *r0 = vb + t * d + j0;
-        if (j0 == 0 && prefetch)
-            for (int64_t x = 0; x < d; x += 64) _mm_prefetch(r0 + PREFETCH_BLOCKS * TILE_T * d + x, _MM_HINT_T1);
+        if (prefetch) {
+            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
+            _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
+        }
         value_pair(acc, r0, NULL, wq, t, m32, gt, nc);
     }
     for (int g = 0; g < gt; g++) {
