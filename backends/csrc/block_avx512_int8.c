@@ -24,6 +24,8 @@
 /* acc += the pairwise products of a and b's int16 lanes, in place: GCC's intrinsic copies every
  * accumulator to a fresh register and back around each instruction (two moves per product). */
 #define DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+/* the same with b the int32 word at p broadcast by the instruction itself (no vpbroadcastd) */
+#define DPWSSD_B(acc, a, p) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)(p)))
 
 /* The int16 lanes of the i-th group of 32 positions (or channels) that n fill. */
 static inline __mmask32 lanes32(int64_t n, int i) {
@@ -86,9 +88,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
-            const __m512i w = _mm512_set1_epi32(qw[g * words + l]);
-            DPWSSD(acc[g][2 * s], lo, w);
-            DPWSSD(acc[g][2 * s + 1], hi, w);
+            DPWSSD_B(acc[g][2 * s], lo, qw + g * words + l);
+            DPWSSD_B(acc[g][2 * s + 1], hi, qw + g * words + l);
         }
     }
 }
@@ -167,15 +168,11 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
                                                                          const __mmask32 *m32, const int gt, const int nc) {
     __m512i lo[2], hi[2];
     for (int c = 0; c < nc; c++) pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
-    for (int g = 0; g < gt; g++) {
-        int32_t pair;
-        memcpy(&pair, wq + g * TILE_T + t, sizeof pair);
-        const __m512i w = _mm512_set1_epi32(pair);
+    for (int g = 0; g < gt; g++)
         for (int c = 0; c < nc; c++) {
-            DPWSSD(acc[g][2 * c], lo[c], w);
-            DPWSSD(acc[g][2 * c + 1], hi[c], w);
+            DPWSSD_B(acc[g][2 * c], lo[c], wq + g * TILE_T + t);
+            DPWSSD_B(acc[g][2 * c + 1], hi[c], wq + g * TILE_T + t);
         }
-    }
 }
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
