@@ -21,10 +21,9 @@
 #include "gqa_avx512.h"
 
 #if GQA_HAVE_AVX512
-/* acc += the pairwise products of a and b's int16 lanes, in place: GCC's intrinsic copies every
- * accumulator to a fresh register and back around each instruction (two moves per product). */
-#define DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
-/* the same with b the int32 word at p broadcast by the instruction itself (no vpbroadcastd) */
+/* acc += the pairwise products of a's int16 lanes and the two int16 of the int32 word at p (in
+ * every lane: the instruction's own {1to16} broadcast, no vpbroadcastd), in place: GCC's
+ * intrinsic copies every accumulator to a fresh register and back around each instruction. */
 #define DPWSSD_B(acc, a, p) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)(p)))
 
 /* The int16 lanes of the i-th group of 32 positions (or channels) that n fill. */
