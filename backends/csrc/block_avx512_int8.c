@@ -21,9 +21,10 @@
 #include "gqa_avx512.h"
 
 #if GQA_HAVE_AVX512
-/* acc += the pairwise products of a and b's int16 lanes, in place: GCC's intrinsic copies every
- * accumulator to a fresh register and back around each instruction (two moves per product). */
-#define DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+/* acc += the pairwise products of a's int16 lanes and the two int16 of the int32 word at p (in
+ * every lane: the instruction's own {1to16} broadcast, no vpbroadcastd), in place: GCC's
+ * intrinsic copies every accumulator to a fresh register and back around each instruction. */
+#define DPWSSD_B(acc, a, p) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)(p)))
 
 /* The int16 lanes of the i-th group of 32 positions (or channels) that n fill. */
 static inline __mmask32 lanes32(int64_t n, int i) {
@@ -86,9 +87,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
-            const __m512i w = _mm512_set1_epi32(qw[g * words + l]);
-            DPWSSD(acc[g][2 * s], lo, w);
-            DPWSSD(acc[g][2 * s + 1], hi, w);
+            DPWSSD_B(acc[g][2 * s], lo, qw + g * words + l);
+            DPWSSD_B(acc[g][2 * s + 1], hi, qw + g * words + l);
         }
     }
 }
@@ -167,20 +167,16 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
                                                                          const __mmask32 *m32, const int gt, const int nc) {
     __m512i lo[2], hi[2];
     for (int c = 0; c < nc; c++) pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
-    for (int g = 0; g < gt; g++) {
-        int32_t pair;
-        memcpy(&pair, wq + g * TILE_T + t, sizeof pair);
-        const __m512i w = _mm512_set1_epi32(pair);
+    for (int g = 0; g < gt; g++)
         for (int c = 0; c < nc; c++) {
-            DPWSSD(acc[g][2 * c], lo[c], w);
-            DPWSSD(acc[g][2 * c + 1], hi[c], w);
+            DPWSSD_B(acc[g][2 * c], lo[c], wq + g * TILE_T + t);
+            DPWSSD_B(acc[g][2 * c + 1], hi[c], wq + g * TILE_T + t);
         }
-    }
 }
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
- * (a constant) groups of 32: two value rows at a time, the sums in int32 registers. The first
- * chunk's pass also prefetches the rows of the next block. */
+ * (a constant) groups of 32: two value rows at a time, the sums in int32 registers. Each pass
+ * also prefetches its columns of the next block's rows. */
 AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     float *acc_mem, int64_t d, int64_t j0, int64_t n, const char *vb, const int16_t *wq, const float *scale,
     int64_t nt, const int gt, const int nc, const int prefetch) {
@@ -188,17 +184,29 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     const __mmask32 m32[2] = {lanes32(n, 0), lanes32(n, 1)};
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < 2 * nc; i++) acc[g][i] = _mm512_setzero_si512();
+    /* the misses spread over every chunk's pass, not a burst of all of them in the first one's,
+     * which stalled on full miss queues (docs/design.md, "int8, fourth session") */
+    const int64_t ahead = PREFETCH_BLOCKS * TILE_T * d;
+    const int straddle = ((uintptr_t)(vb + j0 + ahead) & 63) + n > 64 || d % 64;
     int64_t t = 0;
     for (; t + 1 < nt; t += 2) {
         const char *r0 = vb + t * d + j0;
-        if (j0 == 0 && prefetch)
-            for (int64_t x = 0; x < 2 * d; x += 64) _mm_prefetch(r0 + PREFETCH_BLOCKS * TILE_T * d + x, _MM_HINT_T1);
+        if (prefetch) {
+            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
+            _mm_prefetch(r0 + d + ahead, _MM_HINT_T1);
+            if (straddle) {
+                _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
+                _mm_prefetch(r0 + d + ahead + n - 1, _MM_HINT_T1);
+            }
+        }
         value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc);
     }
     if (t < nt) { /* the odd last row, paired with zeros (its partner's weight is 0) */
         const char *r0 = vb + t * d + j0;
-        if (j0 == 0 && prefetch)
-            for (int64_t x = 0; x < d; x += 64) _mm_prefetch(r0 + PREFETCH_BLOCKS * TILE_T * d + x, _MM_HINT_T1);
+        if (prefetch) {
+            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
+            _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
+        }
         value_pair(acc, r0, NULL, wq, t, m32, gt, nc);
     }
     for (int g = 0; g < gt; g++) {
