@@ -112,6 +112,7 @@ class SequenceSet:
         self._sorted_ids = np.zeros(0, dtype=np.uint64)
         self._sorted_slots = np.zeros(0, dtype=np.int64)
         self._index_stale = False
+        self._planned: tuple = (None, None)  # (ids, slots) of the last message planned with no refusal
         self._dead = np.zeros(0, dtype=bool)  # by slot: closed under the session (drain, reaper)
         self._any_dead = False
         # (slot, stream) of closes from other threads, moved into _dead by the owner only, so a
@@ -202,6 +203,7 @@ class SequenceSet:
         order = np.argsort(ids, kind="stable")
         self._sorted_ids, self._sorted_slots = ids[order], slots[order]
         self._index_stale = False
+        self._planned = (None, None)  # its slots were found in the old index
 
     # -- a step message --------------------------------------------------------------------------
     def plan(self, layer: int, ids: np.ndarray, query, new_key, new_value) -> StepPlan:
@@ -213,6 +215,11 @@ class SequenceSet:
         s = self.shape
         if layer >= s.num_layers:
             raise InvalidArgument(f"step.layer: {layer} is out of range; the session has num_layers={s.num_layers}")
+        if self._closing:
+            self._take_closed()
+        if ids is self._planned[0] and not self._index_stale and not self._any_dead:
+            # the same (read-only) ids array as the last message that planned clean: its slots
+            return StepPlan(layer, ids, self._planned[1], None, _NO_REFUSALS, query, new_key, new_value)
         if self._index_stale:
             self._reindex()
         n = len(ids)
@@ -234,11 +241,12 @@ class SequenceSet:
             if len(repeated):
                 dup = np.isin(ids, repeated)
                 bad |= dup
-        if self._closing:
-            self._take_closed()
         if self._any_dead:
             bad |= known & self._dead[slots]
         if not bad.any():
+            if not ids.flags.writeable:  # an array the reader may hand again (``wire.BatchStepLayout``)
+                slots.flags.writeable = False
+                self._planned = (ids, slots)
             return StepPlan(layer, ids, slots, None, _NO_REFUSALS, query, new_key, new_value)
         refusals = []
         for row in np.flatnonzero(bad).tolist():
