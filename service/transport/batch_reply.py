@@ -59,8 +59,12 @@ def _packed_fields(fields) -> list[bytes]:
     parts = []
     rows = fields.T.tolist()
     if 0 <= min(map(min, rows)) and max(map(max, rows)) < _SMALL:
+        n = len(rows[0])
         for tag, row in zip(_TAG_FIELDS, rows):
-            data = b"".join(map(_VARINTS.__getitem__, row))
+            first = row[0]
+            # a column alike in every sequence (a window's resident count, sequences stepped in
+            # lockstep) is one varint repeated: no lookup per sequence
+            data = _VARINTS[first] * n if row.count(first) == n else b"".join(map(_VARINTS.__getitem__, row))
             parts += [tag, varint(len(data)), data]
         return parts
     data, lengths = packed_varints(fields.T)
