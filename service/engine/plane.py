@@ -1,5 +1,5 @@
 """A Batch session's data plane: its sequences' caches in one ``backends.plane.CacheSet``, and a
-step message as one index array and one ``CacheSet.step``.
+step message as one index array and one ``CacheSet.step_buffers`` over the request's bytes.
 
 The engine owns it (``Engine.sequence_set``); ``service.transport.batch_session`` only translates protobuf to
 the calls below. Each sequence is still an engine ``Stream`` (admission, byte budget,
@@ -9,9 +9,11 @@ Decode stream); the set adds the slot its caches have in the ``CacheSet``, and s
 
 Per step message the Python work does not grow with the sequences beyond numpy over one index
 array: ids -> slots by ``searchsorted`` over the sorted ids, duplicates, unknown and closed ids
-found vectorized (and only then turned into refusals, one record per refused sequence), one
-``CacheSet.step`` into a reused output buffer, the per-sequence fields handed on as the (n, 6)
-array the call wrote, the metrics counted per message and policy (``EngineObserver.steps_done``).
+found vectorized (and only then turned into refusals, one record per refused sequence; a
+repeated read-only ids array reuses the slots it was planned to while the set is unchanged),
+one ``CacheSet.step_buffers`` from the request's bytes into a reused output buffer (no tensor
+made), the per-sequence fields handed on as the (n, 6) array the call wrote, the metrics
+counted per message and policy (``EngineObserver.steps_done``).
 """
 
 from __future__ import annotations
