@@ -7,7 +7,9 @@ library at the packed query / new key / new value / output tensors (row i at bas
 bytes) and calls ``gqa_step`` once: the library plans each row's step from its cache's state
 (``backends/policy.py``'s arithmetic in C), writes the new token, attends, writes row i of
 ``out`` and row i of ``fields`` and sets row i's status. Python then looks only at the rows
-the library refused (nonzero status), if any.
+the library refused (nonzero status), if any. ``CacheSet.step_buffers`` is the same step with
+the rows given as bytes (a Batch message's tensors where they lie in its request, the output
+buffer the reply is encoded from): no tensor is made unless a row takes the Python path.
 
 Caches without the compiled step (the torch fallback, int8 while it calibrates, cuda) are
 stepped by ``step`` too, one by one through their public step, with the same contract.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import time
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -70,6 +73,8 @@ class CacheSet:
         self._base = np.zeros(4, dtype=np.uint64)
         self._stride = np.zeros(4, dtype=np.int64)
         self._args = (0, 0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, fields, ...
+        self._io = np.zeros((0, 4), dtype=np.uint64)  # step_buffers' pointers per row (query, key, value, out)
+        self._io_at = 0
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -164,37 +169,111 @@ class CacheSet:
             fields = self._fields[:n].copy()
             if status[:n].any():
                 for i in np.flatnonzero(status[:n]).tolist():
-                    self._refused_row(layer, int(slots[i]), i, int(status[i]), query, new_key, new_value, out, fields,
-                                      refused)  # fmt: skip
+                    io = (query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1], out[i : i + 1])
+                    self._refused_row(layer, int(slots[i]), i, int(status[i]), io, fields, refused)
         else:
             fields = np.zeros((n, 6), dtype=np.int64)
             for i in range(n):
-                self._python_row(layer, int(slots[i]), i, query, new_key, new_value, out, fields, refused)
+                io = (query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1], out[i : i + 1])
+                self._python_row(layer, int(slots[i]), i, io, fields, refused)
         return StepBatch(fields, refused, time.perf_counter_ns() - start)
+
+    def step_buffers(self, layer: int, slots: np.ndarray, query, new_key, new_value, out, rows=None) -> StepBatch:
+        """``step`` with the tensors given as their bytes: ``query``, ``new_key``, ``new_value``
+        buffers (bytes, memoryview: C-contiguous, never written) of N packed rows, (N, Hq, D),
+        (N, Hkv, D), (N, Hkv, D) in the set's dtype, and ``out`` a writable buffer of N rows
+        (N, Hq, D) (a bytearray or a view of one). ``rows`` int64 (n,): the buffers' row of each
+        slot (distinct); None: row i for ``slots[i]`` (N == n). Row ``rows[i]`` of ``out`` gets
+        slot i's output; the other rows of ``out`` are left as they were. A buffer whose length
+        is not N rows: ``InputValueError`` naming it, nothing written. Same contract and result
+        as ``step`` otherwise (``StepBatch`` row i is slot i). The library reads and writes the
+        buffers in place: no tensor is made unless a row takes the Python path."""
+        n = len(slots)
+        total = self._check_buffers(query, new_key, new_value, out, n if rows is None else None)
+        if rows is not None and (len(rows) != n or (n and (int(rows.min()) < 0 or int(rows.max()) >= total))):
+            raise ValueError(f"rows: {n} rows, each below the buffers' {total}, expected")
+        refused: dict[int, Exception] = {}
+        start = time.perf_counter_ns()
+        if n == 0:
+            return StepBatch(np.zeros((0, 6), dtype=np.int64), refused, 0)
+        views = _RowViews(self._shape, total, query, new_key, new_value, out)
+        if self._kernel is None:
+            fields = np.zeros((n, 6), dtype=np.int64)
+            for i in range(n):
+                r = i if rows is None else int(rows[i])
+                self._python_row(layer, int(slots[i]), i, views.rows(r), fields, refused)
+            return StepBatch(fields, refused, time.perf_counter_ns() - start)
+        if n > len(self._rows):
+            self._grow(n)
+        rows_at, status_at, fields_at, base_at, stride_at = self._args
+        np.take(self._addrs[layer], slots, out=self._rows[:n])
+        addresses = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in (query, new_key, new_value, out)]
+        if rows is None:
+            self._base[:] = addresses
+            rc = self._kernel.step(rows_at, n, None, base_at, stride_at, fields_at, 6, status_at, 0, 0)
+        else:  # a pointer per row and tensor: the rows not stepped are not touched
+            io = self._io[:n]
+            np.multiply.outer(rows, self._stride, out=io.view(np.int64))
+            io += np.array(addresses, dtype=np.uint64)
+            rc = self._kernel.step(rows_at, n, self._io_at, None, None, fields_at, 6, status_at, 0, 0)
+        if rc:
+            self._kernel.raise_for(rc)
+        fields = self._fields[:n].copy()
+        status = self._status[:n]
+        if status.any():
+            for i in np.flatnonzero(status).tolist():
+                r = i if rows is None else int(rows[i])
+                self._refused_row(layer, int(slots[i]), i, int(status[i]), views.rows(r), fields, refused)
+        return StepBatch(fields, refused, time.perf_counter_ns() - start)
+
+    def _check_buffers(self, query, new_key, new_value, out, n: int | None) -> int:
+        """The buffers' row count N (== ``n`` unless None); ``InputValueError`` naming the first
+        whose length is not N rows of its heads, or ``out`` when it is read-only."""
+        if self._shape is None:
+            if n:
+                raise ValueError("step: the set is empty")
+            return 0
+        q_row, kv_row = int(self._stride[0]), int(self._stride[1])
+        size = _nbytes(query)
+        total = size // q_row if q_row else 0
+        if n is not None and total != n:
+            raise InputValueError(f"query: {size} bytes, but {n} rows need {n * q_row}")
+        for name, b, row in (("query", query, q_row), ("new_key", new_key, kv_row), ("new_value", new_value, kv_row),
+                             ("out", out, q_row)):  # fmt: skip
+            if _nbytes(b) != total * row:
+                raise InputValueError(f"{name}: {_nbytes(b)} bytes, but {total} rows need {total * row}")
+        if memoryview(out).readonly:
+            raise InputValueError("out: a read-only buffer")
+        return total
 
     def _grow(self, n: int) -> None:
         self._rows = np.zeros(max(n, 2 * len(self._rows)), dtype=np.uint64)
         self._status = np.zeros(len(self._rows), dtype=np.int32)
         self._fields = np.zeros((len(self._rows), 6), dtype=np.int64)
+        self._io = np.zeros((len(self._rows), 4), dtype=np.uint64)
+        self._io_at = self._io.ctypes.data
         self._args = (self._rows.ctypes.data, self._status.ctypes.data, self._fields.ctypes.data) + self._args[3:]
 
-    def _refused_row(self, layer, slot, i, status, query, new_key, new_value, out, fields, refused) -> None:
+    def _refused_row(self, layer, slot, i, status, io, fields, refused) -> None:
+        """Row i (slot ``slot``) the library did not step; ``io``: its (1, heads, D) query, new
+        key, new value and output tensors."""
         cache = self._caches[slot][layer]
         # the Python path (-EAGAIN), or a row whose input the cache's checks name (-EDOM: an int8
         # row's non-finite value; -EINVAL)
         if status in (-errno.EAGAIN, -errno.EDOM, -errno.EINVAL):
-            self._python_row(layer, slot, i, query, new_key, new_value, out, fields, refused)
+            self._python_row(layer, slot, i, io, fields, refused)
         else:
             refused[i] = cache.step_error(status)
 
-    def _python_row(self, layer, slot, i, query, new_key, new_value, out, fields, refused) -> None:
+    def _python_row(self, layer, slot, i, io, fields, refused) -> None:
         cache = self._caches[slot][layer]
+        query, new_key, new_value, out = io
         try:
-            o = cache._step_python(query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1])
+            o = cache._step_python(query, new_key, new_value)
         except Exception as exc:  # refused alone; the cache restored itself
             refused[i] = exc
             return
-        out[i : i + 1].copy_(o.output)
+        out.copy_(o.output)
         t = o.tokens_seen
         fields[i] = (t, o.resident, o.first_position, o.last_position, o.evicted_tokens, cache.policy.rollback_reach(t))
 
@@ -217,6 +296,33 @@ class CacheSet:
                     f"{name}: expected a contiguous CPU tensor ({n}, {heads}, {d}) of {str(dtype)[6:]}, "
                     f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
                 )
+
+
+class _RowViews:
+    """Tensors over ``CacheSet.step_buffers``' buffers, made on first use: only a row that takes
+    the Python path needs them."""
+
+    __slots__ = ("_args", "_tensors")
+
+    def __init__(self, shape, total: int, *buffers):
+        self._args = (shape, total, buffers)
+        self._tensors = None
+
+    def rows(self, r: int) -> tuple:
+        """Row ``r`` of the query, new key, new value and output as (1, heads, D) tensors."""
+        if self._tensors is None:
+            (hq, hkv, d, dtype), total, buffers = self._args
+            with warnings.catch_warnings():  # the inputs are read-only bytes; a step never writes them
+                warnings.simplefilter("ignore")
+                self._tensors = [
+                    torch.frombuffer(b, dtype=dtype).view(total, heads, d)
+                    for b, heads in zip(buffers, (hq, hkv, hkv, hq))
+                ]
+        return tuple(t[r : r + 1] for t in self._tensors)
+
+
+def _nbytes(buffer) -> int:
+    return buffer.nbytes if type(buffer) is memoryview else len(buffer)
 
 
 def _address(state) -> int:

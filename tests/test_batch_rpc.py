@@ -116,6 +116,7 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype, reach):
     fields = np.zeros((n, 6), dtype=np.int64)
     fields[:, 0] = np.arange(n)
     fields[:, 1] = np.arange(n) * 200  # one- and two-byte varints
+    fields[:, 3] = np.arange(n) * 70000  # beyond the table, of several widths: vectorized
     fields[:, 5] = reach
     refusals = [(n - 1, 7, NotFound("step.ids: sequence 7 ...")), (n, 2**63, InvalidArgument("x"))] if n else []
     want = gqa_pb2.BatchResponse(request_id=rid, step=gqa_pb2.BatchStepResult(layer=3, compute_ns=123456789))

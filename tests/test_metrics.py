@@ -413,6 +413,27 @@ def test_cuda_memory_gauges_follow_a_cuda_stream(server):
     assert 0 <= _sample(fams, "gqa_cuda_memory_allocated_bytes", device="0") <= reserved
 
 
+@pytest.mark.parametrize("value", [0.0, 1e-6, 10e-6, 2.5e-4, 0.003, 7.0, 1e9])
+def test_the_bulk_observation_is_observe(value):
+    """``_observe_n`` (what ``steps_done`` records by) leaves a histogram as ``observe`` does, n
+    times, bucket edges included."""
+    from prometheus_client import CollectorRegistry, Histogram
+
+    from service.metrics.recorder import LATENCY_BUCKETS, _observe_n
+
+    def samples(n, bulk):
+        child = Histogram("h", "h", ["a"], registry=CollectorRegistry(), buckets=LATENCY_BUCKETS).labels("a")
+        if bulk:
+            _observe_n(child, value, n)
+        else:
+            for _ in range(n):
+                child.observe(value)
+        return [(s.name, s.labels, s.value) for s in child._samples() if s.name != "_created"]
+
+    for n in (1, 3):
+        assert samples(n, True) == samples(n, False)
+
+
 @pytest.mark.parametrize("value", [0.0, 1e-6, 2.5e-4, 0.003, 7.0, 1e9])
 def test_bulk_step_counts_equal_as_many_single_observations(value):
     """``steps_done`` of n steps (a Batch message) leaves every series exactly as n steps of one

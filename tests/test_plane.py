@@ -215,6 +215,62 @@ def test_cacheset_step_is_the_public_step_row_by_row(backend, dtype, kernel):
     assert refusals >= 1  # the policy none row did fill up
 
 
+@pytest.mark.parametrize(("backend", "dtype", "kernel"), ENCODINGS, ids=lambda x: str(x).removeprefix("torch."))
+def test_cacheset_step_buffers_is_step_from_bytes(backend, dtype, kernel):
+    """``step_buffers`` over the rows' bytes gives ``step``'s bits and fields: every row, or some
+    rows of the buffers (the others' output bytes untouched), with a row that fills up (policy
+    none: refused alone, its output bytes untouched), int8 rows while they calibrate (the Python
+    path) and caches without the compiled step."""
+    gen = torch.Generator().manual_seed(5)
+    sets = [CacheSet(1), CacheSet(1)]
+    for p in POLICIES:
+        for cset in sets:
+            cset.add([_make(backend, dtype, kernel, p)])
+    n, refusals = len(POLICIES), 0
+    for step in range(12):
+        q = torch.randn(n, HQ, D, generator=gen).to(dtype)
+        k = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        rows = None if step % 3 else np.array([3, 0, 4], dtype=np.int64)
+        slots = np.arange(n) if rows is None else rows[::-1].copy()
+        stepped = slice(None) if rows is None else rows[::-1].copy()
+        out = torch.full((len(slots), HQ, D), 7.0, dtype=dtype)
+        want = sets[0].step(0, slots, q[stepped].contiguous(), k[stepped].contiguous(), v[stepped].contiguous(), out)
+        raw = bytearray(b"\x55" * (n * HQ * D * dtype.itemsize))
+        data = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (q, k, v)]
+        got = sets[1].step_buffers(0, slots, *data, memoryview(raw), None if rows is None else slots)
+        assert np.array_equal(got.fields, want.fields), step
+        assert sorted(got.refused) == sorted(want.refused) and all(
+            type(got.refused[i]) is type(want.refused[i]) for i in got.refused
+        )
+        output = torch.frombuffer(raw, dtype=dtype).view(n, HQ, D)
+        untouched = torch.frombuffer(bytearray(b"\x55" * (HQ * D * dtype.itemsize)), dtype=dtype).view(HQ, D)
+        for i, row in enumerate(np.arange(n)[stepped].tolist()):
+            assert torch.equal(output[row], untouched if i in got.refused else out[i]), (step, i)
+        for row in set(range(n)) - set(np.arange(n)[stepped].tolist()):
+            assert torch.equal(output[row], untouched), (step, row)
+        refusals += len(got.refused)
+    assert refusals >= 1  # the policy none row did fill up
+
+
+def test_cacheset_step_buffers_refuses_buffers_of_another_length():
+    cset = CacheSet(1)
+    cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4))])
+    q, kv, out = bytes(HQ * D * 4), bytes(HKV * D * 4), bytearray(HQ * D * 4)
+    for args, name in (
+        ((q + b"x", kv, kv, out), "query"),
+        ((q, kv, kv[1:], out), "new_value"),
+        ((q, kv, kv, bytes(out)), "out"),
+    ):
+        with pytest.raises(InputValueError, match=name):
+            cset.step_buffers(0, np.arange(1), *args)
+    with pytest.raises(ValueError, match="rows"):
+        cset.step_buffers(0, np.arange(1), q, kv, kv, out, np.array([1]))
+    assert cset.caches(0)[0].tokens_seen == 0
+    assert not cset.step_buffers(0, np.arange(1), q, kv, kv, out).refused
+    assert cset.caches(0)[0].tokens_seen == 1
+
+
 def test_a_failure_mid_step_refuses_its_row_alone(monkeypatch):
     """An injected failure after the write (the kernel restores the row), and int8 rows with a
     non-finite value or a scale beyond float16: each refused alone, nothing written for it."""

@@ -135,3 +135,29 @@ def test_a_lone_session_s_short_messages_run_on_the_event_loop_after_the_first(e
         return first, alone, other
 
     assert asyncio.run(main()) == ("worker", "loop", "worker")
+
+
+def test_a_repeated_ids_array_is_planned_again_after_the_set_changes(engine):
+    """The reader hands the same read-only ids array for a repeated message and the set reuses
+    that array's slots: never past a remove, an add or a close under the session."""
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sequences = engine.sequence_set(shape)
+    for sid in (1, 2, 3):
+        _open(engine, sequences, sid)
+    ids = np.array([3, 1], dtype=np.uint64)
+    ids.flags.writeable = False
+    kv = bytes(2 * HKV * D * 4)
+    first = sequences.plan(0, ids, bytes(2 * HQ * D * 4), kv, kv)
+    assert first.live is None and sequences.plan(0, ids, b"", b"", b"").slots is first.slots
+    engine.close(sequences.remove(1), "removed")
+    for _ in range(2):  # the first plan after the remove re-indexes; the second must not reuse
+        after = sequences.plan(0, ids, b"", b"", b"")
+        assert [(row, sid) for row, sid, _ in after.refusals] == [(1, 1)]
+    _open(engine, sequences, 1)  # back, in a slot of its own
+    again = sequences.plan(0, ids, b"", b"", b"")
+    assert again.live is None and again.slots.tolist() == [sequences._slot[3], sequences._slot[1]]
+    engine.close(sequences.get(3), "idle")  # a close from the reaper
+    closed = sequences.plan(0, ids, b"", b"", b"")
+    assert [(row, sid, type(exc).__name__) for row, sid, exc in closed.refusals] == [(0, 3, "Unavailable")]

@@ -333,3 +333,15 @@ def test_a_session_layout_reads_what_upb_parses(rid, layer, ids, heads, itemsize
     variants = [raw, raw + _unknown(rng), *_damaged(raw, rng)]
     for data in variants:
         _same_as_upb(data, layout.read)
+
+
+def test_a_session_layout_hands_a_repeated_ids_array_again_read_only():
+    """The same packed ids (a runtime's next layer of the same token) give the same read-only
+    array, which ``SequenceSet.plan`` maps to its slots at once; other ids a new array."""
+    layout = BatchStepLayout(1, 2, 1, 2, 4)
+    tensors = [(1, [3, h, 2], bytes(3 * h * 2 * 4)) for h in (2, 1, 1)]
+    first = layout.read(_step_message(1, 0, [5, 300, 7], tensors).SerializeToString())[1].ids
+    again = layout.read(_step_message(2, 1, [5, 300, 7], tensors).SerializeToString())[1].ids
+    other = layout.read(_step_message(3, 0, [5, 300, 8], tensors).SerializeToString())[1].ids
+    assert again is first and not first.flags.writeable
+    assert other.tolist() == [5, 300, 8] and first.tolist() == [5, 300, 7]

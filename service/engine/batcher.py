@@ -75,7 +75,7 @@ class PendingStep:
 
 @dataclass(eq=False, slots=True)
 class PendingJob:
-    """A step message computed as one unit (a ``Batch`` session's: one ``CacheSet.step``).
+    """A step message computed as one unit (a ``Batch`` session's: one ``CacheSet.step_buffers``).
     ``run(started)`` is called on a compute worker with the ``time.perf_counter`` at which its
     computation starts and returns the answer (it never raises: its errors are its answer);
     ``owner`` orders an owner's jobs like a stream's steps (one computing at a time)."""

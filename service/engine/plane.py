@@ -1,5 +1,5 @@
 """A Batch session's data plane: its sequences' caches in one ``backends.plane.CacheSet``, and a
-step message as one index array and one ``CacheSet.step``.
+step message as one index array and one ``CacheSet.step_buffers`` over the request's bytes.
 
 The engine owns it (``Engine.sequence_set``); ``service.transport.batch_session`` only translates protobuf to
 the calls below. Each sequence is still an engine ``Stream`` (admission, byte budget,
@@ -9,9 +9,11 @@ Decode stream); the set adds the slot its caches have in the ``CacheSet``, and s
 
 Per step message the Python work does not grow with the sequences beyond numpy over one index
 array: ids -> slots by ``searchsorted`` over the sorted ids, duplicates, unknown and closed ids
-found vectorized (and only then turned into refusals, one record per refused sequence), one
-``CacheSet.step`` into a reused output buffer, the per-sequence fields handed on as the (n, 6)
-array the call wrote, the metrics counted per message and policy (``EngineObserver.steps_done``).
+found vectorized (and only then turned into refusals, one record per refused sequence; a
+repeated read-only ids array reuses the slots it was planned to while the set is unchanged),
+one ``CacheSet.step_buffers`` from the request's bytes into a reused output buffer (no tensor
+made), the per-sequence fields handed on as the (n, 6) array the call wrote, the metrics
+counted per message and policy (``EngineObserver.steps_done``).
 """
 
 from __future__ import annotations
@@ -112,6 +114,7 @@ class SequenceSet:
         self._sorted_ids = np.zeros(0, dtype=np.uint64)
         self._sorted_slots = np.zeros(0, dtype=np.int64)
         self._index_stale = False
+        self._planned: tuple = (None, None)  # (ids, slots) of the last message planned with no refusal
         self._dead = np.zeros(0, dtype=bool)  # by slot: closed under the session (drain, reaper)
         self._any_dead = False
         # (slot, stream) of closes from other threads, moved into _dead by the owner only, so a
@@ -124,6 +127,8 @@ class SequenceSet:
         self._output: torch.Tensor | None = None
         self._output_bytes: bytearray | None = None
         self._output_row = shape.num_query_heads * shape.head_dim * shape.torch_dtype.itemsize
+        self._zero_row = bytes(self._output_row)
+        self._out_views: dict[int, tuple] = {}  # n -> the output buffer's first n rows (``_rows_out``)
         # nanoseconds the last message's computation took (None before the first): the engine
         # predicts the next message's by it to decide where to run it
         self.last_compute_ns: int | None = None
@@ -200,6 +205,7 @@ class SequenceSet:
         order = np.argsort(ids, kind="stable")
         self._sorted_ids, self._sorted_slots = ids[order], slots[order]
         self._index_stale = False
+        self._planned = (None, None)  # its slots were found in the old index
 
     # -- a step message --------------------------------------------------------------------------
     def plan(self, layer: int, ids: np.ndarray, query, new_key, new_value) -> StepPlan:
@@ -211,6 +217,11 @@ class SequenceSet:
         s = self.shape
         if layer >= s.num_layers:
             raise InvalidArgument(f"step.layer: {layer} is out of range; the session has num_layers={s.num_layers}")
+        if self._closing:
+            self._take_closed()
+        if ids is self._planned[0] and not self._index_stale and not self._any_dead:
+            # the same (read-only) ids array as the last message that planned clean: its slots
+            return StepPlan(layer, ids, self._planned[1], None, _NO_REFUSALS, query, new_key, new_value)
         if self._index_stale:
             self._reindex()
         n = len(ids)
@@ -232,11 +243,12 @@ class SequenceSet:
             if len(repeated):
                 dup = np.isin(ids, repeated)
                 bad |= dup
-        if self._closing:
-            self._take_closed()
         if self._any_dead:
             bad |= known & self._dead[slots]
         if not bad.any():
+            if not ids.flags.writeable:  # an array the reader may hand again (``wire.BatchStepLayout``)
+                slots.flags.writeable = False
+                self._planned = (ids, slots)
             return StepPlan(layer, ids, slots, None, _NO_REFUSALS, query, new_key, new_value)
         refusals = []
         for row in np.flatnonzero(bad).tolist():
@@ -260,6 +272,7 @@ class SequenceSet:
         s = self.shape
         if self._output is None or self._output.shape[0] < n:
             rows = max(n, 1)
+            self._out_views = {}  # views of the buffer replaced here
             if s.device == "cpu":
                 row = s.num_query_heads * s.head_dim * s.torch_dtype.itemsize
                 self._output_bytes = bytearray(rows * row)
@@ -284,20 +297,83 @@ class SequenceSet:
         t = torch.frombuffer(data, dtype=s.torch_dtype).view(n, heads, s.head_dim)
         return t if s.device == "cpu" else t.to(s.device)
 
+    def _rows_out(self, n: int) -> tuple[torch.Tensor, memoryview | None]:
+        """The output buffer's first ``n`` rows as a tensor and (on the CPU) as bytes, kept per n
+        (a session's message sizes are few): no tensor call per message."""
+        found = self._out_views.get(n)
+        if found is None:
+            found = (self._output_buffer(n), self._output_data(n))
+            if len(self._out_views) < 64:
+                self._out_views[n] = found
+        return found
+
     def run(self, plan: StepPlan, started: float, received: float) -> StepResult:
-        """Computes a planned message (on the loop or a compute worker): one ``CacheSet.step`` over its live
-        rows. Never raises: a failure of the call as a whole refuses every live row (INTERNAL,
-        nothing was written)."""
-        s = self.shape
+        """Computes a planned message (on the loop or a compute worker): one ``CacheSet`` step over
+        its live rows, read from the request's bytes and written into the output buffer's on the
+        CPU (``CacheSet.step_buffers``). Never raises: a failure of the call as a whole refuses
+        every live row (INTERNAL, nothing was written)."""
         n = len(plan.ids)
-        hq, hkv = s.num_query_heads, s.num_kv_heads
-        out = self._output_buffer(n)
-        refusals = plan.refusals
+        out, data = self._rows_out(n)
         queue_seconds = max(0.0, started - received)
         if plan.live is not None and not len(plan.live):
             out.zero_()
-            result = StepResult(np.zeros((n, len(FIELDS)), np.int64), refusals, 0, out, self._output_data(n))
+            result = StepResult(np.zeros((n, len(FIELDS)), np.int64), plan.refusals, 0, out, data)
             return self._answer(result, 0, queue_seconds)
+        if data is None:
+            return self._run_tensors(plan, out, queue_seconds)
+        live = plan.live
+        try:
+            batch = self.caches.step_buffers(
+                plan.layer, plan.slots, plan.query, plan.new_key, plan.new_value, data, live
+            )
+        except Exception:  # the call as a whole failed: nothing was written (``backends.plane.CacheSet``)
+            return self._failed(plan, out, data, queue_seconds)
+        fields, refusals = batch.fields, plan.refusals
+        if live is not None or batch.refused:
+            refusals = list(refusals)
+            for i, exc in batch.refused.items():
+                row = int(live[i]) if live is not None else i
+                refusals.append(self._refused(plan, i, row, exc))
+            if live is not None:
+                full = np.zeros((n, len(FIELDS)), np.int64)
+                full[live] = fields
+                fields = full
+            size = self._output_row
+            for row, _, _ in refusals:  # the rows not written (a refused row's output is 0)
+                data[row * size : (row + 1) * size] = self._zero_row
+            refusals.sort(key=_row)
+        result = StepResult(fields, refusals, batch.compute_ns, out, data)
+        self.last_compute_ns = batch.compute_ns
+        return self._answer(
+            result, batch.compute_ns, queue_seconds, stepped=len(plan.slots), batch=batch, slots=plan.slots
+        )
+
+    def _refused(self, plan: StepPlan, i: int, row: int, exc: Exception) -> tuple:
+        """Stepped row ``i`` (message row ``row``) refused by its cache: its refusal, counted."""
+        sid = int(plan.ids[row])
+        error = classify_step_error(exc, f"sequence {sid}: step on layer {plan.layer}")
+        self.observer.steps_refused(self._labels[self._policy[plan.slots[i]]], error.code)
+        return (row, sid, error)
+
+    def _failed(self, plan: StepPlan, out, data, queue_seconds: float) -> StepResult:
+        """A message whose computation failed as a whole: every live row refused INTERNAL."""
+        log.exception("a batched step on layer %d failed", plan.layer)
+        n, live = len(plan.ids), plan.live
+        rows = live.tolist() if live is not None else range(n)
+        failed = [(row, int(plan.ids[row]), Internal()) for row in rows]
+        out.zero_()
+        for j, (_, _, error) in enumerate(failed):
+            self.observer.steps_refused(self._labels[self._policy[plan.slots[j]]], error.code)
+        refusals = sorted(plan.refusals + failed, key=_row)
+        result = StepResult(np.zeros((n, len(FIELDS)), np.int64), refusals, 0, out, data)
+        return self._answer(result, 0, queue_seconds)
+
+    def _run_tensors(self, plan: StepPlan, out: torch.Tensor, queue_seconds: float) -> StepResult:
+        """``run`` off the CPU: the rows as tensors on the set's device, one ``CacheSet.step``."""
+        s = self.shape
+        n = len(plan.ids)
+        hq, hkv = s.num_query_heads, s.num_kv_heads
+        refusals = plan.refusals
         q = self._tensor(plan.query, n, hq)
         k = self._tensor(plan.new_key, n, hkv)
         v = self._tensor(plan.new_value, n, hkv)
@@ -311,25 +387,12 @@ class SequenceSet:
         try:
             batch = self.caches.step(plan.layer, plan.slots, q, k, v, target)
         except Exception:  # the call as a whole failed: nothing was written (``backends.plane.CacheSet.step``)
-            log.exception("a batched step on layer %d failed", plan.layer)
-            rows = live.tolist() if live is not None else range(n)
-            failed = [(row, int(plan.ids[row]), Internal()) for row in rows]
-            out.zero_()
-            for j, (_, _, error) in enumerate(failed):
-                self.observer.steps_refused(self._labels[self._policy[plan.slots[j]]], error.code)
-            result = StepResult(
-                np.zeros((n, len(FIELDS)), np.int64), sorted(refusals + failed, key=_row), 0, out, self._output_data(n)
-            )
-            return self._answer(result, 0, queue_seconds)
+            return self._failed(plan, out, None, queue_seconds)
         fields = batch.fields
         if batch.refused:
             refusals = list(refusals)
             for i, exc in batch.refused.items():
-                row = int(live[i]) if live is not None else i
-                sid = int(plan.ids[row])
-                error = classify_step_error(exc, f"sequence {sid}: step on layer {plan.layer}")
-                refusals.append((row, sid, error))
-                self.observer.steps_refused(self._labels[self._policy[plan.slots[i]]], error.code)
+                refusals.append(self._refused(plan, i, int(live[i]) if live is not None else i, exc))
                 target[i].zero_()
         if live is not None:
             full = np.zeros((n, len(FIELDS)), np.int64)
@@ -340,10 +403,7 @@ class SequenceSet:
             refusals.sort(key=_row)
         elif batch.refused:
             refusals.sort(key=_row)
-        data = self._output_data(n)
-        if data is None:
-            out = out.cpu()
-        result = StepResult(fields, refusals, batch.compute_ns, out, data)
+        result = StepResult(fields, refusals, batch.compute_ns, out.cpu(), None)
         self.last_compute_ns = batch.compute_ns
         return self._answer(
             result, batch.compute_ns, queue_seconds, stepped=len(plan.slots), batch=batch, slots=plan.slots

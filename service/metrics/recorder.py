@@ -284,14 +284,11 @@ class MetricsRecorder(EngineObserver):
         """``n`` steps of one message (and label set) at once: a handful of increments
         whatever ``n`` is."""
         s = self._bound(labels)
-        if n == 1:
-            s.queue.observe(queue_seconds)
-            s.compute.observe(compute_seconds)
-            s.duration.observe(queue_seconds + compute_seconds)
-        else:
-            _observe_n(s.queue, queue_seconds, n)
-            _observe_n(s.compute, compute_seconds, n)
-            _observe_n(s.duration, queue_seconds + compute_seconds, n)
+        # by the child's holders for one step too: ``Histogram.observe`` walks the buckets in
+        # Python (1-2.5 us against 1-1.5 per histogram at a step's latencies, three per step)
+        _observe_n(s.queue, queue_seconds, n)
+        _observe_n(s.compute, compute_seconds, n)
+        _observe_n(s.duration, queue_seconds + compute_seconds, n)
         s.ok.inc(n)
         if evicted_tokens:
             s.evicted.inc(evicted_tokens)

@@ -55,19 +55,22 @@ _VARINTS = [varint(i) for i in range(_SMALL)]
 
 
 def _packed_fields(fields) -> list[bytes]:
-    """The six packed per-sequence fields (tag, length, data each) of int64 ``fields`` (n, 6)."""
+    """The six packed per-sequence fields (tag, length, data each) of int64 ``fields`` (n, 6),
+    column by column: a column alike in every sequence (a window's resident count, sequences
+    stepped in lockstep) is one varint repeated; small counts are joined from the table; any
+    other column is encoded vectorized (``packed_varints``)."""
     parts = []
     rows = fields.T.tolist()
-    if 0 <= min(map(min, rows)) and max(map(max, rows)) < _SMALL:
-        for tag, row in zip(_TAG_FIELDS, rows):
+    n = len(rows[0])
+    for j, (tag, row) in enumerate(zip(_TAG_FIELDS, rows)):
+        first = row[0]
+        if row.count(first) == n and first >= 0:
+            data = (_VARINTS[first] if first < _SMALL else varint(first)) * n
+        elif min(row) >= 0 and max(row) < _SMALL:
             data = b"".join(map(_VARINTS.__getitem__, row))
-            parts += [tag, varint(len(data)), data]
-        return parts
-    data, lengths = packed_varints(fields.T)
-    pos = 0
-    for tag, length in zip(_TAG_FIELDS, lengths.tolist()):
-        parts += [tag, varint(length), data[pos : pos + length]]
-        pos += length
+        else:
+            data = packed_varints(fields[:, j : j + 1].T)[0]
+        parts += [tag, varint(len(data)), data]
     return parts
 
 

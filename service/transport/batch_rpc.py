@@ -7,7 +7,7 @@ engine ``Stream`` of batch size 1, admitted and built like a ``Decode`` stream (
 budget, ``max_streams``, the idle reaper and the drain apply to it exactly as to a ``Decode``
 stream; the idle timeout is the session's). A step message is read from its bytes
 (``service.transport.wire``: the ids one numpy array, the tensors views of the request), planned on the
-event loop (ids -> slots, refusals), computed by the engine in one ``CacheSet.step`` (on the loop
+event loop (ids -> slots, refusals), computed by the engine in one ``CacheSet.step_buffers`` (on the loop
 after a fast message, else on its compute workers with the Decode streams' steps), and its reply
 encoded where it computed, around the output buffer (``service.transport.batch_reply``). Refusals are per sequence and in-band
 (``service.transport.batch_session``); only a broken protocol, a refused ``open``, the idle timeout and

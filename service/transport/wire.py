@@ -401,13 +401,16 @@ class BatchStepLayout:
     (``read_step_request`` or the runtime then reads it). Contract as ``read_step_request``:
     what ``read`` returns is what upb parses (tests/test_wire.py)."""
 
-    __slots__ = ("_dtype", "_heads", "_row", "_headers")
+    __slots__ = ("_dtype", "_heads", "_row", "_headers", "_ids")
 
     def __init__(self, dtype: int, num_query_heads: int, num_kv_heads: int, head_dim: int, itemsize: int):
         self._dtype = dtype
         self._heads = (num_query_heads, num_kv_heads, head_dim)
         self._row = (num_query_heads * head_dim * itemsize, num_kv_heads * head_dim * itemsize)
         self._headers: dict[int, tuple] = {}
+        # the last message's packed ids and their array (read-only): a runtime sends the same
+        # ids for every layer of a token, and the session plans a repeated array at once
+        self._ids: tuple[bytes, np.ndarray] = (b"", _EMPTY_IDS)
 
     def _for(self, n: int) -> tuple:
         """(query header, new_key header, new_value header, query bytes, kv bytes, shapes) for n."""
@@ -442,7 +445,13 @@ class BatchStepLayout:
             length, pos = _read_varint(buf, pos + 1, end)
             if not length or length > end - pos:
                 return None
-            ids = _packed_uint64(buf, (pos, pos + length))
+            packed = raw[pos : pos + length]
+            if packed == self._ids[0]:
+                ids = self._ids[1]
+            else:
+                ids = _packed_uint64(buf, (pos, pos + length))
+                ids.flags.writeable = False
+                self._ids = (packed, ids)
             pos += length
             n = len(ids)
             q_head, k_head, v_head, q_bytes, kv_bytes, q_shape, kv_shape = self._headers.get(n) or self._for(n)
