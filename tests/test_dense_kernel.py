@@ -324,6 +324,22 @@ def test_several_python_threads_at_once(pool_size):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
+def test_back_to_back_calls_with_late_workers_keep_their_bits(pool_size):
+    """Steps in quick succession on a pool of 4 threads (on fewer cores its workers often wake
+    after the caller has taken every item, or during the next call: pool.c's generation-tagged
+    counter) give the bits of the same steps on one thread."""
+    gen = torch.Generator().manual_seed(5)
+    kv = [torch.randn(1, 8, 1100, 64, generator=gen) for _ in range(2)]
+    inputs = [[torch.randn(1, h, 64, generator=gen) for h in (32, 8, 8)] for _ in range(150)]
+    outs = {}
+    for threads in (4, 1):
+        pool_size(threads)
+        cache = DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.strict(1100)), "native")
+        cache.prefill(*kv)
+        outs[threads] = [cache.step(*x).output for x in inputs]
+    assert all(torch.equal(a, b) for a, b in zip(outs[4], outs[1]))
+
+
 def test_set_threads_sizes_the_pool(pool_size):
     pool_size(3)
     assert native.threads() == 3 and KERNEL._lib.gqa_threads() == 3

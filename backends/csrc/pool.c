@@ -3,6 +3,13 @@
  * after a fork (the workers do not survive one), the calling thread working as thread 0.
  * Items are taken from one counter, so which thread runs which item varies from call to call;
  * nothing a thread computes depends on it.
+ *
+ * A call ends when its items are done, not when every worker has answered: the caller starts on
+ * the items at once, and a worker that wakes late (a sleeping thread takes 20 us to milliseconds
+ * to run again on this VM, longer when the core is shared) finds them taken and costs nothing.
+ * So that such a worker can never take an item of a later call with the earlier call's
+ * arguments, the counter carries the call's generation in its high 32 bits: an item is claimed
+ * (compare-and-swap) only while the counter is still its own call's.
  */
 #include "gqa_internal.h"
 
@@ -18,17 +25,33 @@ static struct {
     task_fn fn;
     void *ctx;
     int64_t nitems;
-    atomic_long next;
-    int want, finished;
+    atomic_ullong next; /* (gen mod 2^32) << 32 | the next item of that call */
+    int64_t completed;  /* items of the current call done (under m) */
+    int want;
 } pool = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .m = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
-static void run_items(task_fn fn, void *ctx, int64_t nitems, int tid) {
+/* Runs items of the call of generation `gen` while it has some left; returns how many. */
+static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, uint64_t gen, int tid) {
+    const unsigned long long tag = (unsigned long long)(uint32_t)gen << 32;
+    unsigned long long at = atomic_load(&pool.next);
+    int64_t ran = 0;
     for (;;) {
-        const int64_t item = atomic_fetch_add(&pool.next, 1);
-        if (item >= nitems) break;
-        fn(ctx, item, tid);
+        if ((at & ~0xFFFFFFFFull) != tag || (int64_t)(at & 0xFFFFFFFFull) >= nitems) break;
+        if (!atomic_compare_exchange_weak(&pool.next, &at, at + 1)) continue; /* at reloaded */
+        fn(ctx, (int64_t)(at & 0xFFFFFFFFull), tid);
+        ran++;
+        at = atomic_load(&pool.next);
     }
+    return ran;
+}
+
+/* Counts `ran` items of call `gen` done; the one that completes it wakes the caller. */
+static void items_done(uint64_t gen, int64_t ran) {
+    if (!ran) return; /* a late worker's empty visit: nothing to count, nobody waits on it */
+    pthread_mutex_lock(&pool.m);
+    if (pool.gen == gen && (pool.completed += ran) == pool.nitems) pthread_cond_signal(&pool.done);
+    pthread_mutex_unlock(&pool.m);
 }
 
 static void *pool_worker(void *arg) {
@@ -41,12 +64,11 @@ static void *pool_worker(void *arg) {
         seen = pool.gen;
         const int part = idx <= pool.want;
         task_fn fn = pool.fn;
-        void *ctx = pool.ctx;
+        void *ctx = pool.ctx; /* dangling once that call has returned: then no item is claimed */
         const int64_t nitems = pool.nitems;
         pthread_mutex_unlock(&pool.m);
-        if (part) run_items(fn, ctx, nitems, idx);
+        if (part) items_done(seen, run_items(fn, ctx, nitems, seen, idx));
         pthread_mutex_lock(&pool.m);
-        if (part && ++pool.finished == pool.want) pthread_cond_signal(&pool.done);
     }
     pthread_mutex_unlock(&pool.m);
     return NULL;
@@ -95,20 +117,26 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     int want = threads - 1;
     if (want > pool.started) want = pool.started;
     if (want > nitems - 1) want = (int)(nitems - 1);
+    if (nitems > 0xFFFFFFFFll) want = 0; /* beyond the counter's 32 bits of items: the caller alone */
     pthread_mutex_lock(&pool.m);
     pool.fn = fn;
     pool.ctx = ctx;
     pool.nitems = nitems;
-    atomic_store(&pool.next, 0);
     pool.want = want;
-    pool.finished = 0;
-    pool.gen++;
+    pool.completed = 0;
+    const uint64_t gen = ++pool.gen;
+    atomic_store(&pool.next, (unsigned long long)(uint32_t)gen << 32);
     if (want) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.m);
-    run_items(fn, ctx, nitems, 0);
-    pthread_mutex_lock(&pool.m);
-    while (pool.finished < want) pthread_cond_wait(&pool.done, &pool.m);
-    pthread_mutex_unlock(&pool.m);
+    if (!want) {
+        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+    } else {
+        const int64_t ran = run_items(fn, ctx, nitems, gen, 0);
+        pthread_mutex_lock(&pool.m);
+        pool.completed += ran;
+        while (pool.completed < nitems) pthread_cond_wait(&pool.done, &pool.m);
+        pthread_mutex_unlock(&pool.m);
+    }
     pthread_mutex_unlock(&pool.call_lock);
 }
 
