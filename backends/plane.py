@@ -144,39 +144,14 @@ class CacheSet:
         contiguous CPU tensors of the set's dtype (``ValueError`` otherwise, nothing written).
         Row i's step is bit-identical to ``caches(slots[i])[layer].step(query[i:i+1], ...)``;
         its output goes to ``out[i]``."""
-        n = len(slots)
-        self._check(query, new_key, new_value, out, n)
-        refused: dict[int, Exception] = {}
-        start = time.perf_counter_ns()
-        if n == 0:
-            return StepBatch(np.zeros((0, 6), dtype=np.int64), refused, 0)
-        if self._kernel is not None:
-            if n > len(self._rows):
-                self._grow(n)
-            rows_at, status_at, fields_at, base_at, stride_at = self._args
-            rows, status, base = self._rows, self._status, self._base
-            np.take(self._addrs[layer], slots, out=rows[:n])
-            base[0], base[1], base[2], base[3] = (
-                query.data_ptr(),
-                new_key.data_ptr(),
-                new_value.data_ptr(),
-                out.data_ptr(),
-            )
-            kernel = self._kernel
-            rc = kernel.step(rows_at, n, None, base_at, stride_at, fields_at, 6, status_at, 0, 0)
-            if rc:
-                kernel.raise_for(rc)
-            fields = self._fields[:n].copy()
-            if status[:n].any():
-                for i in np.flatnonzero(status[:n]).tolist():
-                    io = (query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1], out[i : i + 1])
-                    self._refused_row(layer, int(slots[i]), i, int(status[i]), io, fields, refused)
-        else:
-            fields = np.zeros((n, 6), dtype=np.int64)
-            for i in range(n):
-                io = (query[i : i + 1], new_key[i : i + 1], new_value[i : i + 1], out[i : i + 1])
-                self._python_row(layer, int(slots[i]), i, io, fields, refused)
-        return StepBatch(fields, refused, time.perf_counter_ns() - start)
+        self._check(query, new_key, new_value, out, len(slots))
+        tensors = (query, new_key, new_value, out)
+        return self._run(
+            layer,
+            slots,
+            lambda i: tuple(t[i : i + 1] for t in tensors),
+            lambda: [t.data_ptr() for t in tensors],
+        )
 
     def step_buffers(self, layer: int, slots: np.ndarray, query, new_key, new_value, out, rows=None) -> StepBatch:
         """``step`` with the tensors given as their bytes: ``query``, ``new_key``, ``new_value``
@@ -192,29 +167,41 @@ class CacheSet:
         total = self._check_buffers(query, new_key, new_value, out, n if rows is None else None)
         if rows is not None and (len(rows) != n or (n and (int(rows.min()) < 0 or int(rows.max()) >= total))):
             raise ValueError(f"rows: {n} rows, each below the buffers' {total}, expected")
+        views = _RowViews(self._shape, total, query, new_key, new_value, out)
+        return self._run(
+            layer,
+            slots,
+            views.rows if rows is None else (lambda i: views.rows(int(rows[i]))),
+            lambda: [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in (query, new_key, new_value, out)],
+            rows,
+        )
+
+    def _run(self, layer: int, slots: np.ndarray, row_io, addresses, rows=None) -> StepBatch:
+        """The step of ``step`` and ``step_buffers`` over checked inputs: ``row_io(i)`` slot i's
+        (1, heads, D) query, new key, new value and output tensors (made only for a row the
+        library leaves to Python), ``addresses()`` the four packed tensors' base addresses, and
+        ``rows`` each slot's row of them (None: row i)."""
+        n = len(slots)
         refused: dict[int, Exception] = {}
         start = time.perf_counter_ns()
         if n == 0:
             return StepBatch(np.zeros((0, 6), dtype=np.int64), refused, 0)
-        views = _RowViews(self._shape, total, query, new_key, new_value, out)
         if self._kernel is None:
             fields = np.zeros((n, 6), dtype=np.int64)
             for i in range(n):
-                r = i if rows is None else int(rows[i])
-                self._python_row(layer, int(slots[i]), i, views.rows(r), fields, refused)
+                self._python_row(layer, int(slots[i]), i, row_io(i), fields, refused)
             return StepBatch(fields, refused, time.perf_counter_ns() - start)
         if n > len(self._rows):
             self._grow(n)
         rows_at, status_at, fields_at, base_at, stride_at = self._args
         np.take(self._addrs[layer], slots, out=self._rows[:n])
-        addresses = [np.frombuffer(b, dtype=np.uint8).ctypes.data for b in (query, new_key, new_value, out)]
         if rows is None:
-            self._base[:] = addresses
+            self._base[:] = addresses()
             rc = self._kernel.step(rows_at, n, None, base_at, stride_at, fields_at, 6, status_at, 0, 0)
         else:  # a pointer per row and tensor: the rows not stepped are not touched
             io = self._io[:n]
             np.multiply.outer(rows, self._stride, out=io.view(np.int64))
-            io += np.array(addresses, dtype=np.uint64)
+            io += np.array(addresses(), dtype=np.uint64)
             rc = self._kernel.step(rows_at, n, self._io_at, None, None, fields_at, 6, status_at, 0, 0)
         if rc:
             self._kernel.raise_for(rc)
@@ -222,8 +209,7 @@ class CacheSet:
         status = self._status[:n]
         if status.any():
             for i in np.flatnonzero(status).tolist():
-                r = i if rows is None else int(rows[i])
-                self._refused_row(layer, int(slots[i]), i, int(status[i]), views.rows(r), fields, refused)
+                self._refused_row(layer, int(slots[i]), i, int(status[i]), row_io(i), fields, refused)
         return StepBatch(fields, refused, time.perf_counter_ns() - start)
 
     def _check_buffers(self, query, new_key, new_value, out, n: int | None) -> int:
