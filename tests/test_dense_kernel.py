@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 import warnings
 
@@ -338,6 +339,45 @@ def test_back_to_back_calls_with_late_workers_keep_their_bits(pool_size):
         cache.prefill(*kv)
         outs[threads] = [cache.step(*x).output for x in inputs]
     assert all(torch.equal(a, b) for a, b in zip(outs[4], outs[1]))
+
+
+def _threads_on_one_cpu() -> dict[int, set[int]]:
+    """This process's threads allowed on exactly one CPU, but the calling one: {tid: {cpu}}."""
+    found = {}
+    for name in os.listdir("/proc/self/task"):
+        tid = int(name)
+        try:
+            cpus = os.sched_getaffinity(tid)
+        except OSError:  # the thread ended meanwhile
+            continue
+        if len(cpus) == 1 and tid != threading.get_native_id():
+            found[tid] = cpus
+    return found
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to run on"
+)
+def test_the_pool_worker_runs_on_another_cpu_than_its_caller(pool_size):
+    """pool.c places its workers off the caller's CPU (left to the scheduler, a woken worker was
+    often queued behind the caller while the other CPU idled), and again when the caller moves."""
+    cpus = sorted(os.sched_getaffinity(0))
+    pool_size(2)
+    gen = torch.Generator().manual_seed(6)
+    cache = DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.none(1200)), "native")
+    cache.prefill(*(torch.randn(1, 8, 1100, 64, generator=gen) for _ in range(2)))
+    cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (32, 8, 8)))  # the pool started, on every CPU
+    before = os.sched_getaffinity(0)
+    try:
+        for caller in (cpus[0], cpus[1], cpus[0]):
+            os.sched_setaffinity(0, {caller})  # this thread only
+            cache.step(*(torch.randn(1, h, 64, generator=gen) for h in (32, 8, 8)))
+            placed = _threads_on_one_cpu()
+            assert len(placed) == 1, placed  # the pool's one worker
+            ((cpu,),) = placed.values()
+            assert cpu != caller and cpu in cpus
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 def test_set_threads_sizes_the_pool(pool_size):

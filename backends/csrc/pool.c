@@ -10,7 +10,16 @@
  * So that such a worker can never take an item of a later call with the earlier call's
  * arguments, the counter carries the call's generation in its high 32 bits: an item is claimed
  * (compare-and-swap) only while the counter is still its own call's.
+ *
+ * Each worker is kept on a CPU of its own, not the caller's (worker i on the i-th allowed CPU
+ * after the caller's, set again when the caller is seen on another CPU). Left to the scheduler,
+ * a worker woken by the caller was often queued on the caller's own CPU while the other one
+ * idled, and the two then took turns there for the whole call: the load balancer does not move
+ * a task that ran a moment ago (docs/design.md, "The pool's workers on the caller's CPU").
  */
+#define _GNU_SOURCE
+#include <sched.h>
+
 #include "gqa_internal.h"
 
 static struct {
@@ -28,6 +37,9 @@ static struct {
     atomic_ullong next; /* (gen mod 2^32) << 32 | the next item of that call */
     int64_t completed;  /* items of the current call done (under m) */
     int want;
+    cpu_set_t allowed;  /* the CPUs of the thread that started the workers (theirs too) */
+    int nallowed;
+    int placed_for; /* the caller's CPU the workers were last placed away from; -1: none */
 } pool = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .m = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
@@ -87,6 +99,8 @@ static void pool_stop_locked(void) { /* call_lock held */
 static void pool_start_locked(void) { /* call_lock held, no workers running */
     const int want = (pool.size > 0 ? pool.size : 1) - 1;
     pool.start_gen = pool.gen;
+    pool.placed_for = -1;
+    pool.nallowed = sched_getaffinity(0, sizeof pool.allowed, &pool.allowed) ? 0 : CPU_COUNT(&pool.allowed);
     for (int i = 0; i < want && i < MAX_THREADS - 1; i++) {
         if (pthread_create(&pool.tids[i], NULL, pool_worker, (void *)(intptr_t)(i + 1))) break; /* fewer: still correct */
         pool.started = i + 1;
@@ -102,6 +116,25 @@ static void pool_after_fork_child(void) { /* the workers did not survive the for
     pool.stop = 0;
 }
 
+/* Worker i (0-based) on the i-th allowed CPU after `cpu`, the caller's, round the allowed set:
+ * never the caller's while another is allowed. Without a usable CPU number or with one CPU
+ * allowed the workers are left where they are; a refused pin (a cpuset changed since) only
+ * leaves that worker to the scheduler. */
+static void place_workers_locked(int cpu) { /* call_lock held */
+    if (cpu < 0 || cpu == pool.placed_for || pool.nallowed < 2 || cpu >= CPU_SETSIZE || !CPU_ISSET(cpu, &pool.allowed))
+        return;
+    int at = cpu;
+    for (int i = 0; i < pool.started; i++) {
+        do at = (at + 1) % CPU_SETSIZE;
+        while (!CPU_ISSET(at, &pool.allowed) || at == cpu);
+        cpu_set_t one;
+        CPU_ZERO(&one);
+        CPU_SET(at, &one);
+        pthread_setaffinity_np(pool.tids[i], sizeof one, &one);
+    }
+    pool.placed_for = cpu;
+}
+
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
 
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
@@ -114,6 +147,7 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
         if (pool.started) pool_stop_locked();
         pool_start_locked();
     }
+    place_workers_locked(sched_getcpu());
     int want = threads - 1;
     if (want > pool.started) want = pool.started;
     if (want > nitems - 1) want = (int)(nitems - 1);
