@@ -176,7 +176,8 @@ class ServerConfig:
     kernel_threads: int = 0
     """threads of the compiled kernels' pool (0: one per core)
 
-    Size of the process-wide pool the compiled kernels run on (``backends.native.set_threads``)."""
+    Size of the process-wide pool the compiled kernels run on (``backends.native.set_threads``).
+    The pool's workers are pinned to CPUs other than the calling thread's (``backends/csrc/pool.c``)."""
 
     torch_threads: int = 1
     """torch intra-op threads per step
