@@ -317,3 +317,40 @@ def test_a_step_batched_on_the_loop_after_stop_is_refused_and_changes_nothing():
         assert b.caches[0].tokens_seen == 0
     finally:
         engine.stop()
+
+
+def test_a_batch_message_runs_on_the_loop_beside_another_sessions_work():
+    """A Batch session's short message runs on the event loop (``Placement.message``) even
+    while another session's message computes on a worker: with 4 sessions, one message sent
+    to a worker used to send every later one there (1.5-2x the server CPU per message, in
+    thread hops), until the sessions paused. Never beside a message of its own session."""
+    from service.engine.batcher import PendingJob
+
+    engine = Engine(BASE)
+    try:
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            started, gate = threading.Event(), threading.Event()
+
+            def slow(_started):
+                started.set()
+                gate.wait(10)
+                return "a"
+
+            a, b = object(), object()
+            job_a = PendingJob(a, slow, 0.0, loop.create_future())
+            engine.batcher.submit(job_a)  # on a worker, held there
+            assert started.wait(10)
+            here = []
+            job_b = PendingJob(b, lambda _s: here.append(threading.get_ident()) or "b", 0.0, loop.create_future())
+            assert engine.batcher.run_message_inline(job_b)
+            assert job_b.result == "b" and here == [threading.get_ident()]
+            job_a2 = PendingJob(a, lambda _s: "a2", 0.0, loop.create_future())
+            assert not engine.batcher.run_message_inline(job_a2) and job_a2.result is None
+            gate.set()
+            return await job_a.future
+
+        assert asyncio.run(run()) == "a"
+    finally:
+        engine.stop()

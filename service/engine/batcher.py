@@ -165,6 +165,19 @@ class Batcher:
         self._run([step], "an inline step")
         return True
 
+    def run_message_inline(self, job: "PendingJob") -> bool:
+        """Computes the message ``job`` on the calling thread (the event loop) beside whatever
+        the workers compute, unless its session has a message queued or computing, or after
+        ``stop``: False, and nothing done, then."""
+        key = id(job.stream)
+        with self._cond:
+            if self._stopped or key in self._running or any(id(s.stream) == key for s in self._queue):
+                return False
+            self._in_flight += 1
+            self._running.add(key)
+        self._run([job], "an inline message")
+        return True
+
     def run_soon(self, step: PendingStep, cost: int, limit: int) -> bool:
         """Call on the event loop of ``step.future``. Adds ``step`` to that loop's batch, which
         the loop computes at its next turn in one call, with no thread hop (``_run_batch``):

@@ -13,7 +13,7 @@ __all__ = ["Placement"]
 # Steps of different streams submitted closer together than this count as concurrent.
 CONCURRENT_WINDOW_S = 1e-3
 # A Batch session's message runs on the event loop when its previous message computed in less
-# than this and no step is queued or computing, whatever other sessions do: the two thread hops
+# than this, whatever other sessions and streams have queued or computing: the two thread hops
 # (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
 # forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it), and the
 # loop is held no longer than this.
@@ -43,7 +43,7 @@ class Placement:
             last is not None
             and last < INLINE_MESSAGE_S * 1e9
             and self.config.inline_step_bytes
-            and self.batcher.run_inline(job)
+            and self.batcher.run_message_inline(job)
         ):
             return True
         self.batcher.submit(job)
