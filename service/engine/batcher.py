@@ -171,7 +171,7 @@ class Batcher:
         ``stop``: False, and nothing done, then."""
         key = id(job.stream)
         with self._cond:
-            if self._stopped or key in self._running or any(id(s.stream) == key for s in self._queue):
+            if self._stopped or key in self._busy_streams():
                 return False
             self._in_flight += 1
             self._running.add(key)
@@ -199,7 +199,7 @@ class Batcher:
         queued or computing elsewhere, or after ``stop``, goes through ``submit`` instead."""
         steps, self._soon, self._soon_cost = self._soon, [], 0
         with self._cond:
-            elsewhere = self._running | {id(s.stream) for s in self._queue}
+            elsewhere = self._busy_streams()
             clear = not self._stopped and not any(id(s.stream) in elsewhere for s in steps)
             if clear:
                 self._in_flight += len(steps)
@@ -214,6 +214,10 @@ class Batcher:
             return
         self._run(steps, "a batch on the event loop")
         _resolve(steps)
+
+    def _busy_streams(self) -> set[int]:
+        """Under the lock: id() of every stream (or session) with a step queued or computing."""
+        return self._running | {id(s.stream) for s in self._queue}
 
     def stop(self, join_timeout_s: float | None = None) -> bool:
         """Workers finish the batch they compute and the queued steps, then exit; with
