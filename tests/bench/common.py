@@ -260,6 +260,13 @@ class Evictor:
             t.join()
 
 
+# libgomp's workers spin for about 10 ms after a parallel op here (no OMP_WAIT_POLICY set;
+# docs/design.md, "A timed call after torch's spinning workers"): a call timed sooner shares a
+# core with them.
+TORCH_SPIN_S = 0.02
+_TORCH_WAKE = torch.ones(1 << 18)  # 1 MiB: summed on torch's threads, it wakes them
+
+
 def cold_rounds(
     fns: dict[str, Callable[[], object]],
     evict: Callable[[], None],
@@ -268,18 +275,41 @@ def cold_rounds(
     min_rounds: int = 3,
     budget_s: float = float("inf"),
     warmup: int = 1,
+    on_torch_threads: tuple[str, ...] = ("floor", "sdpa"),
 ) -> dict[str, list[float]]:
     """Per-round seconds of each function, every call made right after ``evict()`` (not timed).
     The functions take turns round after round, so a drift of the machine hits all alike;
-    ``rounds`` rounds, fewer (at least ``min_rounds``) once ``budget_s`` has passed."""
+    ``rounds`` rounds, fewer (at least ``min_rounds``) once ``budget_s`` has passed.
+
+    No call is slowed by another's threads. The functions named in ``on_torch_threads`` run on
+    torch's intra-op threads, whose workers spin for milliseconds after each parallel op: such a
+    call starts with them awake (a small parallel op after the eviction, untimed: torch at its
+    best, as in a run of its own ops), and any other call's eviction starts at least
+    ``TORCH_SPIN_S`` after a torch call ended, when they have stopped spinning (else the call
+    runs beside them on 2 cores)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     samples: dict[str, list[float]] = {name: [] for name in fns}
     deadline = time.perf_counter() + budget_s
+    torch_ended = time.perf_counter()  # the warm-up's last call may have been torch's
+
+    def ready_torch() -> None:
+        evict()
+        _TORCH_WAKE.sum()
+
+    def ready_other() -> None:
+        wait = torch_ended + TORCH_SPIN_S - time.perf_counter()
+        if wait > 0:  # then the eviction, which leaves the cores busy a moment before, as a model would
+            time.sleep(wait)
+        evict()
+
     for i in range(rounds):
         for name, fn in fns.items():
-            samples[name] += sample_seconds([fn], 1, before=evict)
+            on_torch = name in on_torch_threads
+            samples[name] += sample_seconds([fn], 1, before=ready_torch if on_torch else ready_other)
+            if on_torch:
+                torch_ended = time.perf_counter()
         if i + 1 >= min_rounds and time.perf_counter() > deadline:
             break
     return samples
