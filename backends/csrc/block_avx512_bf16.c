@@ -89,9 +89,7 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     }
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
-    int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 4, pf);
-    for (; j0 < d; j0 += 16) pv_avx512(enc, st->acc + g0 * d, d, j0, vb, p, nt, gt, 1, pf);
+    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf);
 }
 
 AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(

@@ -73,6 +73,50 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_mem + g * d + j0 + 16 * i, acc[g][i]);
 }
 
+/* pv_avx512 over whole value rows of d = 128 channels for hp (1 or 2, a constant) query heads:
+ * 8 registers per head, each row read once, in order. */
+AVX512 static inline __attribute__((always_inline)) void pv_rows128_avx512(
+    const int enc, float *acc_mem, const char *vb, const float *p, int64_t nt, const int hp, const int prefetch) {
+    const int64_t d = 128, el = enc_size(enc);
+    __m512 acc[2][8];
+    for (int g = 0; g < hp; g++)
+        for (int i = 0; i < 8; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + 16 * i);
+    for (int64_t t = 0; t < nt; t++) {
+        const char *row = vb + t * d * el;
+        if (prefetch) {
+            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
+        }
+        __m512 vf[8];
+        for (int i = 0; i < 8; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
+        for (int g = 0; g < hp; g++) {
+            const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
+            for (int i = 0; i < 8; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < hp; g++)
+        for (int i = 0; i < 8; i++) _mm512_storeu_ps(acc_mem + g * d + 16 * i, acc[g][i]);
+}
+
+/* A block's weighted value sum for `gt` query heads (acc: gt x d, p: gt x TILE_T). For d = 128
+ * (the common head width) the query heads go two at a time over whole rows: each pass reads the
+ * block's rows in order, where four heads at a time fit only half a row's 8 registers each and
+ * read every row in two strided halves (docs/design.md, "The value sum over whole rows": 9-14%
+ * of a long float32 step). Otherwise 64 channels at a time for all gt heads. The same sums in
+ * the same order either way. Only the first pass prefetches the later block's rows. */
+AVX512 static inline __attribute__((always_inline)) void pv_block_avx512(
+    const int enc, float *acc_mem, int64_t d, const char *vb, const float *p, int64_t nt, const int gt,
+    const int prefetch) {
+    if (d == 128) {
+        int g = 0;
+        for (; g + 2 <= gt; g += 2) pv_rows128_avx512(enc, acc_mem + g * d, vb, p + g * TILE_T, nt, 2, prefetch && g == 0);
+        if (g < gt) pv_rows128_avx512(enc, acc_mem + g * d, vb, p + g * TILE_T, nt, 1, prefetch && g == 0);
+        return;
+    }
+    int64_t j0 = 0;
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 4, prefetch);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 1, prefetch);
+}
+
 /* The shared online-softmax update of one block for `gt` query heads: p[g][t] holds the scores
  * (-inf past nt) and becomes exp(score - m) (times vs[t] when given); the running max m, sum l
  * and accumulators acc (gt x d) are rescaled when the max grows. */
