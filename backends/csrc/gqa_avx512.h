@@ -47,14 +47,15 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
     }
 }
 
-/* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv registers of
- * 16 channels per query head, all constants after inlining so the accumulators stay in
- * registers. The first pass over a block also prefetches the rows of a later block. */
+/* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)
+ * registers of 16 channels per query head, gt x nv at most 16, all constants after inlining so
+ * the accumulators stay in registers. The first pass over a block also prefetches the rows of
+ * a later block. */
 AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
     const int nv, const int prefetch) {
     const int64_t el = enc_size(enc);
-    __m512 acc[TILE_G][4];
+    __m512 acc[TILE_G][8];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
@@ -62,7 +63,7 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         if (j0 == 0 && prefetch) {
             for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
         }
-        __m512 vf[4];
+        __m512 vf[8];
         for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
         for (int g = 0; g < gt; g++) {
             const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
@@ -71,30 +72,6 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     }
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_mem + g * d + j0 + 16 * i, acc[g][i]);
-}
-
-/* pv_avx512 over whole value rows of d = 128 channels for hp (1 or 2, a constant) query heads:
- * 8 registers per head, each row read once, in order. */
-AVX512 static inline __attribute__((always_inline)) void pv_rows128_avx512(
-    const int enc, float *acc_mem, const char *vb, const float *p, int64_t nt, const int hp, const int prefetch) {
-    const int64_t d = 128, el = enc_size(enc);
-    __m512 acc[2][8];
-    for (int g = 0; g < hp; g++)
-        for (int i = 0; i < 8; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + 16 * i);
-    for (int64_t t = 0; t < nt; t++) {
-        const char *row = vb + t * d * el;
-        if (prefetch) {
-            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
-        }
-        __m512 vf[8];
-        for (int i = 0; i < 8; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
-        for (int g = 0; g < hp; g++) {
-            const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
-            for (int i = 0; i < 8; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
-        }
-    }
-    for (int g = 0; g < hp; g++)
-        for (int i = 0; i < 8; i++) _mm512_storeu_ps(acc_mem + g * d + 16 * i, acc[g][i]);
 }
 
 /* A block's weighted value sum for `gt` query heads (acc: gt x d, p: gt x TILE_T). For d = 128
@@ -108,8 +85,8 @@ AVX512 static inline __attribute__((always_inline)) void pv_block_avx512(
     const int prefetch) {
     if (d == 128) {
         int g = 0;
-        for (; g + 2 <= gt; g += 2) pv_rows128_avx512(enc, acc_mem + g * d, vb, p + g * TILE_T, nt, 2, prefetch && g == 0);
-        if (g < gt) pv_rows128_avx512(enc, acc_mem + g * d, vb, p + g * TILE_T, nt, 1, prefetch && g == 0);
+        for (; g + 2 <= gt; g += 2) pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, prefetch && g == 0);
+        if (g < gt) pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 1, 8, prefetch && g == 0);
         return;
     }
     int64_t j0 = 0;
