@@ -35,7 +35,7 @@ KERNEL = native.load()  # this project's machines have a C compiler: failing to 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIMS = [1, 2, 64, 80, 128, 256]
 GROUPS = [1, 3, 4, 5, 8]  # 3: a tile of three query heads (a pair and one in the value sum)
-ISAS = ["portable", "avx512", "avx512dot"]
+ISAS = ["portable", "avx2", "avx512", "avx512dot"]
 HKV = 2
 
 
@@ -46,8 +46,8 @@ def _dt(d):
 def _params():
     for isa in ISAS:
         for d in HEAD_DIMS:
-            if isa.startswith("avx512") and d % 16:
-                continue  # by design the AVX-512 blocks take D in multiples of 16 (portable C does the rest)
+            if (isa.startswith("avx512") and d % 16) or (isa == "avx2" and d % 8):
+                continue  # by design the vector blocks take D in multiples of 16 (AVX-512) or 8 (AVX2); portable C does the rest
             usable = isa in KERNEL.isas(d)
             for g in GROUPS:
                 yield pytest.param(

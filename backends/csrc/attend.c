@@ -33,7 +33,7 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
         for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
         return;
     }
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
     if (!cc->order && wide) {
         widen_row_avx512(cc->io, (const uint16_t *)cc->q + h * G * d, qf, G * d, cc->qscale);
         return;
@@ -165,7 +165,7 @@ static void store_row(const call_t *call, int64_t i, int64_t at, float *o, int r
     const int64_t d = cc->d;
     if (rotate) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
     if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
     else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
 #endif
     else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
