@@ -432,3 +432,27 @@ def test_reserved_bytes_count_the_key_layout(dtype, kernel):
         assert cache.nbytes == 2 * 2 * 64 * 5000 * el
     elif dtype == torch.float32:
         assert cache._k.stride(2) == 5056 and cache.nbytes == 2 * 64 * (5000 + 5056) * el
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dt)
+@pytest.mark.parametrize(
+    "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in KERNEL.isas(128), reason="not here")) for i in ISAS[1:]]
+)
+def test_vector_row_conversions_round_as_the_portable_ones(isa, dtype):
+    """The vector paths widen the query and narrow the output with their own instructions; the
+    portable scalar conversions are the specification. Two positions with equal keys weigh 1/2
+    each, so the float32 output (v1 + v2) / 2 is exact in every path and its 16-bit rounding
+    (ties to even, overflow, subnormals, a NaN's sign) must be the same bits."""
+    d, g = 128, 4
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn(1, HKV, 1, d, generator=gen).to(dtype).expand(1, HKV, 2, d).contiguous()
+    values = (torch.randn(1, HKV, 2, d, generator=gen) * torch.logspace(-9, 5, d)).to(dtype)
+    values[0, 0, :, :4] = torch.tensor([float("nan"), -float("nan"), 65504.0, -65504.0]).to(dtype)[:, None].T
+    q = torch.randn(1, HKV * g, d, generator=gen).to(dtype)
+    outs = []
+    for kernel in (isa, "portable"):
+        cache = DenseCache(CacheSpec(1, HKV * g, HKV, d, dtype, EvictionPolicy.none(4)), f"native-{kernel}")
+        cache.prefill(key[:, :, :1], values[:, :, :1])
+        outs.append(cache.step(q, key[:, :, 1], values[:, :, 1]).output)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert torch.isnan(outs[0][0, :g, 0]).all() and not torch.isnan(outs[0][0, :, 2:]).any()

@@ -108,11 +108,12 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
 
 /* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
- * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: all 16 there. */
+ * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
+ * lie inside the block's lines (those past nt are read, then masked), so whole registers load. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, float *out) {
-    const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0;
+    const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     __m256 acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     if (kpack(enc) == 1) {
@@ -159,7 +160,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             }
         }
     }
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(left), m1 = lanes8(left - 8);
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
     for (int g = 0; g < gt; g++) {
         _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, acc[g][0], m0));
         _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, acc[g][1], m1));
@@ -245,9 +246,12 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     float *p = st->p;
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
-    int64_t t0 = 0;
-    for (; t0 + 16 <= nt; t0 += 16) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, p);
-    if (t0 < nt) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, p);
+    /* positions from phys to the end of its block's lines: what a load may read */
+    const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
+    for (int64_t t0 = 0; t0 < nt; t0 += 16) {
+        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, p);
+    }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt);
 }
@@ -315,5 +319,38 @@ AVX2 GQA_INTERNAL void block_avx2_f16(const gqa_cache_t *cc, const float *qf, in
 }
 AVX2 GQA_INTERNAL void block_avx2_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     block_avx2_enc(ENC_INT8, cc, qf, h, phys, nt, st);
+}
+/* n float16/bfloat16 elements (enc) to float32 times scale: load_elem(enc, src, i) * scale. */
+AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float *dst, int64_t n, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(widen8(enc, src + x), s));
+    for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
+}
+
+/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem (round to nearest
+ * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign). */
+AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t *dst, int64_t n) {
+    int64_t x = 0;
+    for (; x + 8 <= n; x += 8) {
+        const __m256 v = _mm256_loadu_ps(src + x);
+        const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        __m256i r;
+        if (enc == ENC_F16) {
+            const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_cvtepu16_epi32(h);
+            const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+            r = _mm256_blendv_epi8(r, qnan, nan);
+        } else {
+            const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+        }
+        /* 8 words of 16 significant bits to 8 halves, in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+        _mm_storeu_si128((__m128i *)(dst + x), _mm256_castsi256_si128(packed));
+    }
+    for (; x < n; x++) store_elem(enc, dst, x, src[x]);
 }
 #endif /* GQA_X86_64 */

@@ -320,7 +320,7 @@ typedef struct {
     int64_t scratch_floats; /* per thread */
     atomic_int *done;       /* per (cache, head): splits finished */
     char *deferred;         /* per cache: its dense write is done by the item reading the row */
-    char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
+    char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
 } call_t;
 
 /* block_portable.c, block_avx2.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
@@ -331,6 +331,8 @@ AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *, const float *, int64_
 AVX2 GQA_INTERNAL void block_avx2_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void block_avx2_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void block_avx2_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
+AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);

@@ -74,7 +74,7 @@ static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_siz
     if (rc) return rc;
     cc->status = 0;
     call->block[i] = choose_block(cc->enc, chosen);
-    call->wide[i] = chosen >= ISA_AVX512;
+    call->wide[i] = (char)(chosen >= ISA_AVX512 ? ISA_AVX512 : chosen == ISA_AVX2 ? ISA_AVX2 : 0);
     call->nsplit[i] = (call->s[i] + SPLIT_T - 1) / SPLIT_T;
     call->item_off[i] = size->items;
     call->head_off[i] = size->heads;
