@@ -11,10 +11,10 @@
  *   value registers), every row of the block in order.
  *
  * A group of positions shorter than 8 (a short cache, a block's end) is read through a small
- * zero-padded copy: loads never reach past a block's last position. A block starts by asking
- * for the next one (its key run and value rows, front to back, into L2): spread over the
- * block's passes as the AVX-512 blocks do, the same prefetches left the stream at 5-8 GB/s
- * here (docs/design.md, "An AVX2 path").
+ * zero-padded copy: loads never reach past a block's last position. The first tile of a block
+ * asks for the next block into L2: its key lines as the first 16 positions' scores go channel
+ * by channel, its value rows after the softmax (docs/design.md, "An AVX2 path": 12-15% faster
+ * at float32 than asking for the whole next block at once when a block starts).
  */
 #include "gqa_internal.h"
 
@@ -109,16 +109,20 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
 /* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
- * lie inside the block's lines (those past nt are read, then masked), so whole registers load. */
+ * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
+ * kn (or NULL): the next block's keys (lines knline elements apart), asked for channel by channel. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, float *out) {
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const char *kn, int64_t knline,
+    float *out) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     __m256 acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     if (kpack(enc) == 1) {
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + (j * kline + t0) * el;
+            if (kn)
+                for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(kn + j * knline * el + x, _MM_HINT_T1);
             __m256 k0, k1;
             key16(enc, row, left, &k0, &k1);
             for (int g = 0; g < gt; g++) {
@@ -131,6 +135,8 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + (l * kline + 2 * t0) * 2;
+            if (kn)
+                for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
             __m256i w0, w1;
             words16(row, left, &w0, &w1);
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
@@ -242,6 +248,10 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
                                                                   const char *kb, int64_t kline, const char *vb,
                                                                   const float *ks, const float *vs, int64_t nt,
                                                                   state_t *st) {
+    /* the first tile of a block that has a next one in the item's reach asks for it */
+    const int64_t el = enc_size(enc);
+    int64_t knline = 0;
+    const char *kn = g0 == 0 && st->prefetch ? (const char *)cc->k + key_block(cc, h, phys + nt, &knline) * el : NULL;
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
     const float *q = qf + g0 * dq;
@@ -249,10 +259,13 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     /* positions from phys to the end of its block's lines: what a load may read */
     const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
     for (int64_t t0 = 0; t0 < nt; t0 += 16) {
-        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, p);
-        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, p);
+        const char *next = t0 == 0 ? kn : NULL;
+        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, next, knline, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, next, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    if (kn)
+        for (int64_t x = 0; x < TILE_T * d * el; x += 64) _mm_prefetch(vb + nt * d * el + x, _MM_HINT_T1);
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt);
 }
 
@@ -263,15 +276,6 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int 
     int64_t kline;
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline) * el;
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
-    if (st->prefetch) { /* the next block's key run and value rows, front to back, a line of each in turn */
-        int64_t knline;
-        const char *kn = (const char *)cc->k + key_block(cc, h, phys + nt, &knline) * el, *vn = vb + nt * d * el;
-        const int64_t kbytes = key_width(cc) / kpack(enc) * knline * el, vbytes = TILE_T * d * el;
-        for (int64_t x = 0; x < kbytes || x < vbytes; x += 64) {
-            if (x < kbytes) _mm_prefetch(kn + x, _MM_HINT_T1);
-            if (x < vbytes) _mm_prefetch(vn + x, _MM_HINT_T1);
-        }
-    }
     const float *ks = NULL, *vs = NULL;
     if (enc == ENC_INT8) { /* the block's scales as float32, zero past nt */
         const int64_t at = h * cc->scale_stride + phys;
