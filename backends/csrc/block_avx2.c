@@ -10,8 +10,9 @@
  * - the value sum two query heads at a time over 32 channels of each row (8 accumulators, four
  *   value registers), every row of the block in order.
  *
- * A group of positions shorter than 8 (a short cache, a block's end) is read through a small
- * zero-padded copy: loads never reach past a block's last position. The first tile of a block
+ * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
+ * masked); only where a line ends sooner (the ring's last, short block) through a zero-padded
+ * copy, so no load reaches past a block. The first tile of a block
  * asks for the next block into L2: its key lines as the first 16 positions' scores go channel
  * by channel, its value rows after the softmax (docs/design.md, "An AVX2 path": 12-15% faster
  * at float32 than asking for the whole next block at once when a block starts).
@@ -61,8 +62,8 @@ AVX2 static inline float hsum8(__m256 x) {
     return _mm_cvtss_f32(s);
 }
 
-/* 8 consecutive elements of encoding enc widened to float32 (32-bit words for bfloat16 key
- * pairs: `words`, widened by the caller). */
+/* 8 consecutive elements of encoding enc widened to float32 (bfloat16 key lines hold channel
+ * pairs: words16 reads those). */
 AVX2 static inline __attribute__((always_inline)) __m256 widen8(const int enc, const void *p) {
     switch (enc) {
         case ENC_F32: return _mm256_loadu_ps(p);
