@@ -11,8 +11,8 @@ row; eviction writes nothing.
 Kernels (``kernel=``): "native" (the default where the library builds and loads) computes the
 whole step in one call: the new token written into its ring row (the overwritten bytes saved
 so a failure restores them), the attention over the resident runs without copying them, the
-output written in the stream dtype, the GIL released. "native-portable" / "native-avx512" /
-"native-avx512dot" pick one implementation (tests). "torch" is the fallback where no compiler
+output written in the stream dtype, the GIL released. "native-portable" / "native-avx2" /
+"native-avx512" / "native-avx512dot" pick one implementation (tests). "torch" is the fallback where no compiler
 exists: float32 through ``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused
 CPU kernel, which needs keys as rows (B, Hkv, C, D), so those caches keep their keys as rows
 when they are created without the native kernel.
@@ -37,7 +37,7 @@ __all__ = ["CPUBackend", "DenseCache", "KERNELS", "default_kernel", "dense_cpu_n
 log = logging.getLogger(__name__)
 
 _FUSED_DTYPES = (torch.bfloat16, torch.float16)
-KERNELS = ("native", "native-portable", "native-avx512", "native-avx512dot", "torch")
+KERNELS = ("native", "native-portable", "native-avx2", "native-avx512", "native-avx512dot", "torch")
 
 
 @functools.cache

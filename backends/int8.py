@@ -44,8 +44,8 @@ Kernels (``kernel=``, ``KERNELS``):
 
 - ``"native"`` (the default on the CPU where the library builds and loads): ``backends.native``,
   one pass over the codes with an online softmax per block of 64 positions (flash-decoding);
-  nothing but the output is written. ``"native-portable"`` and ``"native-avx512"`` pick one of
-  its implementations (the default takes the fastest this CPU runs).
+  nothing but the output is written. ``"native-portable"``, ``"native-avx2"``, ``"native-avx512"`` and
+  ``"native-avx512dot"`` pick one of its implementations (the default takes the fastest this CPU runs).
 - ``"int_mm"`` (the CPU fallback without the native library): exact int8 products
   (``int8_torch.attend_int_mm``).
 - ``"blocks"``: codes widened to float32 a block at a time (``int8_torch.attend_blocks``); the
@@ -85,7 +85,7 @@ log = logging.getLogger(__name__)
 
 # "native" runs the compiled kernel (``backends.native``) with the fastest implementation this
 # CPU has; "native-<isa>" picks one (the tests run each).
-NATIVE_ISAS = ("portable", "avx512", "avx512dot")
+NATIVE_ISAS = ("portable", "avx2", "avx512", "avx512dot")
 KERNELS = ("native", *(f"native-{isa}" for isa in NATIVE_ISAS), "int_mm", "blocks")
 
 

@@ -53,10 +53,11 @@ __all__ = [
     "threads",
 ]
 
-# implementation choice passed to the kernel (the C enum)
+# implementation choice passed to the kernel (the C enum), in order of speed
+# "avx2": AVX2 with FMA and F16C, the x86-64 CPUs without AVX-512 (AMD Zen 1-3, Intel client cores)
 # "avx512dot": AVX-512 with the VNNI and BF16 dot products (bfloat16 scores by vdpbf16ps, int8
 # scores and values by vpdpwssd on int16 query and weights), where the CPU has both
-ISA = {"auto": 0, "portable": 1, "avx512": 2, "avx512dot": 3}
+ISA = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512dot": 4}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 DTYPE_ENC = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -65,7 +66,7 @@ FLAG_FAIL_AFTER_WRITE = 2  # test builds only: fail after the write (the kernel 
 FLAG_ROTATE = 4  # int8: values stored Hadamard-rotated (the step rotates the new value and the output)
 FLAG_RECIPROCAL = 8  # int8, float32 scales: codes = round(x * (127 / absmax)), bitsandbytes' rounding
 MAX_RUNS = 4
-FLAG_ISA_SHIFT = 4  # flags bits 4-5: a cache's own ISA (0: the call's)
+FLAG_ISA_SHIFT = 4  # flags bits 4-6: a cache's own ISA (0: the call's)
 # a descriptor's policy (the C enum), as backends.policy.PolicyKind values
 POLICY = {"none": 0, "strict": 1, "greedy": 2, "sink": 3}
 # gqa_step's result columns (the C enum): the numbers after a row's step

@@ -27,7 +27,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
 # every kernel of the backend: the compiled step on each implementation, and torch's fallback
-KERNELS = ["native-portable", "native-avx512", "native-avx512dot", "torch"]
+KERNELS = ["native-portable", "native-avx2", "native-avx512", "native-avx512dot", "torch"]
 
 
 def _kernel_param(kernel: str):

@@ -35,7 +35,7 @@ KERNEL = native.load()  # this project's machines have a C compiler: failing to 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 HEAD_DIMS = [1, 2, 64, 80, 128, 256]
 GROUPS = [1, 3, 4, 5, 8]  # 3: a tile of three query heads (a pair and one in the value sum)
-ISAS = ["portable", "avx512", "avx512dot"]
+ISAS = ["portable", "avx2", "avx512", "avx512dot"]
 HKV = 2
 
 
@@ -46,8 +46,8 @@ def _dt(d):
 def _params():
     for isa in ISAS:
         for d in HEAD_DIMS:
-            if isa.startswith("avx512") and d % 16:
-                continue  # by design the AVX-512 blocks take D in multiples of 16 (portable C does the rest)
+            if (isa.startswith("avx512") and d % 16) or (isa == "avx2" and d % 8):
+                continue  # by design the vector blocks take D in multiples of 16 (AVX-512) or 8 (AVX2); portable C does the rest
             usable = isa in KERNEL.isas(d)
             for g in GROUPS:
                 yield pytest.param(
@@ -432,3 +432,27 @@ def test_reserved_bytes_count_the_key_layout(dtype, kernel):
         assert cache.nbytes == 2 * 2 * 64 * 5000 * el
     elif dtype == torch.float32:
         assert cache._k.stride(2) == 5056 and cache.nbytes == 2 * 64 * (5000 + 5056) * el
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=_dt)
+@pytest.mark.parametrize(
+    "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in KERNEL.isas(128), reason="not here")) for i in ISAS[1:]]
+)
+def test_vector_row_conversions_round_as_the_portable_ones(isa, dtype):
+    """The vector paths widen the query and narrow the output with their own instructions; the
+    portable scalar conversions are the specification. Two positions with equal keys weigh 1/2
+    each, so the float32 output (v1 + v2) / 2 is exact in every path and its 16-bit rounding
+    (ties to even, overflow, subnormals, a NaN's sign) must be the same bits."""
+    d, g = 128, 4
+    gen = torch.Generator().manual_seed(7)
+    key = torch.randn(1, HKV, 1, d, generator=gen).to(dtype).expand(1, HKV, 2, d).contiguous()
+    values = (torch.randn(1, HKV, 2, d, generator=gen) * torch.logspace(-9, 5, d)).to(dtype)
+    values[0, 0, :, :4] = torch.tensor([float("nan"), -float("nan"), 65504.0, -65504.0]).to(dtype)[:, None].T
+    q = torch.randn(1, HKV * g, d, generator=gen).to(dtype)
+    outs = []
+    for kernel in (isa, "portable"):
+        cache = DenseCache(CacheSpec(1, HKV * g, HKV, d, dtype, EvictionPolicy.none(4)), f"native-{kernel}")
+        cache.prefill(key[:, :, :1], values[:, :, :1])
+        outs.append(cache.step(q, key[:, :, 1], values[:, :, 1]).output)
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+    assert torch.isnan(outs[0][0, :g, 0]).all() and not torch.isnan(outs[0][0, :, 2:]).any()

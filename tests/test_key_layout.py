@@ -51,7 +51,7 @@ def _cases() -> list:
     isas = native.load().isas(16) if ok else []
     cases = []
     for name in ("cpu-float32", "cpu-bfloat16", "cpu-float16", "int8-float32"):
-        kernels = [f"native-{isa}" for isa in ("portable", "avx512", "avx512dot")]
+        kernels = [f"native-{isa}" for isa in ("portable", "avx2", "avx512", "avx512dot")]
         kernels.append("torch" if name.startswith("cpu") else "blocks")
         for k in kernels:
             usable = not k.startswith("native-") or k.partition("-")[2] in isas

@@ -28,7 +28,7 @@ from quant import hadamard_rotation
 from tests.oracle import attention_ref
 
 KERNEL = native.load()  # this project's machines have a C compiler: failing to build is a failure
-ISAS = ["portable", "avx512", "avx512dot"]
+ISAS = ["portable", "avx2", "avx512", "avx512dot"]
 HEAD_DIMS = [16, 48, 80, 128, 256]  # 48, 80: a 64-channel tile plus a 16-channel remainder
 GROUPS = [1, 3, 4, 5, 8]  # query heads per KV head, around the tile of 4
 LENGTHS = [1, 63, 64, 65, 1000]

@@ -33,9 +33,11 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
         for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
         return;
     }
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
     if (!cc->order && wide) {
-        widen_row_avx512(cc->io, (const uint16_t *)cc->q + h * G * d, qf, G * d, cc->qscale);
+        const uint16_t *q = (const uint16_t *)cc->q + h * G * d;
+        if (wide == ISA_AVX512) widen_row_avx512(cc->io, q, qf, G * d, cc->qscale);
+        else widen_row_avx2(cc->io, q, qf, G * d, cc->qscale);
         return;
     }
 #else
@@ -165,8 +167,9 @@ static void store_row(const call_t *call, int64_t i, int64_t at, float *o, int r
     const int64_t d = cc->d;
     if (rotate) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
     if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
-#if GQA_HAVE_AVX512
-    else if (call->wide[i]) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
+#if GQA_X86_64
+    else if (call->wide[i] == ISA_AVX512) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);
+    else if (call->wide[i] == ISA_AVX2) narrow_row_avx2(cc->io, o, (uint16_t *)cc->out + at, d);
 #endif
     else if (cc->io == ENC_BF16) for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_bf16(o[j]);
     else for (int64_t j = 0; j < d; j++) ((uint16_t *)cc->out)[at + j] = float_to_half(o[j]);

@@ -6,7 +6,7 @@
  */
 #include "gqa_avx512.h"
 
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 /* The end of a block's scores: int8's key scales and float16 outlier channels, then the scores
  * of the block's lanes to out[g * TILE_T + t] (-inf past nt). */
 AVX512 static inline __attribute__((always_inline)) void scores_int8_finish(
@@ -171,4 +171,4 @@ AVX512 GQA_INTERNAL void narrow_row_avx512(const int enc, const float *src, uint
         _mm256_mask_storeu_epi16(dst + x, m, h);
     }
 }
-#endif /* GQA_HAVE_AVX512 */
+#endif /* GQA_X86_64 */

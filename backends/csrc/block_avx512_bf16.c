@@ -5,7 +5,7 @@
  */
 #include "gqa_avx512.h"
 
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 /* bfloat16 with BF16 dot products: the query of one head as bfloat16 pieces per channel,
  * pairs of channels a word, padded with zeros to key_width channels, in st->qb. A bfloat16
  * query (a dense cache's) is its own one exact piece, the scores then times qscale (st->qmul);
@@ -112,4 +112,4 @@ AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *cc, const float *q
                                            int64_t nt, state_t *st) {
     block_dot_enc(ENC_BF16, cc, qf, h, phys, nt, st);
 }
-#endif /* GQA_HAVE_AVX512 */
+#endif /* GQA_X86_64 */

@@ -20,7 +20,7 @@
  */
 #include "gqa_avx512.h"
 
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 /* acc += the pairwise products of a's int16 lanes and the two int16 of the int32 word at p (in
  * every lane: the instruction's own {1to16} broadcast, no vpbroadcastd), in place: GCC's
  * intrinsic copies every accumulator to a fresh register and back around each instruction. */
@@ -263,4 +263,4 @@ AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *
         }
     }
 }
-#endif /* GQA_HAVE_AVX512 */
+#endif /* GQA_X86_64 */

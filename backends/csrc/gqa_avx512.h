@@ -9,7 +9,7 @@
 
 #include "gqa_internal.h"
 
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 #include <immintrin.h>
 
 /* exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
@@ -159,5 +159,5 @@ AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
     *vsp = vs;
 }
 
-#endif /* GQA_HAVE_AVX512 */
+#endif /* GQA_X86_64 */
 #endif /* GQA_AVX512_H */

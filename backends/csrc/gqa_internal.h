@@ -66,6 +66,7 @@
  *     gqa_internal.h      this: shared definitions
  *     gqa_avx512.h        AVX-512 helpers the block files share (exp, widening, softmax, P.V)
  *     block_portable.c    the portable block (the specification the fast paths are tested against)
+ *     block_avx2.c        the AVX2 blocks of every encoding (x86-64 without AVX-512)
  *     block_avx512.c      the AVX-512 blocks of every encoding, and row widening / narrowing
  *     block_avx512_bf16.c the bfloat16 block with vdpbf16ps (AVX-512 BF16)
  *     block_avx512_int8.c the int8 block with vpdpwssd (AVX-512 VNNI): int16 query and weights
@@ -96,9 +97,9 @@
 /* the AVX-512 code is built on x86-64 whatever the -march (chosen at run time); the intrinsics
  * header, large, only where it is used (gqa_avx512.h) */
 #if defined(__x86_64__) && defined(__GNUC__)
-#define GQA_HAVE_AVX512 1
+#define GQA_X86_64 1
 #else
-#define GQA_HAVE_AVX512 0
+#define GQA_X86_64 0
 #endif
 
 #define TILE_T 64   /* positions per block: 64 int8 codes of one channel are one cache line */
@@ -119,13 +120,15 @@
 #endif
 
 
-/* ISA_AVX512: F, BW, VL, DQ. ISA_AVX512_DOT: also BF16 and VNNI (bfloat16 scores by vdpbf16ps,
- * int8 scores and values by vpdpwssd; the other encodings as ISA_AVX512). */
-enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX512 = 2, ISA_AVX512_DOT = 3 };
+/* In order of speed. ISA_AVX2: AVX2 with FMA and F16C. ISA_AVX512: F, BW, VL, DQ.
+ * ISA_AVX512_DOT: also BF16 and VNNI (bfloat16 scores by vdpbf16ps, int8 scores and values by
+ * vpdpwssd; the other encodings as ISA_AVX512). */
+enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX512_DOT = 4 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 /* FLAG_FAIL_AFTER_WRITE: acted on only by a test build (test_hooks.c); part of the layout either way */
 enum { FLAG_HALF_SCALES = 1, FLAG_FAIL_AFTER_WRITE = 2, FLAG_ROTATE = 4, FLAG_RECIPROCAL = 8 };
-#define FLAG_ISA_SHIFT 4 /* flags bits 4-5: this cache's ISA_* (ISA_AUTO: the call's) */
+#define FLAG_ISA_SHIFT 4 /* flags bits 4-6: this cache's ISA_* (ISA_AUTO: the call's) */
+#define FLAG_ISA_MASK 7
 enum { POLICY_NONE = 0, POLICY_STRICT = 1, POLICY_GREEDY = 2, POLICY_SINK = 3 };
 /* gqa_step's result columns, per row (a caller asks for the first rcols >= 6 of them) */
 enum { R_T = 0, R_RESIDENT, R_FIRST, R_LAST, R_EVICTED, R_REACH, R_ATTENDED, R_WRITE_ROW, R_COLS };
@@ -291,7 +294,8 @@ static inline void store_elem(int enc, void *p, int64_t i, float x) {
  * Between the files. Internal functions are hidden: the library exports only gqa_*.
  */
 #define GQA_INTERNAL __attribute__((visibility("hidden")))
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni")))
@@ -316,13 +320,19 @@ typedef struct {
     int64_t scratch_floats; /* per thread */
     atomic_int *done;       /* per (cache, head): splits finished */
     char *deferred;         /* per cache: its dense write is done by the item reading the row */
-    char *wide;             /* per cache: its kernel is the AVX-512 one (vector 16-bit conversions) */
+    char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
 } call_t;
 
-/* block_portable.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
+/* block_portable.c, block_avx2.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
                                  state_t *st);
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
+AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void block_avx2_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void block_avx2_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void block_avx2_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
+AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);

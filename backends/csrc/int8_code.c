@@ -50,7 +50,7 @@ static inline __attribute__((always_inline)) int quantize_rows_body(const float 
     return 0;
 }
 
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 /* The same loops compiled for AVX-512 (their rounding and division vectorize; at the baseline
  * ISA rintf is a call per element): the same operations on each element, the same codes. */
 AVX512 static int quantize_rows_avx512(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes,
@@ -60,7 +60,7 @@ AVX512 static int quantize_rows_avx512(const float *x, int64_t rows, int64_t len
 #endif
 
 GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
     if (gqa_avx512_usable()) return quantize_rows_avx512(x, rows, len, flags, codes, scale);
 #endif
     return quantize_rows_body(x, rows, len, flags, codes, scale);
@@ -72,7 +72,7 @@ GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int fl
  * symmetric, so this is also H x. A fast Walsh-Hadamard transform, d log(block) adds, and no
  * threads: torch's matrix product here would start its thread pool, whose idle spinning then
  * competes with the attention kernel for the cores. */
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
 /* The same transform 16 lanes at a time (block a multiple of 16), the same additions and
  * subtractions in the same order, so bit for bit the scalar loop's result. Stages of span
  * len < 16 are within a register: lane j takes its partner j ^ len by a permutation, the lower
@@ -119,7 +119,7 @@ AVX512 static void hadamard_rows_avx512(float *x, int64_t rows, int64_t d, int64
 int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
     if (rows < 0 || d < 1 || block < 1 || (block & (block - 1)) || d % block) return -EINVAL;
     const float norm = 1.0f / sqrtf((float)block);
-#if GQA_HAVE_AVX512
+#if GQA_X86_64
     if (block % 16 == 0 && gqa_avx512_usable()) {
         hadamard_rows_avx512(x, rows, d, block, norm);
         return 0;

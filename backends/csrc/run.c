@@ -26,10 +26,10 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
         if (cc->runs[2 * r] < 0 || cc->runs[2 * r + 1] > cc->c || cc->runs[2 * r] >= cc->runs[2 * r + 1]) return -EINVAL;
         s += cc->runs[2 * r + 1] - cc->runs[2 * r];
     }
-    const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & 3;
+    const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & FLAG_ISA_MASK;
     if (own) isa = own;
-    if (isa == ISA_AUTO)
-        isa = usable & (1 << ISA_AVX512_DOT) ? ISA_AVX512_DOT : usable & (1 << ISA_AVX512) ? ISA_AVX512 : ISA_PORTABLE;
+    if (isa == ISA_AUTO) /* the fastest usable: the highest bit */
+        for (isa = ISA_AVX512_DOT; !(usable & (1 << isa)); isa--) continue;
     if (isa < ISA_PORTABLE || isa > ISA_AVX512_DOT || !(usable & (1 << isa))) return -ENOTSUP;
     *attended = s;
     *chosen = isa;
@@ -74,7 +74,7 @@ static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_siz
     if (rc) return rc;
     cc->status = 0;
     call->block[i] = choose_block(cc->enc, chosen);
-    call->wide[i] = chosen >= ISA_AVX512;
+    call->wide[i] = (char)(chosen >= ISA_AVX512 ? ISA_AVX512 : chosen == ISA_AVX2 ? ISA_AVX2 : 0);
     call->nsplit[i] = (call->s[i] + SPLIT_T - 1) / SPLIT_T;
     call->item_off[i] = size->items;
     call->head_off[i] = size->heads;

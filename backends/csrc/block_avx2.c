@@ -1,0 +1,361 @@
+/*
+ * The AVX2 blocks (with FMA and F16C) of every encoding: what x86-64 CPUs without AVX-512 run
+ * (AMD Zen 1-3, most Intel client cores). The walk of block_avx512.c at 8 lanes with 16
+ * registers instead of 32:
+ *
+ * - scores: 16 positions of a block at a time (two registers) for up to TILE_G query heads,
+ *   one key channel line after the other (2 x TILE_G accumulators, two key registers, one
+ *   broadcast); the lanes past the block's nt positions end as -inf;
+ * - the online softmax of gqa_avx512.h's, the exponential from its exponent bits (no scalef);
+ * - the value sum two query heads at a time over 32 channels of each row (8 accumulators, four
+ *   value registers), every row of the block in order.
+ *
+ * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
+ * masked); only where a line ends sooner (the ring's last, short block) through a zero-padded
+ * copy, so no load reaches past a block. The first tile of a block
+ * asks for the next block into L2: its key lines as the first 16 positions' scores go channel
+ * by channel, its value rows after the softmax (docs/design.md, "An AVX2 path": 12-15% faster
+ * at float32 than asking for the whole next block at once when a block starts).
+ */
+#include "gqa_internal.h"
+
+#if GQA_X86_64
+#include <immintrin.h>
+
+/* exp(x) for x <= 0: 2^n * e^r with |r| <= ln2 / 2, the degree-7 polynomial of exp512; x is
+ * clamped at -87 (2^n stays a normal float: e^-87 ~ 1.6e-38 stands for 0, which the callers'
+ * lanes past nt get by masking). */
+AVX2 static inline __m256 exp256(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
+    __m256 y = _mm256_set1_ps(1.0f / 5040.0f);
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+/* All ones in the lanes i < n of 8 (n <= 0: none, n >= 8: all). */
+AVX2 static inline __m256 lanes8(int64_t n) {
+    const int32_t k = n < 0 ? 0 : n > 8 ? 8 : (int32_t)n;
+    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+}
+
+AVX2 static inline float hmax8(__m256 x) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+
+AVX2 static inline float hsum8(__m256 x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 8 consecutive elements of encoding enc widened to float32 (bfloat16 key lines hold channel
+ * pairs: words16 reads those). */
+AVX2 static inline __attribute__((always_inline)) __m256 widen8(const int enc, const void *p) {
+    switch (enc) {
+        case ENC_F32: return _mm256_loadu_ps(p);
+        case ENC_BF16:
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+        case ENC_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+        default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+    }
+}
+
+/* The first n (< 8) of 8 elements of `size` bytes at p, through a zeroed copy (no load past them). */
+static inline __attribute__((always_inline)) const void *partial8(const void *p, int64_t n, int64_t size, void *buf) {
+    memset(buf, 0, 32);
+    memcpy(buf, p, (size_t)(n * size));
+    return buf;
+}
+
+/* Two registers of 16 positions of a key line (nt16 < 16: the first nt16 of them, zeros after). */
+AVX2 static inline __attribute__((always_inline)) void key16(const int enc, const char *row, int64_t nt16, __m256 *k0,
+                                                              __m256 *k1) {
+    const int64_t el = enc_size(enc);
+    if (nt16 >= 16) {
+        *k0 = widen8(enc, row);
+        *k1 = widen8(enc, row + 8 * el);
+        return;
+    }
+    _Alignas(32) char buf[32];
+    *k0 = widen8(enc, nt16 >= 8 ? row : partial8(row, nt16, el, buf));
+    *k1 = nt16 <= 8 ? _mm256_setzero_ps() : widen8(enc, partial8(row + 8 * el, nt16 - 8, el, buf));
+}
+
+/* Two registers of 16 positions of a bfloat16 key line of channel pairs, as 32-bit words. */
+AVX2 static inline __attribute__((always_inline)) void words16(const char *row, int64_t nt16, __m256i *w0, __m256i *w1) {
+    if (nt16 >= 16) {
+        *w0 = _mm256_loadu_si256((const __m256i *)row);
+        *w1 = _mm256_loadu_si256((const __m256i *)(row + 32));
+        return;
+    }
+    _Alignas(32) char buf[32];
+    *w0 = _mm256_loadu_si256((const __m256i *)(nt16 >= 8 ? row : partial8(row, nt16, 4, buf)));
+    *w1 = nt16 <= 8 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)partial8(row + 32, nt16 - 8, 4, buf));
+}
+
+/* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
+ * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
+ * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
+ * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
+ * kn (or NULL): the next block's keys (lines knline elements apart), asked for channel by channel. */
+AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const char *kn, int64_t knline,
+    float *out) {
+    const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
+    __m256 acc[TILE_G][2];
+    for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
+    if (kpack(enc) == 1) {
+        for (int64_t j = 0; j < dk; j++) {
+            const char *row = kb + (j * kline + t0) * el;
+            if (kn)
+                for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(kn + j * knline * el + x, _MM_HINT_T1);
+            __m256 k0, k1;
+            key16(enc, row, left, &k0, &k1);
+            for (int g = 0; g < gt; g++) {
+                const __m256 qj = _mm256_broadcast_ss(q + g * dq + j);
+                acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+            }
+        }
+    } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
+        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+        for (int64_t l = 0; 2 * l < dk; l++) {
+            const char *row = kb + (l * kline + 2 * t0) * 2;
+            if (kn)
+                for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
+            __m256i w0, w1;
+            words16(row, left, &w0, &w1);
+            for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
+                const __m256 k0 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w0, 16) : _mm256_and_si256(w0, high));
+                const __m256 k1 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w1, 16) : _mm256_and_si256(w1, high));
+                for (int g = 0; g < gt; g++) {
+                    const __m256 qj = _mm256_broadcast_ss(q + g * dq + 2 * l + r);
+                    acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
+                    acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+                }
+            }
+        }
+    }
+    if (enc == ENC_INT8) {
+        const __m256 s0 = _mm256_loadu_ps(ks + t0), s1 = _mm256_loadu_ps(ks + t0 + 8);
+        for (int g = 0; g < gt; g++) {
+            acc[g][0] = _mm256_mul_ps(acc[g][0], s0);
+            acc[g][1] = _mm256_mul_ps(acc[g][1], s1);
+        }
+        for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
+            __m256 x0, x1;
+            key16(ENC_F16, (const char *)(kob + o * c + t0), left, &x0, &x1);
+            for (int g = 0; g < gt; g++) {
+                const __m256 qo = _mm256_broadcast_ss(q + g * dq + dk + o);
+                acc[g][0] = _mm256_fmadd_ps(qo, x0, acc[g][0]);
+                acc[g][1] = _mm256_fmadd_ps(qo, x1, acc[g][1]);
+            }
+        }
+    }
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
+    for (int g = 0; g < gt; g++) {
+        _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, acc[g][0], m0));
+        _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, acc[g][1], m1));
+    }
+}
+
+/* The online-softmax update of one block for `gt` query heads: p[g][t] holds the scores of
+ * the block's first `ng` groups of 8 (-inf past nt) and becomes exp(score - m) (times vs[t]
+ * when given, 0 past nt); the running max m, sum l and accumulators acc (gt x d) are rescaled
+ * when the max grows. */
+AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, int64_t nt, const float *vs, int64_t d,
+                                                                     const int gt, float *ms, float *ls, float *accs) {
+    const int64_t ng = (nt + 7) / 8;
+    for (int g = 0; g < gt; g++) {
+        float *pg = p + g * TILE_T;
+        __m256 mx = _mm256_loadu_ps(pg);
+        for (int64_t i = 1; i < ng; i++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pg + 8 * i));
+        const float bmax = hmax8(mx);
+        float *m = ms + g, *l = ls + g, *acc = accs + g * d;
+        if (bmax > *m) {
+            const float alpha = expf(*m - bmax);
+            *l *= alpha;
+            const __m256 a = _mm256_set1_ps(alpha);
+            for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(a, _mm256_loadu_ps(acc + j)));
+            *m = bmax;
+        }
+        const __m256 mm = _mm256_set1_ps(*m);
+        __m256 sum = _mm256_setzero_ps();
+        for (int64_t i = 0; i < ng; i++) {
+            const __m256 e = _mm256_and_ps(lanes8(nt - 8 * i), exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + 8 * i), mm)));
+            sum = _mm256_add_ps(sum, e);
+            _mm256_storeu_ps(pg + 8 * i, vs ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + 8 * i)) : e);
+        }
+        *l += hsum8(sum);
+    }
+}
+
+/* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 2) query heads and
+ * nv (<= 4) registers of 8 channels, constants after inlining (the accumulators in registers). */
+AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, float *acc_mem, int64_t d, int64_t j0,
+                                                                const char *vb, const float *p, int64_t nt,
+                                                                const int gt, const int nv) {
+    const int64_t el = enc_size(enc);
+    __m256 acc[2][4];
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+    for (int64_t t = 0; t < nt; t++) {
+        const char *row = vb + (t * d + j0) * el;
+        __m256 vf[4];
+        for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
+        for (int g = 0; g < gt; g++) {
+            const __m256 w = _mm256_broadcast_ss(p + g * TILE_T + t);
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
+        }
+    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
+}
+
+/* A block's weighted value sum for gt query heads (acc: gt x d; d a multiple of 8). */
+AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
+                                                                      const char *vb, const float *p, int64_t nt,
+                                                                      const int gt) {
+    for (int g = 0; g < gt; g += 2) {
+        int64_t j0 = 0;
+        if (gt - g >= 2) {
+            for (; j0 + 32 <= d; j0 += 32) pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 2, 4);
+            for (; j0 < d; j0 += 8) pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 2, 1);
+        } else {
+            for (; j0 + 32 <= d; j0 += 32) pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 1, 4);
+            for (; j0 < d; j0 += 8) pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 1, 1);
+        }
+    }
+}
+
+/* Scores, online softmax and value sum of one tile of gt query heads (g0 the first). */
+AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, const gqa_cache_t *cc, const float *qf,
+                                                                  int64_t h, int64_t phys, int64_t g0, const int gt,
+                                                                  const char *kb, int64_t kline, const char *vb,
+                                                                  const float *ks, const float *vs, int64_t nt,
+                                                                  state_t *st) {
+    /* the first tile of a block that has a next one in the item's reach asks for it */
+    const int64_t el = enc_size(enc);
+    int64_t knline = 0;
+    const char *kn = g0 == 0 && st->prefetch ? (const char *)cc->k + key_block(cc, h, phys + nt, &knline) * el : NULL;
+    const int64_t d = cc->d, dq = cc->dk + cc->no;
+    float *p = st->p;
+    const float *q = qf + g0 * dq;
+    const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
+    /* positions from phys to the end of its block's lines: what a load may read */
+    const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
+    for (int64_t t0 = 0; t0 < nt; t0 += 16) {
+        const char *next = t0 == 0 ? kn : NULL;
+        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, next, knline, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, next, knline, p);
+    }
+    softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    if (kn)
+        for (int64_t x = 0; x < TILE_T * d * el; x += 64) _mm_prefetch(vb + nt * d * el + x, _MM_HINT_T1);
+    pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt);
+}
+
+AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int enc, const gqa_cache_t *cc,
+                                                                       const float *qf, int64_t h, int64_t phys,
+                                                                       int64_t nt, state_t *st) {
+    const int64_t d = cc->d, el = enc_size(enc);
+    int64_t kline;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline) * el;
+    const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
+    const float *ks = NULL, *vs = NULL;
+    if (enc == ENC_INT8) { /* the block's scales as float32, zero past nt */
+        const int64_t at = h * cc->scale_stride + phys;
+        for (int64_t t = 0; t < TILE_T; t += 8) {
+            __m256 k, v;
+            if (t + 8 <= nt && (cc->flags & FLAG_HALF_SCALES)) {
+                k = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cc->ks + at + t)));
+                v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cc->vs + at + t)));
+            } else if (t + 8 <= nt) {
+                k = _mm256_loadu_ps((const float *)cc->ks + at + t);
+                v = _mm256_loadu_ps((const float *)cc->vs + at + t);
+            } else {
+                _Alignas(32) float kt[8] = {0}, vt[8] = {0};
+                for (int64_t x = t; x < nt; x++) {
+                    kt[x - t] = load_elem(cc->flags & FLAG_HALF_SCALES ? ENC_F16 : ENC_F32, cc->ks, at + x);
+                    vt[x - t] = load_elem(cc->flags & FLAG_HALF_SCALES ? ENC_F16 : ENC_F32, cc->vs, at + x);
+                }
+                k = _mm256_load_ps(kt);
+                v = _mm256_load_ps(vt);
+            }
+            _mm256_storeu_ps(st->ksb + t, k);
+            _mm256_storeu_ps(st->vsb + t, v);
+        }
+        ks = st->ksb;
+        vs = st->vsb;
+    }
+    for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
+            case 4: tile_avx2(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st); break;
+            case 3: tile_avx2(enc, cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st); break;
+            case 2: tile_avx2(enc, cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st); break;
+            default: tile_avx2(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st); break;
+        }
+    }
+}
+
+AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx2_enc(ENC_F32, cc, qf, h, phys, nt, st);
+}
+AVX2 GQA_INTERNAL void block_avx2_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx2_enc(ENC_BF16, cc, qf, h, phys, nt, st);
+}
+AVX2 GQA_INTERNAL void block_avx2_f16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx2_enc(ENC_F16, cc, qf, h, phys, nt, st);
+}
+AVX2 GQA_INTERNAL void block_avx2_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    block_avx2_enc(ENC_INT8, cc, qf, h, phys, nt, st);
+}
+/* n float16/bfloat16 elements (enc) to float32 times scale: load_elem(enc, src, i) * scale. */
+AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float *dst, int64_t n, float scale) {
+    const __m256 s = _mm256_set1_ps(scale);
+    int64_t x = 0;
+    for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(widen8(enc, src + x), s));
+    for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
+}
+
+/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem (round to nearest
+ * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign). */
+AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t *dst, int64_t n) {
+    int64_t x = 0;
+    for (; x + 8 <= n; x += 8) {
+        const __m256 v = _mm256_loadu_ps(src + x);
+        const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        __m256i r;
+        if (enc == ENC_F16) {
+            const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+            r = _mm256_cvtepu16_epi32(h);
+            const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+            r = _mm256_blendv_epi8(r, qnan, nan);
+        } else {
+            const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+            r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+            r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+        }
+        /* 8 words of 16 significant bits to 8 halves, in order */
+        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+        _mm_storeu_si128((__m128i *)(dst + x), _mm256_castsi256_si128(packed));
+    }
+    for (; x < n; x++) store_elem(enc, dst, x, src[x]);
+}
+#endif /* GQA_X86_64 */
