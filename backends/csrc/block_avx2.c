@@ -7,8 +7,9 @@
  *   one key channel line after the other (2 x TILE_G accumulators, two key registers, one
  *   broadcast); the lanes past the block's nt positions end as -inf;
  * - the online softmax of gqa_avx512.h's, the exponential from its exponent bits (no scalef);
- * - the value sum two query heads at a time over 32 channels of each row (8 accumulators, four
- *   value registers), every row of the block in order.
+ * - the value sum for all the tile's query heads at once over a slice of each row (16 channels
+ *   for 3 or 4 heads, 32 for 1 or 2: up to 8 accumulators), every row of the block in order, so
+ *   each value line is read (and widened) once per tile.
  *
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
  * masked); only where a line ends sooner (the ring's last, short block) through a zero-padded
@@ -209,8 +210,9 @@ AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, in
     }
 }
 
-/* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 2) query heads and
- * nv (<= 4) registers of 8 channels, constants after inlining (the accumulators in registers).
+/* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
+ * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
+ * in registers).
  * vn (or NULL): the next block's values, vbytes long; row t asks for its cache lines
  * slot0 + t, slot0 + t + slots, ... (the block's passes share them out). */
 AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, float *acc_mem, int64_t d, int64_t j0,
@@ -218,7 +220,7 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
                                                                 const int gt, const int nv, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     const int64_t el = enc_size(enc);
-    __m256 acc[2][4];
+    __m256 acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
     for (int64_t t = 0; t < nt; t++) {
@@ -236,27 +238,17 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
         for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
 }
 
-/* A block's weighted value sum for gt query heads (acc: gt x d; d a multiple of 8); vn (or
- * NULL): the next block's values (vbytes), asked for a line per row read across the passes. */
+/* A block's weighted value sum for gt (<= 4) query heads (acc: gt x d; d a multiple of 8), a
+ * slice of 8 nv channels of every row per pass; vn (or NULL): the next block's values (vbytes),
+ * asked for a line per row read across the passes. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
                                                                       const int gt, const char *vn, int64_t vbytes) {
-    const int64_t passes = (gt + 1) / 2 * (d / 32 + d % 32 / 8), slots = passes * nt;
-    int64_t slot0 = 0;
-    for (int g = 0; g < gt; g += 2) {
-        int64_t j0 = 0;
-        if (gt - g >= 2) {
-            for (; j0 + 32 <= d; j0 += 32, slot0 += nt)
-                pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 2, 4, vn, vbytes, slot0, slots);
-            for (; j0 < d; j0 += 8, slot0 += nt)
-                pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 2, 1, vn, vbytes, slot0, slots);
-        } else {
-            for (; j0 + 32 <= d; j0 += 32, slot0 += nt)
-                pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 1, 4, vn, vbytes, slot0, slots);
-            for (; j0 < d; j0 += 8, slot0 += nt)
-                pv_avx2(enc, acc + g * d, d, j0, vb, p + g * TILE_T, nt, 1, 1, vn, vbytes, slot0, slots);
-        }
-    }
+    const int nv = gt >= 3 ? 2 : 4;
+    const int64_t w = 8 * nv, slots = (d / w + d % w / 8) * nt;
+    int64_t j0 = 0, slot0 = 0;
+    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots);
+    for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots);
 }
 
 /* Scores, online softmax and value sum of one tile of gt query heads (g0 the first). */
