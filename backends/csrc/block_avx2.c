@@ -14,10 +14,10 @@
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
  * masked); only where a line ends sooner (the ring's last, short block) through a zero-padded
  * copy, so no load reaches past a block. The first tile of a block asks for the next block
- * evenly as it goes: a line of its keys with each key line the scores read, a line of its
- * values with each value row the sum reads (docs/design.md, "Asking for the next block evenly":
- * 10-25% faster at 16 and 32 bits than asking in bursts, which fill the core's miss buffers and
- * hold up the loads the arithmetic waits on).
+ * evenly as it goes, each run's cache lines in ascending order: its keys' with the key lines the
+ * scores read, its values' with the value rows the sum reads (docs/design.md, "Asking for the
+ * next block evenly": bursts of asks hold up the loads the arithmetic waits on, and asks in
+ * ascending order let the L2's own prefetcher run ahead of them).
  */
 #include "gqa_internal.h"
 
@@ -113,22 +113,24 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
  * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
- * kn (or NULL): the next block's keys (lines knline elements apart); each of the block's
- * (nt + 15) / 16 passes asks for its share of every next line's cache lines, one channel at a
- * time. */
+ * kn (or NULL): the next block's keys (krows lines knline elements apart, one contiguous run):
+ * the block's (nt + 15) / 16 passes ask for its cache lines in ascending order, this pass its
+ * share, a few with each key line it reads. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const char *kn, int64_t knline,
     float *out) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
-    const int64_t ask0 = t0 / 16 * 64, ask_step = (nt + 15) / 16 * 64, kbytes = knline * el;
+    const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
+    const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
+    const int64_t ask0 = t0 / 16 * krows * per;
     __m256 acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
     if (kpack(enc) == 1) {
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + (j * kline + t0) * el;
             if (kn)
-                for (int64_t x = ask0; x < kbytes; x += ask_step) _mm_prefetch(kn + j * kbytes + x, _MM_HINT_T1);
+                for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256 k0, k1;
             key16(enc, row, left, &k0, &k1);
             for (int g = 0; g < gt; g++) {
@@ -142,7 +144,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + (l * kline + 2 * t0) * 2;
             if (kn)
-                for (int64_t x = ask0; x < kbytes; x += ask_step) _mm_prefetch(kn + l * kbytes + x, _MM_HINT_T1);
+                for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256i w0, w1;
             words16(row, left, &w0, &w1);
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
