@@ -12,8 +12,8 @@
  *   each value line is read (and widened) once per tile.
  *
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
- * masked); only where a line ends sooner (the ring's last, short block) through a zero-padded
- * copy, so no load reaches past a block. The first tile of a block asks for the next block
+ * masked); only where a line ends sooner (the ring's last, short block; a cache of fewer than
+ * 16 rows) by a masked load or a register built byte by byte, so no load reaches past a block. The first tile of a block asks for the next block
  * evenly as it goes, each run's cache lines in ascending order: its keys' with the key lines the
  * scores read, its values' with the value rows the sum reads (docs/design.md, "Asking for the
  * next block evenly": bursts of asks hold up the loads the arithmetic waits on, and asks in
@@ -76,11 +76,23 @@ AVX2 static inline __attribute__((always_inline)) __m256 widen8(const int enc, c
     }
 }
 
-/* The first n (< 8) of 8 elements of `size` bytes at p, through a zeroed copy (no load past them). */
-static inline __attribute__((always_inline)) const void *partial8(const void *p, int64_t n, int64_t size, void *buf) {
-    memset(buf, 0, 32);
-    memcpy(buf, p, (size_t)(n * size));
-    return buf;
+/* The first n (< 8) of 8 elements of encoding enc at p widened to float32, zeros after, reading
+ * no byte past them: 32-bit elements by a masked load, narrower ones gathered into a register
+ * byte by byte (a copy through memory would stall the vector load that reads it back). */
+AVX2 static inline __attribute__((always_inline)) __m256 partial8(const int enc, const char *p, int64_t n) {
+    if (enc == ENC_F32) return _mm256_maskload_ps((const float *)p, _mm256_castps_si256(lanes8(n)));
+    uint64_t lo = 0, hi = 0;
+    for (int64_t i = 0; i < n * enc_size(enc); i++) {
+        const uint64_t b = (uint8_t)p[i];
+        if (i < 8) lo |= b << (8 * i);
+        else hi |= b << (8 * (i - 8));
+    }
+    const __m128i raw = _mm_set_epi64x((long long)hi, (long long)lo);
+    switch (enc) {
+        case ENC_BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+        case ENC_F16: return _mm256_cvtph_ps(raw);
+        default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
+    }
 }
 
 /* Two registers of 16 positions of a key line (nt16 < 16: the first nt16 of them, zeros after). */
@@ -92,9 +104,8 @@ AVX2 static inline __attribute__((always_inline)) void key16(const int enc, cons
         *k1 = widen8(enc, row + 8 * el);
         return;
     }
-    _Alignas(32) char buf[32];
-    *k0 = widen8(enc, nt16 >= 8 ? row : partial8(row, nt16, el, buf));
-    *k1 = nt16 <= 8 ? _mm256_setzero_ps() : widen8(enc, partial8(row + 8 * el, nt16 - 8, el, buf));
+    *k0 = nt16 >= 8 ? widen8(enc, row) : partial8(enc, row, nt16);
+    *k1 = nt16 <= 8 ? _mm256_setzero_ps() : partial8(enc, row + 8 * el, nt16 - 8);
 }
 
 /* Two registers of 16 positions of a bfloat16 key line of channel pairs, as 32-bit words. */
@@ -104,9 +115,10 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
         *w1 = _mm256_loadu_si256((const __m256i *)(row + 32));
         return;
     }
-    _Alignas(32) char buf[32];
-    *w0 = _mm256_loadu_si256((const __m256i *)(nt16 >= 8 ? row : partial8(row, nt16, 4, buf)));
-    *w1 = nt16 <= 8 ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *)partial8(row + 32, nt16 - 8, 4, buf));
+    *w0 = nt16 >= 8 ? _mm256_loadu_si256((const __m256i *)row)
+                    : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(nt16)));
+    *w1 = nt16 <= 8 ? _mm256_setzero_si256()
+                    : _mm256_maskload_epi32((const int *)(row + 32), _mm256_castps_si256(lanes8(nt16 - 8)));
 }
 
 /* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
