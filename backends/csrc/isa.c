@@ -3,14 +3,22 @@
  */
 #include "gqa_internal.h"
 
-int gqa_avx512_usable(void) {
+/* The vector ISAs this CPU has (a bit per ISA_* value, whatever the head width), probed once. */
+static int cpu_isas(void) {
 #if GQA_X86_64
     static atomic_int known = -1;
     int v = atomic_load(&known);
     if (v < 0) {
         __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+        v = 0;
+        if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+            v |= 1 << ISA_AVX2;
+        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+            v |= 1 << ISA_AVX512;
+            /* BF16 and VNNI besides (every CPU with the first has the second) */
+            if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) v |= 1 << ISA_AVX512_DOT;
+        }
         atomic_store(&known, v);
     }
     return v;
@@ -19,47 +27,14 @@ int gqa_avx512_usable(void) {
 #endif
 }
 
-/* Whether the CPU has AVX2, FMA and F16C (the AVX2 blocks' instructions). */
-static int gqa_avx2_usable(void) {
-#if GQA_X86_64
-    static atomic_int known = -1;
-    int v = atomic_load(&known);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-        atomic_store(&known, v);
-    }
-    return v;
-#else
-    return 0;
-#endif
-}
-
-/* Whether the CPU has AVX-512 BF16 and VNNI (every CPU with the first has the second) besides
- * gqa_avx512_usable's. */
-static int gqa_avx512_dot_usable(void) {
-#if GQA_X86_64
-    static atomic_int known = -1;
-    int v = atomic_load(&known);
-    if (v < 0) {
-        __builtin_cpu_init();
-        v = __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni");
-        atomic_store(&known, v);
-    }
-    return v;
-#else
-    return 0;
-#endif
-}
+int gqa_avx512_usable(void) { return (cpu_isas() >> ISA_AVX512) & 1; }
 
 /* The implementations that can run here for head width d (a bit per ISA_* value). */
 int gqa_usable_isas(int64_t d) {
+    const int cpu = cpu_isas();
     int m = 1 << ISA_PORTABLE;
-    if (gqa_avx2_usable() && d % 8 == 0) m |= 1 << ISA_AVX2;
-    if (gqa_avx512_usable() && d % 16 == 0) {
-        m |= 1 << ISA_AVX512;
-        if (gqa_avx512_dot_usable()) m |= 1 << ISA_AVX512_DOT;
-    }
+    if (d % 8 == 0) m |= cpu & (1 << ISA_AVX2);
+    if (d % 16 == 0) m |= cpu & (1 << ISA_AVX512 | 1 << ISA_AVX512_DOT);
     return m;
 }
 
