@@ -93,21 +93,8 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             acc[g][0] = _mm256_mul_ps(acc[g][0], s0);
             acc[g][1] = _mm256_mul_ps(acc[g][1], s1);
         }
-        for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
-            __m256 x0, x1;
-            key16(ENC_F16, (const char *)(kob + o * c + t0), left, &x0, &x1);
-            for (int g = 0; g < gt; g++) {
-                const __m256 qo = _mm256_broadcast_ss(q + g * dq + dk + o);
-                acc[g][0] = _mm256_fmadd_ps(qo, x0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(qo, x1, acc[g][1]);
-            }
-        }
     }
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
-    for (int g = 0; g < gt; g++) {
-        _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, acc[g][0], m0));
-        _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, acc[g][1], m1));
-    }
+    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, left, attended, gt, out);
 }
 
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and

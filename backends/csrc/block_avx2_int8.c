@@ -120,20 +120,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_int8(
         y[g][0] = _mm256_mul_ps(_mm256_mul_ps(in_order8(acc[g][0], acc[g][1], 0), qs), s0);
         y[g][1] = _mm256_mul_ps(_mm256_mul_ps(in_order8(acc[g][0], acc[g][1], 1), qs), s1);
     }
-    for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
-        __m256 x0, x1;
-        key16(ENC_F16, (const char *)(kob + o * c + t0), left, &x0, &x1);
-        for (int g = 0; g < gt; g++) {
-            const __m256 qo = _mm256_broadcast_ss(q + g * dq + dk + o);
-            y[g][0] = _mm256_fmadd_ps(qo, x0, y[g][0]);
-            y[g][1] = _mm256_fmadd_ps(qo, x1, y[g][1]);
-        }
-    }
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
-    for (int g = 0; g < gt; g++) {
-        _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, y[g][0], m0));
-        _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, y[g][1], m1));
-    }
+    scores16_finish(y, q, dq, dk, no, kob, c, t0, left, attended, gt, out);
 }
 
 /* The block's weights p (gt x TILE_T, valid below nt) as int16 against each head's largest:

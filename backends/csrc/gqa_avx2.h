@@ -1,7 +1,8 @@
 /*
  * gqa_avx2.h: the AVX2 pieces the block files share (block_avx2.c, block_avx2_int8.c): exp, the
  * lane masks, widening 8 elements of any encoding (whole or the first n), a key line's 16
- * positions, the online-softmax update of a block and an int8 block's scales. All inline: each
+ * positions, the end of a block's scores, the online-softmax update of a block and an int8
+ * block's scales. All inline: each
  * block function gets its own copy, specialized to its encoding and tile by constant folding.
  */
 #ifndef GQA_AVX2_H
@@ -94,6 +95,31 @@ AVX2 static inline __attribute__((always_inline)) void key16(const int enc, cons
     }
     *k0 = nt16 >= 8 ? widen8(enc, row) : partial8(enc, row, nt16);
     *k1 = nt16 <= 8 ? _mm256_setzero_ps() : partial8(enc, row + 8 * el, nt16 - 8);
+}
+
+/* The end of an int8 block's scores for 16 positions from t0 (left of them readable; attended
+ * of them valid), y (gt heads x 2 registers) already times the key scales: the float16 outlier
+ * channels (rows of kob, c apart; q's channels dk.. of each head, dq apart) added, then the
+ * scores to out[g * TILE_T + t0 ...], -inf past the attended ones. A dense block (no = 0) only
+ * stores. */
+AVX2 static inline __attribute__((always_inline)) void scores16_finish(__m256 y[TILE_G][2], const float *q, int64_t dq,
+                                                                        int64_t dk, int64_t no, const uint16_t *kob,
+                                                                        int64_t c, int64_t t0, int64_t left,
+                                                                        int64_t attended, const int gt, float *out) {
+    for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
+        __m256 x0, x1;
+        key16(ENC_F16, (const char *)(kob + o * c + t0), left, &x0, &x1);
+        for (int g = 0; g < gt; g++) {
+            const __m256 qo = _mm256_broadcast_ss(q + g * dq + dk + o);
+            y[g][0] = _mm256_fmadd_ps(qo, x0, y[g][0]);
+            y[g][1] = _mm256_fmadd_ps(qo, x1, y[g][1]);
+        }
+    }
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
+    for (int g = 0; g < gt; g++) {
+        _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, y[g][0], m0));
+        _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, y[g][1], m1));
+    }
 }
 
 /* The online-softmax update of one block for `gt` query heads: p[g][t] holds the scores of
