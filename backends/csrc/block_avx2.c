@@ -1,6 +1,8 @@
 /*
  * The AVX2 blocks (with FMA and F16C) of every encoding: what x86-64 CPUs without AVX-512 run
- * (AMD Zen 1-3, most Intel client cores). The walk of block_avx512.c at 8 lanes with 16
+ * (AMD Zen 1-3, most Intel client cores). int8 takes the integer block of block_avx2_int8.c
+ * and this file's float one only where that cannot (D not a multiple of 16, over 512 coded
+ * channels). The walk of block_avx512.c at 8 lanes with 16
  * registers instead of 32:
  *
  * - scores: 16 positions of a block at a time (two registers) for up to TILE_G query heads,
@@ -19,94 +21,9 @@
  * next block evenly": bursts of asks hold up the loads the arithmetic waits on, and asks in
  * ascending order let the L2's own prefetcher run ahead of them).
  */
-#include "gqa_internal.h"
+#include "gqa_avx2.h"
 
 #if GQA_X86_64
-#include <immintrin.h>
-
-/* exp(x) for x <= 0: 2^n * e^r with |r| <= ln2 / 2, the degree-7 polynomial of exp512; x is
- * clamped at -87 (2^n stays a normal float: e^-87 ~ 1.6e-38 stands for 0, which the callers'
- * lanes past nt get by masking). */
-AVX2 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-    const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
-    const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));
-    __m256 y = _mm256_set1_ps(1.0f / 5040.0f);
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 720.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 120.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 24.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f / 6.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(0.5f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.0f));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-/* All ones in the lanes i < n of 8 (n <= 0: none, n >= 8: all). */
-AVX2 static inline __m256 lanes8(int64_t n) {
-    const int32_t k = n < 0 ? 0 : n > 8 ? 8 : (int32_t)n;
-    return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(k), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-}
-
-AVX2 static inline float hmax8(__m256 x) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
-
-AVX2 static inline float hsum8(__m256 x) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* 8 consecutive elements of encoding enc widened to float32 (bfloat16 key lines hold channel
- * pairs: words16 reads those). */
-AVX2 static inline __attribute__((always_inline)) __m256 widen8(const int enc, const void *p) {
-    switch (enc) {
-        case ENC_F32: return _mm256_loadu_ps(p);
-        case ENC_BF16:
-            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-        case ENC_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
-        default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
-    }
-}
-
-/* The first n (< 8) of 8 elements of encoding enc at p widened to float32, zeros after, reading
- * no byte past them: 32-bit elements by a masked load, narrower ones gathered into a register
- * byte by byte (a copy through memory would stall the vector load that reads it back). */
-AVX2 static inline __attribute__((always_inline)) __m256 partial8(const int enc, const char *p, int64_t n) {
-    if (enc == ENC_F32) return _mm256_maskload_ps((const float *)p, _mm256_castps_si256(lanes8(n)));
-    uint64_t lo = 0, hi = 0;
-    for (int64_t i = 0; i < n * enc_size(enc); i++) {
-        const uint64_t b = (uint8_t)p[i];
-        if (i < 8) lo |= b << (8 * i);
-        else hi |= b << (8 * (i - 8));
-    }
-    const __m128i raw = _mm_set_epi64x((long long)hi, (long long)lo);
-    switch (enc) {
-        case ENC_BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-        case ENC_F16: return _mm256_cvtph_ps(raw);
-        default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw));
-    }
-}
-
-/* Two registers of 16 positions of a key line (nt16 < 16: the first nt16 of them, zeros after). */
-AVX2 static inline __attribute__((always_inline)) void key16(const int enc, const char *row, int64_t nt16, __m256 *k0,
-                                                              __m256 *k1) {
-    const int64_t el = enc_size(enc);
-    if (nt16 >= 16) {
-        *k0 = widen8(enc, row);
-        *k1 = widen8(enc, row + 8 * el);
-        return;
-    }
-    *k0 = nt16 >= 8 ? widen8(enc, row) : partial8(enc, row, nt16);
-    *k1 = nt16 <= 8 ? _mm256_setzero_ps() : partial8(enc, row + 8 * el, nt16 - 8);
-}
 
 /* Two registers of 16 positions of a bfloat16 key line of channel pairs, as 32-bit words. */
 AVX2 static inline __attribute__((always_inline)) void words16(const char *row, int64_t nt16, __m256i *w0, __m256i *w1) {
@@ -176,52 +93,8 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             acc[g][0] = _mm256_mul_ps(acc[g][0], s0);
             acc[g][1] = _mm256_mul_ps(acc[g][1], s1);
         }
-        for (int64_t o = 0; o < no; o++) { /* float16 channels: not scaled */
-            __m256 x0, x1;
-            key16(ENC_F16, (const char *)(kob + o * c + t0), left, &x0, &x1);
-            for (int g = 0; g < gt; g++) {
-                const __m256 qo = _mm256_broadcast_ss(q + g * dq + dk + o);
-                acc[g][0] = _mm256_fmadd_ps(qo, x0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(qo, x1, acc[g][1]);
-            }
-        }
     }
-    const __m256 ninf = _mm256_set1_ps(-INFINITY), m0 = lanes8(attended), m1 = lanes8(attended - 8);
-    for (int g = 0; g < gt; g++) {
-        _mm256_storeu_ps(out + g * TILE_T + t0, _mm256_blendv_ps(ninf, acc[g][0], m0));
-        _mm256_storeu_ps(out + g * TILE_T + t0 + 8, _mm256_blendv_ps(ninf, acc[g][1], m1));
-    }
-}
-
-/* The online-softmax update of one block for `gt` query heads: p[g][t] holds the scores of
- * the block's first `ng` groups of 8 (-inf past nt) and becomes exp(score - m) (times vs[t]
- * when given, 0 past nt); the running max m, sum l and accumulators acc (gt x d) are rescaled
- * when the max grows. */
-AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, int64_t nt, const float *vs, int64_t d,
-                                                                     const int gt, float *ms, float *ls, float *accs) {
-    const int64_t ng = (nt + 7) / 8;
-    for (int g = 0; g < gt; g++) {
-        float *pg = p + g * TILE_T;
-        __m256 mx = _mm256_loadu_ps(pg);
-        for (int64_t i = 1; i < ng; i++) mx = _mm256_max_ps(mx, _mm256_loadu_ps(pg + 8 * i));
-        const float bmax = hmax8(mx);
-        float *m = ms + g, *l = ls + g, *acc = accs + g * d;
-        if (bmax > *m) {
-            const float alpha = expf(*m - bmax);
-            *l *= alpha;
-            const __m256 a = _mm256_set1_ps(alpha);
-            for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(a, _mm256_loadu_ps(acc + j)));
-            *m = bmax;
-        }
-        const __m256 mm = _mm256_set1_ps(*m);
-        __m256 sum = _mm256_setzero_ps();
-        for (int64_t i = 0; i < ng; i++) {
-            const __m256 e = _mm256_and_ps(lanes8(nt - 8 * i), exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + 8 * i), mm)));
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(pg + 8 * i, vs ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + 8 * i)) : e);
-        }
-        *l += hsum8(sum);
-    }
+    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, left, attended, gt, out);
 }
 
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
@@ -297,28 +170,8 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int 
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline) * el;
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     const float *ks = NULL, *vs = NULL;
-    if (enc == ENC_INT8) { /* the block's scales as float32, zero past nt */
-        const int64_t at = h * cc->scale_stride + phys;
-        for (int64_t t = 0; t < TILE_T; t += 8) {
-            __m256 k, v;
-            if (t + 8 <= nt && (cc->flags & FLAG_HALF_SCALES)) {
-                k = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cc->ks + at + t)));
-                v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)cc->vs + at + t)));
-            } else if (t + 8 <= nt) {
-                k = _mm256_loadu_ps((const float *)cc->ks + at + t);
-                v = _mm256_loadu_ps((const float *)cc->vs + at + t);
-            } else {
-                _Alignas(32) float kt[8] = {0}, vt[8] = {0};
-                for (int64_t x = t; x < nt; x++) {
-                    kt[x - t] = load_elem(cc->flags & FLAG_HALF_SCALES ? ENC_F16 : ENC_F32, cc->ks, at + x);
-                    vt[x - t] = load_elem(cc->flags & FLAG_HALF_SCALES ? ENC_F16 : ENC_F32, cc->vs, at + x);
-                }
-                k = _mm256_load_ps(kt);
-                v = _mm256_load_ps(vt);
-            }
-            _mm256_storeu_ps(st->ksb + t, k);
-            _mm256_storeu_ps(st->vsb + t, v);
-        }
+    if (enc == ENC_INT8) {
+        block_scales_avx2(cc, h, phys, nt, st);
         ks = st->ksb;
         vs = st->vsb;
     }

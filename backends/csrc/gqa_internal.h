@@ -41,13 +41,15 @@
  * counter by the threads, so the work spreads by positions (bytes of KV) read.
  *
  * Per encoding only the block's loads differ (widen16 / load_elem): keys and values are read
- * once and widened to float32 in registers. Three implementations of the block, chosen at run
- * time per cache: AVX-512 (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16),
- * AVX-512 with BF16 and VNNI (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own
- * bfloat16; int8 scores and values by vpdpwssd on an int16 query and int16 block weights, within
- * 2e-4 of the others; float32 and float16 as AVX-512) and portable C (the specification the fast
- * paths are tested against). The library builds with no -march flag. The AVX-512 blocks prefetch the next block
- * into L2 as they go (its key block is one contiguous run, its value rows another).
+ * once and widened to float32 in registers. Four implementations of the block, chosen at run
+ * time per cache: AVX2 (with FMA and F16C; D a multiple of 8; int8 scores and values by
+ * vpmaddwd on an int16 query and int16 block weights, within 2e-4 of the float paths), AVX-512
+ * (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16), AVX-512 with BF16 and VNNI
+ * (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16; int8 scores and
+ * values by vpdpwssd, as AVX2's by vpmaddwd; float32 and float16 as AVX-512) and portable C
+ * (the specification the fast paths are tested against). The library builds with no -march
+ * flag. The vector blocks prefetch the next block as they go (its key block is one contiguous
+ * run, its value rows another).
  * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
@@ -66,7 +68,9 @@
  *     gqa_internal.h      this: shared definitions
  *     gqa_avx512.h        AVX-512 helpers the block files share (exp, widening, softmax, P.V)
  *     block_portable.c    the portable block (the specification the fast paths are tested against)
+ *     gqa_avx2.h          AVX2 helpers the AVX2 block files share (exp, widening, softmax, scales)
  *     block_avx2.c        the AVX2 blocks of every encoding (x86-64 without AVX-512)
+ *     block_avx2_int8.c   the AVX2 int8 block with vpmaddwd: int16 query and weights
  *     block_avx512.c      the AVX-512 blocks of every encoding, and row widening / narrowing
  *     block_avx512_bf16.c the bfloat16 block with vdpbf16ps (AVX-512 BF16)
  *     block_avx512_int8.c the int8 block with vpdpwssd (AVX-512 VNNI): int16 query and weights
@@ -189,7 +193,7 @@ static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC
  * The key layout, as backends/key_layout.py's KeyBlocks defines it (the one definition): per KV
  * head, the C ring rows in blocks of TILE_T (the last one C mod TILE_T rows when shorter), one
  * block after the other; a block of w rows holds its dk channels as dk / P lines of w words of
- * P channels (kpack: 4 for int8, else 1; dk padded to a multiple of P). A
+ * P channels (kpack: 2 for bfloat16, else 1; dk padded to a multiple of P). A
  * block of positions is then one contiguous run (D x 64 elements), read front to back, where
  * the transposed layout before it was D streams of a few lines each at a stride of C.
  */
@@ -323,7 +327,7 @@ typedef struct {
     char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
 } call_t;
 
-/* block_portable.c, block_avx2.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
+/* block_portable.c, block_avx2.c, block_avx2_int8.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
                                  state_t *st);
 #if GQA_X86_64
@@ -331,6 +335,7 @@ AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *, const float *, int64_
 AVX2 GQA_INTERNAL void block_avx2_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void block_avx2_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void block_avx2_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
+AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
 AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);

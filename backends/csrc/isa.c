@@ -55,7 +55,7 @@ GQA_INTERNAL block_fn choose_block(int enc, int isa) {
             case ENC_F32: return block_avx2_f32;
             case ENC_BF16: return block_avx2_bf16;
             case ENC_F16: return block_avx2_f16;
-            default: return block_avx2_int8;
+            default: return block_avx2_dot_int8;
         }
     }
 #endif
