@@ -19,6 +19,7 @@
  */
 #define _GNU_SOURCE
 #include <sched.h>
+#include <time.h>
 
 #include "gqa_internal.h"
 
@@ -35,7 +36,8 @@ static struct {
     void *ctx;
     int64_t nitems;
     atomic_ullong next; /* (gen mod 2^32) << 32 | the next item of that call */
-    int64_t completed;  /* items of the current call done (under m) */
+    atomic_llong completed; /* items of the current call done (written under m; the caller also
+                               reads it without m while it spins) */
     int want;
     cpu_set_t allowed;  /* the CPUs of the thread that started the workers (theirs too) */
     int nallowed;
@@ -62,7 +64,7 @@ static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, uint64_t gen, in
 static void items_done(uint64_t gen, int64_t ran) {
     if (!ran) return; /* a late worker's empty visit: nothing to count, nobody waits on it */
     pthread_mutex_lock(&pool.m);
-    if (pool.gen == gen && (pool.completed += ran) == pool.nitems) pthread_cond_signal(&pool.done);
+    if (pool.gen == gen && atomic_fetch_add(&pool.completed, ran) + ran == pool.nitems) pthread_cond_signal(&pool.done);
     pthread_mutex_unlock(&pool.m);
 }
 
@@ -137,6 +139,23 @@ static void place_workers_locked(int cpu) { /* call_lock held */
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_after_fork_child); }
 
+/* Returns once the current call's items are all done or SPIN_WAIT_NS have passed. */
+#define SPIN_WAIT_NS 300000
+static void spin_until_done(int64_t nitems) {
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(&pool.completed, memory_order_acquire) >= nitems) return;
+#if GQA_X86_64
+        __builtin_ia32_pause();
+#endif
+        if (i % 64 == 0) {
+            clock_gettime(CLOCK_MONOTONIC, &t);
+            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_WAIT_NS) return;
+        }
+    }
+}
+
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     if (threads <= 1 || nitems <= 1) {
         for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
@@ -157,7 +176,7 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     pool.ctx = ctx;
     pool.nitems = nitems;
     pool.want = want;
-    pool.completed = 0;
+    atomic_store(&pool.completed, 0);
     const uint64_t gen = ++pool.gen;
     atomic_store(&pool.next, (unsigned long long)(uint32_t)gen << 32);
     if (want) pthread_cond_broadcast(&pool.wake);
@@ -166,9 +185,12 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
         for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
     } else {
         const int64_t ran = run_items(fn, ctx, nitems, gen, 0);
+        /* the items left are the workers' last ones, already running: wait for them awake for a
+         * while (a thread put to sleep here took 30-70 us to run again on this VM once they
+         * were done, docs/design.md "The caller waits awake"), then asleep */
+        if (atomic_fetch_add(&pool.completed, ran) + ran < nitems) spin_until_done(nitems);
         pthread_mutex_lock(&pool.m);
-        pool.completed += ran;
-        while (pool.completed < nitems) pthread_cond_wait(&pool.done, &pool.m);
+        while (atomic_load(&pool.completed) < nitems) pthread_cond_wait(&pool.done, &pool.m);
         pthread_mutex_unlock(&pool.m);
     }
     pthread_mutex_unlock(&pool.call_lock);
