@@ -35,9 +35,9 @@ LENGTHS = [1, 63, 64, 65, 1000]
 # float32 sums in a different order than float64: relative L2 of the output
 RTOL = 1e-5
 # The integer paths (avx2's vpmaddwd, avx512dot's vpdpwssd: the query and each block's weights
-# in 15 bits, integer products) add that rounding: ~1e-5..1e-4 here, where the int8 cache's own codes cost 5e-3..1e-2 against
-# the original data; the bound and why it is negligible there: docs/design.md, "int8 by integer
-# dot products".
+# in 15 bits, integer products) add that rounding: ~1e-5..1e-4 here, where the int8 cache's own
+# codes cost 5e-3..1e-2 against the original data; the bound and why it is negligible there:
+# docs/design.md, "int8 by integer dot products".
 RTOL_INTEGER = 2e-4
 INTEGER_ISAS = ("avx2", "avx512dot")
 
@@ -135,8 +135,8 @@ def test_float16_key_outlier_channels_add_to_the_scores(outliers, isa):
 
 @pytest.mark.parametrize("isa", [_isa_param(isa, 576) for isa in INTEGER_ISAS])
 def test_more_than_512_coded_channels_take_the_float_block(isa):
-    """int32 sums of more channel pairs could overflow: an integer path hands such heads to its ISA's
-    float block, whose float32 rounding (RTOL) the integer path's 15 bits would not meet."""
+    """int32 sums of more channel pairs could overflow: an integer path hands such heads to its
+    ISA's float block, whose float32 rounding (RTOL) the integer path's 15 bits would not meet."""
     gen = torch.Generator().manual_seed(5)
     n, g, d, c = 1, 4, 576, 150
     q, k, v, ks, vs = _problem(n, g, d, c, gen)

@@ -2,8 +2,7 @@
  * The AVX2 blocks (with FMA and F16C) of every encoding: what x86-64 CPUs without AVX-512 run
  * (AMD Zen 1-3, most Intel client cores). int8 takes the integer block of block_avx2_int8.c
  * and this file's float one only where that cannot (D not a multiple of 16, over 512 coded
- * channels). The walk of block_avx512.c at 8 lanes with 16
- * registers instead of 32:
+ * channels). The walk of block_avx512.c at 8 lanes with 16 registers instead of 32:
  *
  * - scores: 16 positions of a block at a time (two registers) for up to TILE_G query heads,
  *   one key channel line after the other (2 x TILE_G accumulators, two key registers, one

@@ -25,14 +25,7 @@
 
 /* n (<= 16) int8 codes at p widened to 16 int16 lanes (zeros past n), reading no byte past them. */
 AVX2 static inline __attribute__((always_inline)) __m256i codes16(const char *p, int64_t n) {
-    if (n >= 16) return _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-    uint64_t lo = 0, hi = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const uint64_t b = (uint8_t)p[i];
-        if (i < 8) lo |= b << (8 * i);
-        else hi |= b << (8 * (i - 8));
-    }
-    return _mm256_cvtepi8_epi16(_mm_set_epi64x((long long)hi, (long long)lo));
+    return _mm256_cvtepi8_epi16(n >= 16 ? _mm_loadu_si128((const __m128i *)p) : bytes16(p, n));
 }
 
 /* 8 int32 lanes (each within [-32767, 32767]) as int16 into dst[0..8). */
@@ -203,8 +196,8 @@ AVX2 static inline __attribute__((always_inline)) void pv_int8(float *acc_mem, i
 AVX2 static inline __attribute__((always_inline)) void tile_int8(const gqa_cache_t *cc, const float *qf, int64_t h,
                                                                   int64_t phys, int64_t g0, const int gt,
                                                                   const char *kb, int64_t kline, const char *vb,
-                                                                  const float *ks, const float *vs, int64_t nt,
-                                                                  state_t *st) {
+                                                                  int64_t nt, state_t *st) {
+    const float *ks = st->ksb, *vs = st->vsb; /* the block's scales (block_scales_avx2) */
     int64_t knline = 0; /* the first tile of a block that has a next one in the item's reach asks for it */
     const char *kn = g0 == 0 && st->prefetch ? (const char *)cc->k + key_block(cc, h, phys + nt, &knline) : NULL;
     const int64_t d = cc->d, dk = cc->dk, no = cc->no, words = (dk + 1) / 2;
@@ -233,7 +226,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8(const gqa_cache
 
 AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
                                            int64_t nt, state_t *st) {
-    if (cc->dk > 512 || cc->d % 16) { /* int32 sums of more channel pairs could overflow */
+    if (cc->dk > 512 || cc->d % 16) { /* int32 sums could overflow; value rows in 16s */
         block_avx2_int8(cc, qf, h, phys, nt, st);
         return;
     }
@@ -244,10 +237,10 @@ AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *cc, const float *q
     block_scales_avx2(cc, h, phys, nt, st);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_int8(cc, qf, h, phys, g0, 4, kb, kline, vb, st->ksb, st->vsb, nt, st); break;
-            case 3: tile_int8(cc, qf, h, phys, g0, 3, kb, kline, vb, st->ksb, st->vsb, nt, st); break;
-            case 2: tile_int8(cc, qf, h, phys, g0, 2, kb, kline, vb, st->ksb, st->vsb, nt, st); break;
-            default: tile_int8(cc, qf, h, phys, g0, 1, kb, kline, vb, st->ksb, st->vsb, nt, st); break;
+            case 4: tile_int8(cc, qf, h, phys, g0, 4, kb, kline, vb, nt, st); break;
+            case 3: tile_int8(cc, qf, h, phys, g0, 3, kb, kline, vb, nt, st); break;
+            case 2: tile_int8(cc, qf, h, phys, g0, 2, kb, kline, vb, nt, st); break;
+            default: tile_int8(cc, qf, h, phys, g0, 1, kb, kline, vb, nt, st); break;
         }
     }
 }

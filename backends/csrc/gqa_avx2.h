@@ -2,8 +2,8 @@
  * gqa_avx2.h: the AVX2 pieces the block files share (block_avx2.c, block_avx2_int8.c): exp, the
  * lane masks, widening 8 elements of any encoding (whole or the first n), a key line's 16
  * positions, the end of a block's scores, the online-softmax update of a block and an int8
- * block's scales. All inline: each
- * block function gets its own copy, specialized to its encoding and tile by constant folding.
+ * block's scales. All inline: each block function gets its own copy, specialized to its
+ * encoding and tile by constant folding.
  */
 #ifndef GQA_AVX2_H
 #define GQA_AVX2_H
@@ -65,18 +65,23 @@ AVX2 static inline __attribute__((always_inline)) __m256 widen8(const int enc, c
     }
 }
 
-/* The first n (< 8) of 8 elements of encoding enc at p widened to float32, zeros after, reading
- * no byte past them: 32-bit elements by a masked load, narrower ones gathered into a register
+/* The first n (<= 16) bytes at p in a register, zeros after, reading no byte past them: gathered
  * byte by byte (a copy through memory would stall the vector load that reads it back). */
-AVX2 static inline __attribute__((always_inline)) __m256 partial8(const int enc, const char *p, int64_t n) {
-    if (enc == ENC_F32) return _mm256_maskload_ps((const float *)p, _mm256_castps_si256(lanes8(n)));
+AVX2 static inline __attribute__((always_inline)) __m128i bytes16(const char *p, int64_t n) {
     uint64_t lo = 0, hi = 0;
-    for (int64_t i = 0; i < n * enc_size(enc); i++) {
+    for (int64_t i = 0; i < n; i++) {
         const uint64_t b = (uint8_t)p[i];
         if (i < 8) lo |= b << (8 * i);
         else hi |= b << (8 * (i - 8));
     }
-    const __m128i raw = _mm_set_epi64x((long long)hi, (long long)lo);
+    return _mm_set_epi64x((long long)hi, (long long)lo);
+}
+
+/* The first n (< 8) of 8 elements of encoding enc at p widened to float32, zeros after, reading
+ * no byte past them: 32-bit elements by a masked load, narrower ones by bytes16. */
+AVX2 static inline __attribute__((always_inline)) __m256 partial8(const int enc, const char *p, int64_t n) {
+    if (enc == ENC_F32) return _mm256_maskload_ps((const float *)p, _mm256_castps_si256(lanes8(n)));
+    const __m128i raw = bytes16(p, n * enc_size(enc));
     switch (enc) {
         case ENC_BF16: return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
         case ENC_F16: return _mm256_cvtph_ps(raw);

@@ -36,8 +36,8 @@ static struct {
     void *ctx;
     int64_t nitems;
     atomic_ullong next; /* (gen mod 2^32) << 32 | the next item of that call */
-    atomic_llong completed; /* items of the current call done (written under m; the caller also
-                               reads it without m while it spins) */
+    atomic_llong completed; /* items of the current call done: the workers add under m (their
+                               last one signals `done`), the caller adds and spins without it */
     int want;
     cpu_set_t allowed;  /* the CPUs of the thread that started the workers (theirs too) */
     int nallowed;
