@@ -234,7 +234,10 @@ def _dashboard_queries() -> list[tuple[str, str]]:
 def test_every_dashboard_query_runs_against_a_live_scrape(service, prometheus):
     api = prometheus
     assert poll(api, 'up{job="gqa"}', lambda v: v == 1) == 1
-    run_stream(service.address, open_request("strict", WINDOW, SHAPE), step_requests(SHAPE, 20), pace_s=0.05)
+    # 60 steps 0.05 s apart: the load spans several 1 s scrapes. With 20 (1 s), the first scrape
+    # of the new counter series could come after the last step, every sample then equal, and its
+    # rate 0 for good (a CI run failed so).
+    run_stream(service.address, open_request("strict", WINDOW, SHAPE), step_requests(SHAPE, 60), pace_s=0.05)
     # Wait until rates over the scrapes are defined, then run every panel's query.
     assert poll(api, 'sum(rate(gqa_steps_total{job="gqa"}[10s]))', lambda v: v > 0) > 0
     answered = {}
