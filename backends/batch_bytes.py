@@ -14,6 +14,8 @@ the same bytes, so every row keeps ``step_many``'s contract: bit-identical to th
 from __future__ import annotations
 
 import ctypes
+import functools
+import struct
 import threading
 import warnings
 from collections.abc import Sequence
@@ -86,7 +88,7 @@ def step_bytes(steps: Sequence[ByteStep]) -> ByteBatch:
             by_library.setdefault(id(cache._native), []).append(i)
         else:
             generic.append(i)
-    base = out.ctypes.data
+    base = ctypes.addressof(ctypes.c_char.from_buffer(out)) if total else 0  # out.ctypes.data costs 4x
     for rows in by_library.values():
         generic += _step_native(steps, rows, base, offsets, fields)
     for i in sorted(generic):
@@ -100,9 +102,11 @@ def _query_bytes(cache: LayerCache) -> int:
 
 
 class _Scratch(threading.local):
-    """A thread's arguments of the native call, kept from call to call (numpy's ``.ctypes.data``
-    costs more than a short cache's step): the rows' descriptors, their four pointers, their
-    numbers and statuses, grown to the largest n, and the arrays' addresses."""
+    """A thread's arguments of the native call, kept from call to call: the rows' descriptors,
+    their four pointers, their numbers and statuses, grown to the largest n, with their
+    addresses and byte views. Filled and read by ``struct`` on the views, not by numpy: a Decode
+    step is one row, and numpy's per-call machinery cost more than its whole Python part in the
+    server (docs/design.md, "A Decode step's Python, cold")."""
 
     def __init__(self):
         self.capacity = 0
@@ -115,9 +119,35 @@ class _Scratch(threading.local):
         self.res = np.zeros((self.capacity, _COLUMNS), dtype=np.int64)
         self.status = np.zeros(self.capacity, dtype=np.int32)
         self.at = tuple(a.ctypes.data for a in (self.descs, self.io, self.res, self.status))
+        self.views = tuple(memoryview(a).cast("B") for a in (self.descs, self.io, self.res, self.status))
 
 
 _scratch = _Scratch()
+
+
+@functools.lru_cache(maxsize=64)
+def _formats(n: int) -> tuple[struct.Struct, struct.Struct, struct.Struct, struct.Struct]:
+    """The layouts of n rows' descriptors, pointers, numbers and statuses (native byte order)."""
+    return struct.Struct(f"{n}Q"), struct.Struct(f"{4 * n}Q"), struct.Struct(f"{n * _COLUMNS}q"), struct.Struct(f"{n}i")
+
+
+def _bytes_address_offset() -> int | None:
+    """Where a ``bytes`` object's first byte lies from its ``id`` (CPython: the object's header,
+    then the bytes), checked once against ctypes; None where that does not hold."""
+    probe = bytes(range(7))
+    at = bytes.__basicsize__ - 1
+    return at if ctypes.cast(probe, _void_p).value == id(probe) + at else None
+
+
+_BYTES_AT = _bytes_address_offset()
+
+
+def _address(data: bytes) -> int:
+    """The address of ``data``'s first byte: from its id for a ``bytes`` object (ctypes.cast costs
+    ten times more), by ctypes otherwise."""
+    if _BYTES_AT is not None and data.__class__ is bytes:
+        return id(data) + _BYTES_AT
+    return ctypes.cast(data, _void_p).value
 
 
 def _step_native(steps: Sequence[ByteStep], rows: list[int], base: int, offsets: list[int], fields: list) -> list[int]:
@@ -129,29 +159,27 @@ def _step_native(steps: Sequence[ByteStep], rows: list[int], base: int, offsets:
     if n > scratch.capacity:
         scratch.grow(n)
     descs_at, io_at, res_at, status_at = scratch.at
+    descs_view, io_view, res_view, status_view = scratch.views
     descs, spans = [], []
     for i in rows:
         s = steps[i]
         descs.append(ctypes.addressof(s.cache._state))
-        b = ctypes.cast(s.data, _void_p).value
-        spans.append((b + s.q_at, b + s.k_at, b + s.v_at, base + offsets[i]))
-    scratch.descs[:n] = descs
-    scratch.io[:n] = spans
+        b = _address(s.data)
+        spans += (b + s.q_at, b + s.k_at, b + s.v_at, base + offsets[i])
+    descs_fmt, io_fmt, res_fmt, status_fmt = _formats(n)
+    descs_fmt.pack_into(descs_view, 0, *descs)
+    io_fmt.pack_into(io_view, 0, *spans)
     rc = kernel.step(descs_at, n, io_at, None, None, res_at, _COLUMNS, status_at, 0, 0)
     if rc:  # the whole call refused, nothing written: each row meets the refusal on its own path
         return list(rows)
-    done = scratch.res[:n].tolist()
-    status = scratch.status[:n]
-    if not status.any():
-        for j, i in enumerate(rows):
-            fields[i] = done[j]
-        return []
+    done = res_fmt.unpack_from(res_view)
+    status = status_fmt.unpack_from(status_view)
     left = []
-    for j, st in enumerate(status.tolist()):
-        if st:
-            left.append(rows[j])
+    for j, i in enumerate(rows):
+        if status[j]:
+            left.append(i)
         else:
-            fields[rows[j]] = done[j]
+            fields[i] = list(done[j * _COLUMNS : (j + 1) * _COLUMNS])
     return left
 
 

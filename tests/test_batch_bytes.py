@@ -105,3 +105,18 @@ def test_a_cache_twice_is_refused_before_anything_is_written():
     with pytest.raises(ValueError, match="twice"):
         step_bytes([ByteStep(cache, data, *at), ByteStep(cache, data, *at)])
     assert cache.tokens_seen == 0
+
+
+def test_a_requests_bytes_are_found_where_ctypes_finds_them():
+    """``_address`` reads a ``bytes`` object's address from its id (checked once at import
+    against ctypes); any other buffer, here a ``bytes`` subclass, goes through ctypes."""
+    import ctypes
+
+    from backends import batch_bytes
+
+    class Tagged(bytes):
+        pass
+
+    assert batch_bytes._BYTES_AT is not None  # CPython: the fast path is the one taken here
+    for data in (bytes(range(40)), b"x" * 4096, Tagged(b"abcdefgh")):
+        assert batch_bytes._address(data) == ctypes.cast(data, ctypes.c_void_p).value
