@@ -121,7 +121,7 @@ def _sort(steps: Sequence[BatchStep], results: list) -> tuple[dict, dict]:
             if id(kernel) not in native:
                 native[id(kernel)] = (kernel, [])
             if out is None:
-                out = torch.empty_like(cache._out_like)
+                out = cache.next_output()
             native[id(kernel)][1].append((i, cache, out, q.contiguous(), k.contiguous(), v.contiguous()))
             continue
         _step_python(cache, s, results, i)

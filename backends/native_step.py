@@ -18,7 +18,14 @@ import torch
 from .contract import StepOutcome
 from .errors import CacheFullError, InputValueError
 
-__all__ = ["NativeStep"]
+__all__ = ["NativeStep", "OUTPUT_SLAB_BYTES"]
+
+# A step's output is a new tensor the caller keeps. One torch.empty_like per step cost ~55 us of
+# a cold step's Python (a model's step: the dispatcher's code and data evicted since the
+# layer's last one); instead a slab of outputs is made at once, up to this many bytes, and each
+# step takes its next row (one unbind for the slab): still distinct memory per step, but a row
+# keeps its whole slab alive while the caller holds it (docs/design.md, "A step's output").
+OUTPUT_SLAB_BYTES = 64 << 10
 
 
 class NativeStep:
@@ -26,6 +33,7 @@ class NativeStep:
     ``spec``, ``row_bytes``, ``check_tensors`` and ``_state``)."""
 
     _native = None
+    _outputs: list | None = None  # the current slab's rows not handed out yet, last first
 
     def _attach_native(self, kernel, desc) -> None:
         """Makes ``desc`` (a ``native.CacheDesc`` with storage and shape filled in) this cache's
@@ -67,7 +75,7 @@ class NativeStep:
         fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
         q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
         if out is None:
-            out = torch.empty_like(self._out_like)  # a new tensor per step: the caller keeps it
+            out = self.next_output()
         io[0] = q.data_ptr()
         io[1] = k.data_ptr()
         io[2] = v.data_ptr()
@@ -83,6 +91,17 @@ class NativeStep:
             raise self.step_error(status.value)
         r = res[:7]
         return StepOutcome(out, r[0], r[1], r[2], r[3], r[4], self.row_bytes, 0, r[6])
+
+    def next_output(self) -> torch.Tensor:
+        """A new output tensor for one step (B, Hq, D) in the cache's dtype: the next row of
+        a slab of them (``OUTPUT_SLAB_BYTES``)."""
+        outputs = self._outputs
+        if not outputs:
+            like = self._out_like
+            n = max(1, OUTPUT_SLAB_BYTES // (like.numel() * like.element_size()))
+            outputs = self._outputs = list(torch.empty((n, *like.shape), dtype=like.dtype).unbind(0))
+            outputs.reverse()  # handed out in memory order
+        return outputs.pop()
 
     def check_native_inputs(self, query, new_key, new_value) -> None:
         """The checks of ``check_tensors`` that ``gqa_step`` does not make itself (here: all of

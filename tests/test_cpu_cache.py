@@ -255,3 +255,28 @@ def test_capabilities_refuse_with_every_reason():
         backend.create_cache(spec)
     assert len(info.value.reasons) == 2
     assert all(r.startswith("cpu:") for r in info.value.reasons)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_steps_output_is_its_own_and_later_steps_leave_it(dtype):
+    """Outputs come from slabs of several (``native_step.OUTPUT_SLAB_BYTES``): across more steps
+    than a slab holds, every output kept is its step's, at its own address, whatever came after;
+    the public step and ``step_many`` alike."""
+    from backends import batch
+    from backends.native_step import OUTPUT_SLAB_BYTES
+
+    spec = CacheSpec(2, 8, 2, 64, dtype, EvictionPolicy.strict(8))
+    per_slab = OUTPUT_SLAB_BYTES // (2 * 8 * 64 * dtype.itemsize)
+    cache, twin = CPUBackend().create_cache(spec), CPUBackend().create_cache(spec)
+    g = torch.Generator().manual_seed(3)
+    kept, expected = [], []
+    for i in range(2 * per_slab + 3):
+        q, k, v = (torch.randn(2, h, 64, generator=g).to(dtype) for h in (8, 2, 2))
+        if i % 2:
+            kept.append(cache.step(q, k, v).output)
+        else:
+            kept.append(batch.step_many([batch.BatchStep(cache, q, k, v)])[0].output)
+        expected.append(twin.step(q, k, v).output.clone())
+    assert len({t.data_ptr() for t in kept}) == len(kept)
+    for got, want in zip(kept, expected):
+        assert torch.equal(got, want)
