@@ -10,7 +10,10 @@
  * - the online softmax of gqa_avx512.h's, the exponential from its exponent bits (no scalef);
  * - the value sum for all the tile's query heads at once over a slice of each row (16 channels
  *   for 3 or 4 heads, 32 for 1 or 2: up to 8 accumulators), every row of the block in order, so
- *   each value line is read (and widened) once per tile.
+ *   each value line is read (and widened) once per tile; bfloat16 rows widened as the keys are,
+ *   a 16-channel run's words split by a shift and a mask into its even and odd channels (the
+ *   accumulators take that lane order for the block), two instructions where widening each half
+ *   took four: on a CPU with 128-bit vector units (Zen 1) the widening had held the sum back.
  *
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
  * masked); only where a line ends sooner (the ring's last, short block; a cache of fewer than
@@ -96,6 +99,21 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, left, attended, gt, out);
 }
 
+/* 16 float32 channels at m as their even channels (0, 2, .., 14) and their odd ones: the lane
+ * order of a bfloat16 row's 16 channels split by a shift and a mask. pairs_store puts them back. */
+AVX2 static inline __attribute__((always_inline)) void pairs_load(const float *m, __m256 *even, __m256 *odd) {
+    const __m256 x = _mm256_loadu_ps(m), y = _mm256_loadu_ps(m + 8);
+    const __m256 lo = _mm256_permute2f128_ps(x, y, 0x20), hi = _mm256_permute2f128_ps(x, y, 0x31);
+    *even = _mm256_shuffle_ps(lo, hi, 0x88);
+    *odd = _mm256_shuffle_ps(lo, hi, 0xDD);
+}
+
+AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m256 even, __m256 odd) {
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(m, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(m + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
@@ -106,22 +124,41 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
                                                                 const int gt, const int nv, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     const int64_t el = enc_size(enc);
+    /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask
+     * (the accumulators hold the even channels, then the odd) */
+    const int pairs = enc == ENC_BF16 && nv % 2 == 0;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
-    for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+    for (int g = 0; g < gt; g++) {
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) pairs_load(acc_mem + g * d + j0 + 8 * i, &acc[g][i], &acc[g][i + 1]);
+        else
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+    }
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (vn)
             for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
         __m256 vf[4];
-        for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * i * el));
+                vf[i] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                vf[i + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            }
+        else
+            for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
         for (int g = 0; g < gt; g++) {
             const __m256 w = _mm256_broadcast_ss(p + g * TILE_T + t);
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
-    for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
+    for (int g = 0; g < gt; g++) {
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) pairs_store(acc_mem + g * d + j0 + 8 * i, acc[g][i], acc[g][i + 1]);
+        else
+            for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
+    }
 }
 
 /* A block's weighted value sum for gt (<= 4) query heads (acc: gt x d; d a multiple of 8), a
