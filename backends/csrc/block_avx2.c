@@ -125,8 +125,10 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     const int64_t el = enc_size(enc);
     /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask
-     * (the accumulators hold the even channels, then the odd) */
-    const int pairs = enc == ENC_BF16 && nv % 2 == 0;
+     * (the accumulators hold the even channels, then the odd: 8 shuffles a head to put in that
+     * order and back, so only where a block has rows enough to pay for them: 2 fewer
+     * instructions a row for all the heads) */
+    const int pairs = enc == ENC_BF16 && nv % 2 == 0 && nt >= 4 * gt;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
     for (int g = 0; g < gt; g++) {
