@@ -44,13 +44,15 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
  * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
+ * nreg 1: the pass holds at most 8 positions (t0 + 8 >= nt), so only the first register of them
+ * is read and summed (`full`: 8 positions inside the lines), the second left at -inf.
  * kn (or NULL): the next block's keys (krows lines knline elements apart, one contiguous run):
  * the block's (nt + 15) / 16 passes ask for its cache lines in ascending order, this pass its
  * share, a few with each key line it reads. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const char *kn, int64_t knline,
-    float *out) {
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kn,
+    int64_t knline, float *out) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
     const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
@@ -63,11 +65,12 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             if (kn)
                 for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256 k0, k1;
-            key16(enc, row, left, &k0, &k1);
+            if (nreg == 2) key16(enc, row, left, &k0, &k1);
+            else k0 = left >= 8 ? widen8(enc, row) : partial8(enc, row, left);
             for (int g = 0; g < gt; g++) {
                 const __m256 qj = _mm256_broadcast_ss(q + g * dq + j);
                 acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+                if (nreg == 2) acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
             }
         }
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
@@ -76,15 +79,17 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             const char *row = kb + (l * kline + 2 * t0) * 2;
             if (kn)
                 for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-            __m256i w0, w1;
-            words16(row, left, &w0, &w1);
+            __m256i w0, w1 = _mm256_setzero_si256();
+            if (nreg == 2) words16(row, left, &w0, &w1);
+            else w0 = left >= 8 ? _mm256_loadu_si256((const __m256i *)row)
+                                : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(left)));
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
                 const __m256 k0 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w0, 16) : _mm256_and_si256(w0, high));
                 const __m256 k1 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w1, 16) : _mm256_and_si256(w1, high));
                 for (int g = 0; g < gt; g++) {
                     const __m256 qj = _mm256_broadcast_ss(q + g * dq + 2 * l + r);
                     acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
-                    acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+                    if (nreg == 2) acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
                 }
             }
         }
@@ -96,7 +101,8 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             acc[g][1] = _mm256_mul_ps(acc[g][1], s1);
         }
     }
-    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, left, attended, gt, out);
+    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, nreg == 2 || left < 8 ? left : 8, attended, gt,
+                    out);
 }
 
 /* 16 float32 channels at m as their even channels (0, 2, .., 14) and their odd ones: the lane
@@ -193,8 +199,13 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     /* positions from phys to the end of its block's lines: what a load may read */
     const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
     for (int64_t t0 = 0; t0 < nt; t0 += 16) {
-        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, kn, knline, p);
-        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, kn, knline, p);
+        if (nt - t0 <= 8) { /* a pass of 8 positions or fewer (a short cache's block): one register */
+            if (t0 + 8 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 1, kn, knline, p);
+            else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 1, kn, knline, p);
+        }
+        else if (t0 + 16 <= room)
+            scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 2, kn, knline, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kn, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el);
