@@ -10,7 +10,10 @@
  * - the online softmax of gqa_avx512.h's, the exponential from its exponent bits (no scalef);
  * - the value sum for all the tile's query heads at once over a slice of each row (16 channels
  *   for 3 or 4 heads, 32 for 1 or 2: up to 8 accumulators), every row of the block in order, so
- *   each value line is read (and widened) once per tile.
+ *   each value line is read (and widened) once per tile; bfloat16 rows widened as the keys are,
+ *   a 16-channel run's words split by a shift and a mask into its even and odd channels (the
+ *   accumulators take that lane order for the block), two instructions where widening each half
+ *   took four: on a CPU with 128-bit vector units (Zen 1) the widening had held the sum back.
  *
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
  * masked); only where a line ends sooner (the ring's last, short block; a cache of fewer than
@@ -41,13 +44,15 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
  * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
+ * nreg 1: the pass holds at most 8 positions (t0 + 8 >= nt), so only the first register of them
+ * is read and summed (`full`: 8 positions inside the lines), the second left at -inf.
  * kn (or NULL): the next block's keys (krows lines knline elements apart, one contiguous run):
  * the block's (nt + 15) / 16 passes ask for its cache lines in ascending order, this pass its
  * share, a few with each key line it reads. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const char *kn, int64_t knline,
-    float *out) {
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kn,
+    int64_t knline, float *out) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
     const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
@@ -60,11 +65,12 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             if (kn)
                 for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256 k0, k1;
-            key16(enc, row, left, &k0, &k1);
+            if (nreg == 2) key16(enc, row, left, &k0, &k1);
+            else k0 = left >= 8 ? widen8(enc, row) : partial8(enc, row, left);
             for (int g = 0; g < gt; g++) {
                 const __m256 qj = _mm256_broadcast_ss(q + g * dq + j);
                 acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
-                acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+                if (nreg == 2) acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
             }
         }
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
@@ -73,15 +79,17 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             const char *row = kb + (l * kline + 2 * t0) * 2;
             if (kn)
                 for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-            __m256i w0, w1;
-            words16(row, left, &w0, &w1);
+            __m256i w0, w1 = _mm256_setzero_si256();
+            if (nreg == 2) words16(row, left, &w0, &w1);
+            else w0 = left >= 8 ? _mm256_loadu_si256((const __m256i *)row)
+                                : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(left)));
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
                 const __m256 k0 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w0, 16) : _mm256_and_si256(w0, high));
                 const __m256 k1 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w1, 16) : _mm256_and_si256(w1, high));
                 for (int g = 0; g < gt; g++) {
                     const __m256 qj = _mm256_broadcast_ss(q + g * dq + 2 * l + r);
                     acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
-                    acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
+                    if (nreg == 2) acc[g][1] = _mm256_fmadd_ps(qj, k1, acc[g][1]);
                 }
             }
         }
@@ -93,7 +101,23 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             acc[g][1] = _mm256_mul_ps(acc[g][1], s1);
         }
     }
-    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, left, attended, gt, out);
+    scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, nreg == 2 || left < 8 ? left : 8, attended, gt,
+                    out);
+}
+
+/* 16 float32 channels at m as their even channels (0, 2, .., 14) and their odd ones: the lane
+ * order of a bfloat16 row's 16 channels split by a shift and a mask. pairs_store puts them back. */
+AVX2 static inline __attribute__((always_inline)) void pairs_load(const float *m, __m256 *even, __m256 *odd) {
+    const __m256 x = _mm256_loadu_ps(m), y = _mm256_loadu_ps(m + 8);
+    const __m256 lo = _mm256_permute2f128_ps(x, y, 0x20), hi = _mm256_permute2f128_ps(x, y, 0x31);
+    *even = _mm256_shuffle_ps(lo, hi, 0x88);
+    *odd = _mm256_shuffle_ps(lo, hi, 0xDD);
+}
+
+AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m256 even, __m256 odd) {
+    const __m256 lo = _mm256_unpacklo_ps(even, odd), hi = _mm256_unpackhi_ps(even, odd);
+    _mm256_storeu_ps(m, _mm256_permute2f128_ps(lo, hi, 0x20));
+    _mm256_storeu_ps(m + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
@@ -106,22 +130,43 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
                                                                 const int gt, const int nv, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     const int64_t el = enc_size(enc);
+    /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask
+     * (the accumulators hold the even channels, then the odd: 8 shuffles a head to put in that
+     * order and back, so only where a block has rows enough to pay for them: 2 fewer
+     * instructions a row for all the heads) */
+    const int pairs = enc == ENC_BF16 && nv % 2 == 0 && nt >= 4 * gt;
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
-    for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+    for (int g = 0; g < gt; g++) {
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) pairs_load(acc_mem + g * d + j0 + 8 * i, &acc[g][i], &acc[g][i + 1]);
+        else
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+    }
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (vn)
             for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
         __m256 vf[4];
-        for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * i * el));
+                vf[i] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+                vf[i + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+            }
+        else
+            for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
         for (int g = 0; g < gt; g++) {
             const __m256 w = _mm256_broadcast_ss(p + g * TILE_T + t);
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
-    for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
+    for (int g = 0; g < gt; g++) {
+        if (pairs)
+            for (int i = 0; i < nv; i += 2) pairs_store(acc_mem + g * d + j0 + 8 * i, acc[g][i], acc[g][i + 1]);
+        else
+            for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
+    }
 }
 
 /* A block's weighted value sum for gt (<= 4) query heads (acc: gt x d; d a multiple of 8), a
@@ -154,8 +199,13 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     /* positions from phys to the end of its block's lines: what a load may read */
     const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
     for (int64_t t0 = 0; t0 < nt; t0 += 16) {
-        if (t0 + 16 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, kn, knline, p);
-        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, kn, knline, p);
+        if (nt - t0 <= 8) { /* a pass of 8 positions or fewer (a short cache's block): one register */
+            if (t0 + 8 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 1, kn, knline, p);
+            else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 1, kn, knline, p);
+        }
+        else if (t0 + 16 <= room)
+            scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 2, kn, knline, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kn, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el);
