@@ -16,8 +16,10 @@
  *   took four: on a CPU with 128-bit vector units (Zen 1) the widening had held the sum back.
  *
  * Registers load 16 positions whole wherever the block's lines hold them (the lanes past nt are
- * masked); only where a line ends sooner (the ring's last, short block; a cache of fewer than
- * 16 rows) by a masked load or a register built byte by byte, so no load reaches past a block. The first tile of a block asks for the next block
+ * masked); where a line ends sooner (the ring's last, short block; a cache of fewer than 16
+ * rows) they load whole still while the load ends inside the block (reading on into the next
+ * lines, lanes masked after), and by a masked load or a register built byte by byte only near
+ * the block's end, so no load reaches past a block. The first tile of a block asks for the next block
  * evenly as it goes, each run's cache lines in ascending order: its keys' with the key lines the
  * scores read, its values' with the value rows the sum reads (docs/design.md, "Asking for the
  * next block evenly": bursts of asks hold up the loads the arithmetic waits on, and asks in
@@ -51,8 +53,8 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
  * share, a few with each key line it reads. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
-    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kn,
-    int64_t knline, float *out) {
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kend,
+    const char *kn, int64_t knline, float *out) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
     const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
@@ -65,8 +67,8 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             if (kn)
                 for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256 k0, k1;
-            if (nreg == 2) key16(enc, row, left, &k0, &k1);
-            else k0 = left >= 8 ? widen8(enc, row) : partial8(enc, row, left);
+            if (nreg == 2) key16(enc, row, row + 16 * el <= kend ? 16 : left, &k0, &k1);
+            else k0 = left >= 8 || row + 8 * el <= kend ? widen8(enc, row) : partial8(enc, row, left);
             for (int g = 0; g < gt; g++) {
                 const __m256 qj = _mm256_broadcast_ss(q + g * dq + j);
                 acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
@@ -80,9 +82,9 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             if (kn)
                 for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256i w0, w1 = _mm256_setzero_si256();
-            if (nreg == 2) words16(row, left, &w0, &w1);
-            else w0 = left >= 8 ? _mm256_loadu_si256((const __m256i *)row)
-                                : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(left)));
+            if (nreg == 2) words16(row, row + 64 <= kend ? 16 : left, &w0, &w1);
+            else w0 = left >= 8 || row + 32 <= kend ? _mm256_loadu_si256((const __m256i *)row)
+                                                    : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(left)));
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
                 const __m256 k0 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w0, 16) : _mm256_and_si256(w0, high));
                 const __m256 k1 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w1, 16) : _mm256_and_si256(w1, high));
@@ -198,14 +200,18 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
     /* positions from phys to the end of its block's lines: what a load may read */
     const int64_t b0 = phys - phys % TILE_T, room = (cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T) - (phys - b0);
+    /* the end of the block's key lines: a short line's load may read on into the next line
+     * (lanes masked after) but not past the last */
+    const char *kend = kb + ((cc->dk + kpack(enc) - 1) / kpack(enc) * kline - (phys - b0) * kpack(enc)) * el;
     for (int64_t t0 = 0; t0 < nt; t0 += 16) {
         if (nt - t0 <= 8) { /* a pass of 8 positions or fewer (a short cache's block): one register */
-            if (t0 + 8 <= room) scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 1, kn, knline, p);
-            else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 1, kn, knline, p);
+            if (t0 + 8 <= room)
+                scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 1, kend, kn, knline, p);
+            else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 1, kend, kn, knline, p);
         }
         else if (t0 + 16 <= room)
-            scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 2, kn, knline, p);
-        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kn, knline, p);
+            scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 2, kend, kn, knline, p);
+        else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kend, kn, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el);
