@@ -60,14 +60,19 @@ static void merge_head(const call_t *call, int64_t i, int64_t h, const float *ba
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
 /* Asks for every line of a block at once (key lines, value rows; locality 3: into L1, 2: L2): the
- * misses then overlap instead of following one another. */
+ * misses then overlap instead of following one another. The key lines of a ring shorter than a
+ * block are a few bytes each, many to a cache line: their run is asked for once, line by line. */
 static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys,
                                                                  int64_t nt, const int locality) {
-    const int64_t el = enc_size(cc->enc), d = cc->d;
+    const int64_t el = enc_size(cc->enc), d = cc->d, lines = key_width(cc) / kpack(cc->enc);
     int64_t line;
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
-    for (int64_t j = 0; j < key_width(cc) / kpack(cc->enc); j++)
-        for (int64_t x = 0; x < nt * kpack(cc->enc) * el; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
+    const int64_t span = nt * kpack(cc->enc) * el, run = (lines - 1) * line * el + span; /* bytes: a line's, all */
+    if ((run + 63) / 64 < lines * ((span + 63) / 64)) /* lines of a short ring: the run, each cache line once */
+        for (int64_t x = 0; x < run; x += 64) __builtin_prefetch(kb + x, 0, locality);
+    else
+        for (int64_t j = 0; j < lines; j++)
+            for (int64_t x = 0; x < span; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
 }
