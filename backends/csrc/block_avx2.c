@@ -68,7 +68,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
                 for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
             __m256 k0, k1;
             if (nreg == 2) key16(enc, row, row + 16 * el <= kend ? 16 : left, &k0, &k1);
-            else k0 = left >= 8 || row + 8 * el <= kend ? widen8(enc, row) : partial8(enc, row, left);
+            else key16(enc, row, left >= 8 || row + 8 * el <= kend ? 8 : left, &k0, &k1);
             for (int g = 0; g < gt; g++) {
                 const __m256 qj = _mm256_broadcast_ss(q + g * dq + j);
                 acc[g][0] = _mm256_fmadd_ps(qj, k0, acc[g][0]);
@@ -81,10 +81,9 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
             const char *row = kb + (l * kline + 2 * t0) * 2;
             if (kn)
                 for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-            __m256i w0, w1 = _mm256_setzero_si256();
+            __m256i w0, w1;
             if (nreg == 2) words16(row, row + 64 <= kend ? 16 : left, &w0, &w1);
-            else w0 = left >= 8 || row + 32 <= kend ? _mm256_loadu_si256((const __m256i *)row)
-                                                    : _mm256_maskload_epi32((const int *)row, _mm256_castps_si256(lanes8(left)));
+            else words16(row, left >= 8 || row + 32 <= kend ? 8 : left, &w0, &w1);
             for (int r = 0; r < 2 && 2 * l + r < dk; r++) {
                 const __m256 k0 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w0, 16) : _mm256_and_si256(w0, high));
                 const __m256 k1 = _mm256_castsi256_ps(r == 0 ? _mm256_slli_epi32(w1, 16) : _mm256_and_si256(w1, high));
