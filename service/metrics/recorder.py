@@ -42,7 +42,7 @@ from .. import __version__
 from ..engine.engine import Engine, Stream
 from ..engine.report import EngineObserver
 from .listener import MetricsHttpServer, serve_http
-from .rpc import GrpcServerMetrics
+from .rpc import FlushOnCollect, GrpcServerMetrics
 
 __all__ = [
     "ServiceMetrics",
@@ -142,7 +142,7 @@ class MetricsRecorder(EngineObserver):
     def __init__(self, registry: CollectorRegistry):
         # First in the registry, so every collect (a scrape, ``get_sample_value``) flushes the
         # pending observations before the families below are read.
-        registry.register(_Flush(self))
+        registry.register(FlushOnCollect(self.flush))
         self._step_families(registry)
         self._stream_families(registry)
         self._cache_families(registry)
@@ -390,21 +390,6 @@ def _taken(pending: _Pending) -> _Pending:
     taken.counts, taken.total = pending.counts, pending.total
     pending.counts, pending.total = [0] * len(taken.counts), 0.0
     return taken
-
-
-class _Flush:
-    """Registered first: a collect of the registry flushes the recorder's pending observations
-    before the families that hold them are read. Yields no family of its own."""
-
-    def __init__(self, recorder: MetricsRecorder):
-        self._recorder = recorder
-
-    def describe(self) -> Iterable:
-        return []
-
-    def collect(self) -> Iterable:
-        self._recorder.flush()
-        return []
 
 
 def _cuda_memory() -> list[tuple[str, int, int]]:

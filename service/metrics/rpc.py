@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..transport.handlers import handler_kind
 
-__all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS"]
+__all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS", "FlushOnCollect"]
 
 # RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
 # client's generation (minutes).
@@ -162,7 +162,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
     def __init__(self, registry: CollectorRegistry):
         r = registry
         # First in the registry: every collect adds the messages counted since the last one.
-        r.register(_Flush(self))
+        r.register(FlushOnCollect(self.flush))
         self._flush_lock = threading.Lock()  # scrapes may run at once
         self.started = Counter(
             "grpc_server_started_total", "Total number of RPCs started on the server.", _RPC_LABELS, registry=r
@@ -306,15 +306,17 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         return handler
 
 
-class _Flush:
-    """Registered before the interceptor's families: a collect flushes the message counts first."""
+class FlushOnCollect:
+    """A collector of no family of its own: registered before the families that ``flush`` fills
+    (plain numbers the hot path added since the last collect), it runs ``flush`` first on every
+    collect of the registry (a scrape, ``get_sample_value``)."""
 
-    def __init__(self, metrics: GrpcServerMetrics):
-        self._metrics = metrics
+    def __init__(self, flush: Callable[[], None]):
+        self._flush = flush
 
     def describe(self) -> list:
         return []
 
     def collect(self) -> list:
-        self._metrics.flush()
+        self._flush()
         return []
