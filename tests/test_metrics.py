@@ -414,24 +414,42 @@ def test_cuda_memory_gauges_follow_a_cuda_stream(server):
 
 
 @pytest.mark.parametrize("value", [0.0, 1e-6, 10e-6, 2.5e-4, 0.003, 7.0, 1e9])
-def test_the_bulk_observation_is_observe(value):
-    """``_observe_n`` (what ``steps_done`` records by) leaves a histogram as ``observe`` does, n
-    times, bucket edges included."""
+def test_pending_observations_leave_the_histograms_as_observe_does(value):
+    """The recorder keeps a step's observations as plain numbers until a collect flushes them
+    (``MetricsRecorder.flush``); after the collect each latency histogram and the batch
+    histogram are what ``observe`` of the same values leaves, bucket edges included, and a
+    second collect adds nothing."""
     from prometheus_client import CollectorRegistry, Histogram
 
-    from service.metrics.recorder import LATENCY_BUCKETS, _observe_n
+    from service.metrics.recorder import BATCH_BUCKETS, LATENCY_BUCKETS, ServiceMetrics
 
-    def samples(n, bulk):
-        child = Histogram("h", "h", ["a"], registry=CollectorRegistry(), buckets=LATENCY_BUCKETS).labels("a")
-        if bulk:
-            _observe_n(child, value, n)
-        else:
-            for _ in range(n):
-                child.observe(value)
-        return [(s.name, s.labels, s.value) for s in child._samples() if s.name != "_created"]
-
+    labels = ("cpu", "float32", "strict")
     for n in (1, 3):
-        assert samples(n, True) == samples(n, False)
+        metrics = ServiceMetrics()
+        for _ in range(n):
+            metrics.recorder.steps_done(labels, 1, value, 0.0, 0, 0, 0)
+            metrics.recorder.batch_done("cpu", "float32", min(value, 2048.0))
+        want = {}
+        for name, buckets, v in (
+            ("gqa_step_queue_seconds", LATENCY_BUCKETS, value),
+            ("gqa_step_duration_seconds", LATENCY_BUCKETS, value),
+            ("gqa_batch_size", BATCH_BUCKETS, min(value, 2048.0)),
+        ):
+            reference = Histogram(name, "h", registry=CollectorRegistry(), buckets=buckets)
+            for _ in range(n):
+                reference.observe(v)
+            want[name] = {
+                (s.name, s.labels.get("le")): s.value
+                for s in reference.collect()[0].samples
+                if s.name != name + "_created"
+            }
+        for _ in range(2):  # the second collect finds nothing pending
+            families = {f.name: f for f in metrics.registry.collect()}
+            for name, samples in want.items():
+                got = {(s.name, s.labels.get("le")): s.value for s in families[name].samples}
+                assert got.keys() == samples.keys(), name
+                for key, v in samples.items():
+                    assert got[key] == pytest.approx(v, rel=1e-12, abs=1e-12), (name, key)
 
 
 @pytest.mark.parametrize("value", [0.0, 1e-6, 2.5e-4, 0.003, 7.0, 1e9])

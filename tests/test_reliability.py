@@ -365,3 +365,38 @@ def test_9_a_reaped_stream_stuck_writing_to_a_client_that_never_reads_ends_its_r
         assert srv.engine.bytes_reserved == 0 and srv.engine.read_ahead_bytes == 0
         rpc.end()
         rpc.call.cancel()
+
+
+def test_9_a_reaped_batch_session_stuck_writing_to_a_client_that_never_reads_ends_its_rpc():
+    """The Batch front end shares the Decode stream's session (service.transport.session), so a
+    forced close cuts a handler stuck in a write there too. Bound: after the reap, 0 sequences
+    open in Batch sessions (the handler ended and dropped them), 0 bytes reserved."""
+    config = dataclasses.replace(BASE, idle_timeout_s=0.5)
+    n, hq, hkv, d = 64, 16, 1, 256  # 1 MiB replies: a client that never reads fills its window
+    opening = gqa_pb2.BatchRequest(
+        open=gqa_pb2.BatchOpen(num_query_heads=hq, num_kv_heads=hkv, head_dim=d, num_layers=1)
+    )
+    adds = [
+        gqa_pb2.BatchRequest(request_id=i, add=gqa_pb2.BatchAdd(id=i, policy=gqa_pb2.EVICTION_POLICY_STRICT, window=4))
+        for i in range(1, n + 1)
+    ]
+    with ServerThread(config) as srv, grpc.insecure_channel(srv.address, options=CHANNEL_OPTIONS) as ch:
+        requests: queue.Queue = queue.Queue()
+        for request in (opening, *adds):
+            requests.put(request)
+        call = gqa_pb2_grpc.AttentionServiceStub(ch).Batch(iter(requests.get, _END))
+        assert next(call).WhichOneof("kind") == "opened"  # and never read again
+        assert wait_until(lambda: srv.engine.batch_sequences_open == n)
+        for rid in range(n + 1, n + 49):
+            step = gqa_pb2.BatchStep(
+                layer=0,
+                ids=range(1, n + 1),
+                query=to_proto(torch.zeros(n, hq, d)),
+                new_key=to_proto(torch.zeros(n, hkv, d)),
+                new_value=to_proto(torch.zeros(n, hkv, d)),
+            )
+            requests.put(gqa_pb2.BatchRequest(request_id=rid, step=step))
+        assert wait_until(lambda: srv.engine.batch_sequences_open == 0, timeout=20)  # reaped, RPC ended
+        assert srv.engine.bytes_reserved == 0 and srv.engine.active_streams == 0
+        requests.put(_END)
+        call.cancel()

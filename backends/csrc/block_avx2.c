@@ -121,6 +121,73 @@ AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m
     _mm256_storeu_ps(m + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
 }
 
+/* Scores of gt query heads against a whole short ring: a block of nt = w rows (1, 2 or 4) at
+ * its first row, no outlier channels. A key line holds w positions, so a register of 8 lines'
+ * words holds 8 / w consecutive lines (of 1 channel; bfloat16: of 2, split by a shift and a
+ * mask into the even channels' register and the odd ones'). Reordered position-major (lane
+ * p * 8 / w + c), it multiplies the query's matching channels repeated w times, and each
+ * position's score is the sum of its 8 / w lanes at the end. The pass of 16 positions
+ * (scores16_avx2) used 8 lanes of a register for one channel's w positions: 8 / w times the
+ * loads, broadcasts and FMAs. out[g * TILE_T ...]: the scores, -inf past nt. */
+AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const int enc, const float *q, int64_t dk,
+                                                                          int64_t dq, const char *kb, const int w,
+                                                                          const int gt, float *out) {
+    const int64_t el = enc_size(enc), cpl = 8 / w;
+    const __m256i order = w == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    __m256 acc[TILE_G];
+    for (int g = 0; g < gt; g++) acc[g] = _mm256_setzero_ps();
+    if (enc != ENC_BF16) {
+        for (int64_t j = 0; j < dk; j += cpl) {
+            __m256 k = widen8(enc, kb + j * w * el);
+            if (w > 1) k = _mm256_permutevar8x32_ps(k, order);
+            for (int g = 0; g < gt; g++) {
+                const float *qj = q + g * dq + j;
+                const __m256 qv = w == 1   ? _mm256_loadu_ps(qj)
+                                  : w == 2 ? _mm256_broadcast_ps((const __m128 *)qj)
+                                           : _mm256_castpd_ps(_mm256_broadcast_sd((const double *)qj));
+                acc[g] = _mm256_fmadd_ps(qv, k, acc[g]);
+            }
+        }
+    } else { /* 2 channels a word: 16 / w channels a register */
+        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+        const __m256i even = w == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6) : _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2);
+        const __m256i odd = w == 2 ? _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7) : _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3);
+        for (int64_t j = 0; j < dk; j += 2 * cpl) {
+            const __m256i words = _mm256_loadu_si256((const __m256i *)(kb + j * w * el));
+            __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)), k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
+            if (w > 1) {
+                k0 = _mm256_permutevar8x32_ps(k0, order);
+                k1 = _mm256_permutevar8x32_ps(k1, order);
+            }
+            for (int g = 0; g < gt; g++) {
+                const float *qj = q + g * dq + j;
+                __m256 q0, q1;
+                if (w == 1) {
+                    pairs_load(qj, &q0, &q1);
+                } else {
+                    const __m256 x = w == 2 ? _mm256_loadu_ps(qj) : _mm256_castps128_ps256(_mm_loadu_ps(qj));
+                    q0 = _mm256_permutevar8x32_ps(x, even);
+                    q1 = _mm256_permutevar8x32_ps(x, odd);
+                }
+                acc[g] = _mm256_fmadd_ps(q1, k1, _mm256_fmadd_ps(q0, k0, acc[g]));
+            }
+        }
+    }
+    const __m256 ninf = _mm256_set1_ps(-INFINITY), live = lanes8(w);
+    for (int g = 0; g < gt; g++) {
+        __m256 s;
+        if (w == 1) {
+            s = _mm256_set1_ps(hsum8(acc[g]));
+        } else {
+            const __m256 pairs = _mm256_hadd_ps(acc[g], acc[g]); /* w 4: (p0 p1 p0 p1 | p2 p3 p2 p3) */
+            s = w == 2 ? _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs, pairs), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))
+                       : _mm256_permutevar8x32_ps(pairs, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0));
+        }
+        _mm256_storeu_ps(out + g * TILE_T, _mm256_blendv_ps(ninf, s, live));
+        _mm256_storeu_ps(out + g * TILE_T + 8, ninf);
+    }
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
@@ -202,7 +269,15 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     /* the end of the block's key lines: a short line's load may read on into the next line
      * (lanes masked after) but not past the last */
     const char *kend = kb + ((cc->dk + kpack(enc) - 1) / kpack(enc) * kline - (phys - b0) * kpack(enc)) * el;
-    for (int64_t t0 = 0; t0 < nt; t0 += 16) {
+    const int64_t rows = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T; /* the block's lines' positions */
+    const int lines = enc != ENC_INT8 && cc->no == 0 && phys == b0 && nt == rows && (nt == 1 || nt == 2 || nt == 4) &&
+                      cc->dk % 16 == 0;
+    if (lines) switch (nt) { /* a whole short ring: each register holds several channels' lines */
+            case 1: scores_lines_avx2(enc, q, cc->dk, dq, kb, 1, gt, p); break;
+            case 2: scores_lines_avx2(enc, q, cc->dk, dq, kb, 2, gt, p); break;
+            default: scores_lines_avx2(enc, q, cc->dk, dq, kb, 4, gt, p); break;
+        }
+    for (int64_t t0 = 0; t0 < nt && !lines; t0 += 16) {
         if (nt - t0 <= 8) { /* a pass of 8 positions or fewer (a short cache's block): one register */
             if (t0 + 8 <= room)
                 scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 1, kend, kn, knline, p);

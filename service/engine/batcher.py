@@ -113,7 +113,10 @@ class Batcher:
         self.observer = observer
         self.max_delay_s = max_delay_s
         self.max_steps = max_steps
-        self._cond = threading.Condition(threading.Lock())
+        # the hot paths take the lock itself (a C context manager); waits and wake-ups go
+        # through the condition over it
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._queue: deque[PendingStep] = deque()
         self._running: set[int] = set()  # id() of streams with a step computing
         self._in_flight = 0
@@ -157,7 +160,7 @@ class Batcher:
     def run_inline(self, step: "PendingStep | PendingJob") -> bool:
         """Computes ``step`` on the calling thread if no step is queued or computing (then a
         thread hop would cost more than a small step); False, and nothing done, otherwise."""
-        with self._cond:
+        with self._lock:
             if self._queue or self._in_flight or self._stopped:
                 return False
             self._in_flight = 1
@@ -170,7 +173,7 @@ class Batcher:
         the workers compute, unless its session has a message queued or computing, or after
         ``stop``: False, and nothing done, then."""
         key = id(job.stream)
-        with self._cond:
+        with self._lock:
             if self._stopped or key in self._busy_streams():
                 return False
             self._in_flight += 1
@@ -198,7 +201,7 @@ class Batcher:
         """The loop's batch (``run_soon``), computed here; any step of a stream with a step
         queued or computing elsewhere, or after ``stop``, goes through ``submit`` instead."""
         steps, self._soon, self._soon_cost = self._soon, [], 0
-        with self._cond:
+        with self._lock:
             elsewhere = self._busy_streams()
             clear = not self._stopped and not any(id(s.stream) in elsewhere for s in steps)
             if clear:
@@ -304,7 +307,7 @@ class Batcher:
                     step.result = self._reply(step, Internal(), 0.0)
         finally:
             elapsed = time.perf_counter_ns() - t0
-            with self._cond:
+            with self._lock:
                 self._in_flight -= len(steps)
                 self._busy_ns += elapsed
                 for step in steps:

@@ -42,7 +42,7 @@ from .. import __version__
 from ..engine.engine import Engine, Stream
 from ..engine.report import EngineObserver
 from .listener import MetricsHttpServer, serve_http
-from .rpc import GrpcServerMetrics
+from .rpc import FlushOnCollect, GrpcServerMetrics
 
 __all__ = [
     "ServiceMetrics",
@@ -92,19 +92,36 @@ STREAM_LABELS = ("backend", "dtype", "policy")
 
 
 # -- the engine's observer ----------------------------------------------------------------------
-def _observe_n(child, value: float, n: int) -> None:
-    """``n`` observations of ``value`` by one histogram child at the cost of one: its sum grows
-    by ``n * value`` and the first bucket whose bound holds ``value`` by ``n`` (what ``n`` calls
-    of ``observe(value)`` do, bucket for bucket). prometheus_client has no bulk observe; this
-    uses the child's own value holders, checked by tests/test_metrics.py against ``observe``."""
-    child._sum.inc(value * n)
-    i = bisect_left(child._upper_bounds, value)
-    child._buckets[i].inc(n)
+class _Pending:
+    """Observations of one histogram child not yet added to it: a count per bucket (the last
+    one +Inf) and their sum. The hot path adds plain numbers under the recorder's one lock;
+    ``flush_into`` hands them to the child's own value holders at scrape time, which leaves
+    the child as that many ``observe`` calls would (tests/test_metrics.py)."""
+
+    __slots__ = ("counts", "total")
+
+    def __init__(self, buckets: int):
+        self.counts = [0] * buckets
+        self.total = 0.0
+
+    def add(self, i: int, value: float, n: int) -> None:
+        self.counts[i] += n
+        self.total += value * n
+
+    def flush_into(self, child) -> None:
+        """Adds these observations to ``child`` (a holder ``_taken`` from the hot path's)."""
+        if not any(self.counts):
+            return
+        child._sum.inc(self.total)
+        for i, n in enumerate(self.counts):
+            if n:
+                child._buckets[i].inc(n)
 
 
 @dataclass(slots=True)
 class _StreamSeries:
-    """The children of one (backend, dtype, policy), bound once so a step does no label lookup."""
+    """The children of one (backend, dtype, policy), bound once so a step does no label lookup,
+    and what its steps added since the last scrape (``MetricsRecorder.flush``)."""
 
     queue: object
     compute: object
@@ -114,12 +131,18 @@ class _StreamSeries:
     evictions: object
     moved: object
     written: object
+    bounds: list  # the latency histograms' upper bounds, +Inf last
+    pending: tuple  # _Pending of queue, compute, duration
+    counts: list  # ok steps, evicted tokens, eviction events, bytes written, not yet added
 
 
 class MetricsRecorder(EngineObserver):
     """Turns the engine's plain stats into ``gqa_*`` metrics; reads its state at scrape time."""
 
     def __init__(self, registry: CollectorRegistry):
+        # First in the registry, so every collect (a scrape, ``get_sample_value``) flushes the
+        # pending observations before the families below are read.
+        registry.register(FlushOnCollect(self.flush))
         self._step_families(registry)
         self._stream_families(registry)
         self._cache_families(registry)
@@ -132,9 +155,14 @@ class MetricsRecorder(EngineObserver):
             self.open_refusals.labels(reason)
         self._series: dict[tuple[str, str, str], _StreamSeries] = {}
         self._series_lock = threading.Lock()
-        # (backend, dtype) -> bound child: a message's counts do no label lookup
-        self._batch_children: dict[tuple[str, str], object] = {}
-        self._message_children: dict[tuple[str, str], object] = {}
+        # (backend, dtype) -> (bound child, its pending observations): a message's counts do
+        # no label lookup
+        self._batch_children: dict[tuple[str, str], tuple[object, _Pending]] = {}
+        self._message_children: dict[tuple[str, str], tuple[object, _Pending]] = {}
+        # The hot path's observations wait in plain numbers under this one lock (a step paid
+        # eight locked increments before) until a scrape flushes them into the families.
+        self._pending_lock = threading.Lock()
+        self._flush_lock = threading.Lock()  # scrapes may run at once
         self._engine: Engine | None = None
         registry.register(_EngineStateCollector(self))
 
@@ -242,8 +270,10 @@ class MetricsRecorder(EngineObserver):
                     # Present (at zero) from the first stream, so rate() works from the start.
                     self.batch_size.labels(*labels[:2])
                     self.batch_message_sequences.labels(*labels[:2])
+                    queue = self.step_queue.labels(*labels)
+                    buckets = len(queue._upper_bounds)
                     series = _StreamSeries(
-                        queue=self.step_queue.labels(*labels),
+                        queue=queue,
                         compute=self.step_compute.labels(*labels),
                         duration=self.step_duration.labels(*labels),
                         ok=self.steps.labels(*labels, "ok"),
@@ -251,6 +281,9 @@ class MetricsRecorder(EngineObserver):
                         evictions=self.evictions.labels(*labels),
                         moved=self.moved.labels(*labels),
                         written=self.written.labels(*labels),
+                        bounds=list(queue._upper_bounds),
+                        pending=(_Pending(buckets), _Pending(buckets), _Pending(buckets)),
+                        counts=[0, 0, 0, 0],
                     )
                     self._series[labels] = series
         return series
@@ -281,36 +314,82 @@ class MetricsRecorder(EngineObserver):
         evictions: int,
         bytes_written: int,
     ) -> None:
-        """``n`` steps of one message (and label set) at once: a handful of increments
-        whatever ``n`` is."""
-        s = self._bound(labels)
-        # by the child's holders for one step too: ``Histogram.observe`` walks the buckets in
-        # Python (1-2.5 us against 1-1.5 per histogram at a step's latencies, three per step)
-        _observe_n(s.queue, queue_seconds, n)
-        _observe_n(s.compute, compute_seconds, n)
-        _observe_n(s.duration, queue_seconds + compute_seconds, n)
-        s.ok.inc(n)
-        if evicted_tokens:
-            s.evicted.inc(evicted_tokens)
-            s.evictions.inc(evictions)
-        if bytes_written:
-            s.written.inc(bytes_written)
+        """``n`` steps of one message (and label set) at once: three bucket searches and a
+        few additions under one lock, whatever ``n`` is; a scrape adds them to the families."""
+        s = self._series.get(labels) or self._bound(labels)
+        bounds = s.bounds
+        duration = queue_seconds + compute_seconds
+        iq, ic, idur = (
+            bisect_left(bounds, queue_seconds),
+            bisect_left(bounds, compute_seconds),
+            bisect_left(bounds, duration),
+        )
+        queue, compute, total = s.pending
+        with self._pending_lock:
+            queue.add(iq, queue_seconds, n)
+            compute.add(ic, compute_seconds, n)
+            total.add(idur, duration, n)
+            counts = s.counts
+            counts[0] += n
+            if evicted_tokens:
+                counts[1] += evicted_tokens
+                counts[2] += evictions
+            if bytes_written:
+                counts[3] += bytes_written
 
     def steps_refused(self, labels: tuple[str, str, str], code: str, n: int = 1) -> None:
         self._bound(labels)
         self.steps.labels(*labels, code.lower()).inc(n)
 
     def batch_done(self, backend: str, dtype: str, size: int) -> None:
-        child = self._batch_children.get((backend, dtype))
-        if child is None:
-            child = self._batch_children[backend, dtype] = self.batch_size.labels(backend, dtype)
-        _observe_n(child, size, 1)  # observe()'s effect in fewer calls: counted once per message
+        self._observe_batch(self._batch_children, self.batch_size, backend, dtype, size)
 
     def batch_message(self, backend: str, dtype: str, sequences: int) -> None:
-        child = self._message_children.get((backend, dtype))
-        if child is None:
-            child = self._message_children[backend, dtype] = self.batch_message_sequences.labels(backend, dtype)
-        _observe_n(child, sequences, 1)
+        self._observe_batch(self._message_children, self.batch_message_sequences, backend, dtype, sequences)
+
+    def _observe_batch(self, children: dict, family, backend: str, dtype: str, value: int) -> None:
+        """One observation of ``value`` by the (backend, dtype) child of ``family``, pending."""
+        entry = children.get((backend, dtype))
+        if entry is None:
+            child = family.labels(backend, dtype)
+            entry = children.setdefault((backend, dtype), (child, _Pending(len(child._upper_bounds))))
+        child, pending = entry
+        i = bisect_left(child._upper_bounds, value)
+        with self._pending_lock:
+            pending.add(i, value, 1)
+
+    # -- scrape time ----------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Adds every pending observation to its family; a collect of the registry does it first."""
+        with self._flush_lock:
+            with self._series_lock:
+                series = list(self._series.values())
+            batches = [*self._batch_children.values(), *self._message_children.values()]
+            with self._pending_lock:  # take them: the hot path goes on into fresh holders
+                taken = []
+                for s in series:
+                    counts = s.counts
+                    if any(counts):
+                        s.counts = [0, 0, 0, 0]
+                    taken.append((s, counts, [_taken(p) for p in s.pending]))
+                batch_taken = [(child, _taken(p)) for child, p in batches]
+            for s, counts, (queue, compute, duration) in taken:
+                queue.flush_into(s.queue)
+                compute.flush_into(s.compute)
+                duration.flush_into(s.duration)
+                for child, n in zip((s.ok, s.evicted, s.evictions, s.written), counts):
+                    if n:
+                        child.inc(n)
+            for child, pending in batch_taken:
+                pending.flush_into(child)
+
+
+def _taken(pending: _Pending) -> _Pending:
+    """``pending``'s numbers moved into a new holder (call under the pending lock)."""
+    taken = _Pending(0)
+    taken.counts, taken.total = pending.counts, pending.total
+    pending.counts, pending.total = [0] * len(taken.counts), 0.0
+    return taken
 
 
 def _cuda_memory() -> list[tuple[str, int, int]]:

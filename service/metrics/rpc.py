@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from ..transport.handlers import handler_kind
 
-__all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS"]
+__all__ = ["GrpcServerMetrics", "GRPC_CODE_NAMES", "RPC_BUCKETS", "FlushOnCollect"]
 
 # RPC handling time: a unary step is sub-millisecond, a Decode stream lasts as long as its
 # client's generation (minutes).
@@ -71,6 +72,10 @@ def _rpc_type(request_streaming: bool, response_streaming: bool) -> str:
 
 @dataclass(slots=True)
 class _MethodSeries:
+    """One method's children. Its messages are counted in plain ints on the event loop
+    (``received_n``, ``sent_n``: a locked increment per message before) and added to the
+    counters at scrape time (``GrpcServerMetrics.flush``)."""
+
     labels: tuple[str, str, str]
     started: object
     received: object
@@ -78,6 +83,10 @@ class _MethodSeries:
     handling: object
     handled_family: object
     handled: dict = field(default_factory=dict)
+    received_n: int = 0
+    sent_n: int = 0
+    received_flushed: int = 0
+    sent_flushed: int = 0
 
     def handled_child(self, code: grpc.StatusCode):
         child = self.handled.get(code)
@@ -111,12 +120,12 @@ class _CountingContext:
     async def read(self):
         message = await self._context.read()
         if message is not grpc.aio.EOF:
-            self._call.series.received.inc()
+            self._call.series.received_n += 1
         return message
 
     async def write(self, message) -> None:
         await self._context.write(message)
-        self._call.series.sent.inc()
+        self._call.series.sent_n += 1
 
     async def abort(self, code, details="", trailing_metadata=()):
         self._call.code = code
@@ -129,7 +138,7 @@ class _CountingContext:
 
 async def _counted(requests, series: _MethodSeries):
     async for message in requests:
-        series.received.inc()
+        series.received_n += 1
         yield message
 
 
@@ -152,6 +161,9 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
 
     def __init__(self, registry: CollectorRegistry):
         r = registry
+        # First in the registry: every collect adds the messages counted since the last one.
+        r.register(FlushOnCollect(self.flush))
+        self._flush_lock = threading.Lock()  # scrapes may run at once
         self.started = Counter(
             "grpc_server_started_total", "Total number of RPCs started on the server.", _RPC_LABELS, registry=r
         )
@@ -198,6 +210,19 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             self._methods[full_method] = series
         return series
 
+    def flush(self) -> None:
+        """Adds the messages counted since the last flush to the message counters (any thread:
+        the loop only ever raises ``received_n`` / ``sent_n``, this only their watermarks)."""
+        with self._flush_lock:
+            for series in list(self._methods.values()):
+                received, sent = series.received_n, series.sent_n
+                if received != series.received_flushed:
+                    series.received.inc(received - series.received_flushed)
+                    series.received_flushed = received
+                if sent != series.sent_flushed:
+                    series.sent.inc(sent - series.sent_flushed)
+                    series.sent_flushed = sent
+
     def initialize(self, service: "object") -> None:
         """Creates every series of a service's methods at 0 (a ``ServiceDescriptor``), every code
         included, so a rate over the first RPCs or the first error is not lost."""
@@ -227,7 +252,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
         series.started.inc()
         if request_streaming:
             return _counted(request_or_iterator, series)
-        series.received.inc()
+        series.received_n += 1
         return request_or_iterator
 
     @staticmethod
@@ -250,7 +275,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                 end(series, call, exc, t0)
                 raise
             if not response_streaming and (call.code is None or call.code is grpc.StatusCode.OK):
-                series.sent.inc()
+                series.sent_n += 1
             end(series, call, None, t0)
             return response
 
@@ -268,7 +293,7 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
             try:
                 async for response in responses:
                     yield response
-                    series.sent.inc()  # resumed: the server wrote it and asks for the next
+                    series.sent_n += 1  # resumed: the server wrote it and asks for the next
             except BaseException as exc:
                 failure = exc
                 raise
@@ -279,3 +304,19 @@ class GrpcServerMetrics(grpc.aio.ServerInterceptor):
                     end(series, call, failure, t0)
 
         return handler
+
+
+class FlushOnCollect:
+    """A collector of no family of its own: registered before the families that ``flush`` fills
+    (plain numbers the hot path added since the last collect), it runs ``flush`` first on every
+    collect of the registry (a scrape, ``get_sample_value``)."""
+
+    def __init__(self, flush: Callable[[], None]):
+        self._flush = flush
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> list:
+        self._flush()
+        return []

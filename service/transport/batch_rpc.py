@@ -16,18 +16,17 @@ shutdown end the RPC.
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 
 from ..api import gqa_pb2
 from ..config import ServerConfig
 from ..engine.engine import Engine
 from ..engine.plane import SetShape
-from ..errors import InvalidArgument, ServiceError
+from ..errors import InvalidArgument
 from ..vocab import DTYPE_NAMES, NAME_TO_DTYPE
 from . import wire
 from .batch_session import Session
+from .session import EOF, StreamClosed, StreamSession
 from .statuses import malformed_request
 
 __all__ = ["serve", "session_shape"]
@@ -58,40 +57,6 @@ def _parse(raw: bytes) -> gqa_pb2.BatchRequest:
 
 
 _session_ids = iter(range(1, 1 << 62))
-
-
-class _ForcedClose:
-    """A forced close (idle reaper, drain: any thread) of the session under its handler: the
-    handler is ended only while it waits for the client, so a step in flight always finishes
-    and is answered; its next read then raises the close's error."""
-
-    def __init__(self):
-        self.task = asyncio.current_task()
-        self.loop = asyncio.get_running_loop()
-        self.errors: list[ServiceError] = []
-        self.waiting = False
-
-    def __call__(self, error: ServiceError) -> None:  # Stream.on_forced_close, any thread
-        self.loop.call_soon_threadsafe(self._wake, error)
-
-    def _wake(self, error: ServiceError) -> None:
-        self.errors.append(error)
-        if self.waiting and self.task is not None:
-            self.task.cancel()
-
-    async def read(self, context):
-        """The client's next request (or ``grpc.aio.EOF``); the close's error once forced."""
-        if self.errors:
-            raise self.errors[0]
-        self.waiting = True
-        try:
-            return await context.read()
-        except asyncio.CancelledError:
-            if self.errors:
-                raise self.errors[0] from None
-            raise
-        finally:
-            self.waiting = False
 
 
 def _opened(request_id: int, session: Session) -> gqa_pb2.BatchResponse:
@@ -149,19 +114,36 @@ async def serve(engine: Engine, config: ServerConfig, context):
     if first.WhichOneof("kind") != "open":
         raise InvalidArgument("the first message of a Batch stream must be `open`")
     shared = session_shape(engine, first.open)  # its refusals are counted by the engine
-    forced = _ForcedClose()
-    session = Session(engine, config, shared, f"b{next(_session_ids)}", forced)
+    reads = StreamSession(
+        engine,
+        context.read,
+        grpc.aio.EOF,
+        len,
+        lambda: session.touch(),
+        max_steps=config.max_queued_steps,
+        max_bytes=config.max_queued_bytes,
+    )
+    session = Session(engine, config, shared, f"b{next(_session_ids)}", reads.on_forced_close)
     try:
+        reads.begin_write()
         yield _opened(first.request_id, session)
+        reads.end_write()
         layout = session.layout
-        while (request := await forced.read(context)) is not grpc.aio.EOF:
-            session.touch()
+        while (request := await reads.next()) is not EOF:
             # a step message read from its bytes is answered here, without a generator of its own
             step = layout.read(request) or wire.read_step_request(request)
             if step is not None:
-                yield await session.step(step[1], step[0])
+                reply = await session.step(step[1], step[0])
+                reads.begin_write()
+                yield reply
+                reads.end_write()
                 continue
             async for reply in _answers(session, request):
+                reads.begin_write()
                 yield reply
+                reads.end_write()
+    except StreamClosed as closed:
+        raise closed.error from None
     finally:
-        session.close("forced" if forced.errors else "client")
+        reads.close()
+        session.close("forced" if reads.forced is not None else "client")

@@ -87,11 +87,14 @@ class StepReply:
     evicted tokens, rollback reach) and output bytes; calling it takes a ``StepReport`` or a
     refusal. A refusal is a message (rare: upb builds it)."""
 
-    __slots__ = ("rid", "layer", "output_field", "nbytes")
+    __slots__ = ("rid", "layer", "output_field", "nbytes", "head_fields", "rid_field")
 
     def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int, field: bytes = b""):
         self.rid, self.layer, self.nbytes = rid, layer, nbytes
         self.output_field = field or output_field(shape, dtype, nbytes)
+        # status (present, OK) and the layer; the request id and the step field's tag
+        self.head_fields = b"\x0a\x00" + (b"\x10" + _varint(layer) if layer else b"")
+        self.rid_field = b"\x08" + _varint(rid) + b"\x1a" if rid else b"\x1a"
 
     def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
         if isinstance(value, ServiceError):
@@ -106,29 +109,26 @@ class StepReply:
 
     def encode(self, fields, compute_ns: int, output) -> bytes:
         t, resident, first, last, evicted, reach = fields
+        v = _varint
         # StepResult: status = 1 (present, OK), layer = 2, output = 3, tokens_seen = 4,
         # resident = 5, first_position = 6, last_position = 7, evicted = 8, evicted_tokens = 9,
-        # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does.
-        parts = [b"\x0a\x00"]
-        if self.layer:
-            parts += (b"\x10", _varint(self.layer))
-        for tag, v in (
-            (b"\x20", t),
-            (b"\x28", resident),
-            (b"\x30", first),
-            (b"\x38", last),
-            (b"\x40", 1 if evicted > 0 else 0),
-            (b"\x48", evicted),
-            (b"\x50", compute_ns),
-            (b"\x58", reach),
-        ):
-            if v:
-                parts += (tag, _varint(v))
+        # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does. After a step
+        # tokens_seen and resident are at least 1.
+        parts = [self.head_fields, b"\x20", v(t), b"\x28", v(resident)]
+        if first:
+            parts += (b"\x30", v(first))
+        if last:
+            parts += (b"\x38", v(last))
+        if evicted > 0:
+            parts += (b"\x40\x01\x48", v(evicted))
+        if compute_ns:
+            parts += (b"\x50", v(compute_ns))
+        if reach:
+            parts += (b"\x58", v(reach))
         parts.append(self.output_field)
         body = b"".join(parts)
-        step_len = len(body) + self.nbytes
         # DecodeResponse: request_id = 1, step = 3
-        head = (b"\x08" + _varint(self.rid) + b"\x1a" if self.rid else b"\x1a") + _varint(step_len)
+        head = self.rid_field + v(len(body) + self.nbytes)
         if not self.nbytes:
             return head + body
         return b"".join((head, body, output))

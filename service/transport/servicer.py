@@ -140,21 +140,22 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             return
         first = _parse(first)
         stream = await self._first(first, context)
+        clock = self.engine.clock
         session = StreamSession(
             self.engine,
-            stream,
             context.read,
             grpc.aio.EOF,
             len,
+            lambda: stream.touch(clock()),
             max_steps=self.config.max_queued_steps,
             max_bytes=self.config.max_queued_bytes,
         )
+        stream.on_forced_close = session.on_forced_close
         shape = StepShape(stream)
         self.sessions += 1
         self._no_sessions.clear()
         reason = "client"
         try:
-            session.start()
             responses = [gqa_pb2.DecodeResponse(request_id=first.request_id, opened=self._opened(stream))]
             while True:
                 for response in responses:
@@ -164,12 +165,13 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 raw = await session.next()
                 if raw is EOF:
                     break
-                responses = await self._answers(stream, shape, raw)
+                responses = await self._answers(session, stream, shape, raw)
         except StreamClosed as closed:
             reason = "forced"
             raise closed.error from None
         finally:
             session.close()
+            stream.on_forced_close = None
             self.engine.close(stream, reason)
             self.sessions -= 1
             if not self.sessions:
@@ -190,17 +192,17 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             return await self._restore(first, context)
         raise InvalidArgument("the first message of a Decode stream must be `open` or `restore`")
 
-    async def _answers(self, stream: Stream, shape: StepShape, raw: bytes) -> list:
+    async def _answers(self, session: StreamSession, stream: Stream, shape: StepShape, raw: bytes) -> list:
         """The replies to one request after the open: the hot path finds a step's tensors in
         its bytes (the stream's layout: computed from the request's bytes, no view made), else
         reads it field by field; anything else is parsed."""
         found = shape.layout.locate(raw)
         if found is not None:
-            return [await self._step_raw(stream, shape, raw, *found)]
+            return [await session.computing(self._step_raw(stream, shape, raw, *found))]
         fast = read_decode_step(raw)
         if fast is not None:
-            return [await self._step(stream, shape, fast[1], fast[0])]
-        return await self._handle(stream, shape, _parse(raw))
+            return [await session.computing(self._step(stream, shape, fast[1], fast[0]))]
+        return await self._handle(session, stream, shape, _parse(raw))
 
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:
@@ -309,11 +311,11 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             tokens_seen=[cache.tokens_seen for cache in stream.caches],
         )
 
-    async def _handle(self, stream: Stream, shape: StepShape, request) -> list:
+    async def _handle(self, session: StreamSession, stream: Stream, shape: StepShape, request) -> list:
         kind = request.WhichOneof("kind")
         rid = request.request_id
         if kind == "step":
-            return [await self._step(stream, shape, request.step, rid)]
+            return [await session.computing(self._step(stream, shape, request.step, rid))]
         if kind == "rollback":
             return [self._rollback(stream, request.rollback, rid)]
         if kind == "snapshot":
@@ -340,8 +342,9 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             ]
         return [gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk) for chunk in chunks]
 
-    async def _step(self, stream: Stream, shape: StepShape, step, rid: int) -> gqa_pb2.DecodeResponse:
-        """Integer checks here; tensors, compute and the reply message on a compute worker."""
+    def _step(self, stream: Stream, shape: StepShape, step, rid: int) -> asyncio.Future:
+        """Integer checks here; tensors, compute and the reply message where the step computes.
+        The future of the reply (answered already when refused here or computed at once)."""
         received = time.perf_counter()
         layer = step.layer
         try:
@@ -358,10 +361,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
-            return step_refusal(rid, layer, exc)
-        return await future
+            return _answered(step_refusal(rid, layer, exc))
+        return future
 
-    async def _step_raw(self, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int):
+    def _step_raw(
+        self, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int
+    ) -> asyncio.Future:
         """A step in the stream's layout (its dtype and shapes checked by the layout): its
         tensors go to the worker as offsets into ``raw``."""
         received = time.perf_counter()
@@ -372,8 +377,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
-            return step_refusal(rid, layer, exc)
-        return await future
+            return _answered(step_refusal(rid, layer, exc))
+        return future
 
     def _rollback(self, stream: Stream, request: gqa_pb2.Rollback, rid: int) -> gqa_pb2.DecodeResponse:
         status = _OK
@@ -389,6 +394,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 rollback_reach=[c.policy.rollback_reach(c.tokens_seen) for c in stream.caches],
             ),
         )
+
+
+def _answered(reply) -> asyncio.Future:
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(reply)
+    return future
 
 
 def _stateless_args(request) -> tuple:

@@ -1,28 +1,34 @@
-"""One Decode RPC's stream session: read-ahead, back-pressure, forced close. No protobuf.
+"""One streaming RPC's session (a Decode stream, a Batch session): reads, read-ahead while a step
+computes elsewhere, forced close. No protobuf.
 
-A reader task moves requests from the transport into a queue while earlier ones are handled,
-up to ``max_queued_steps`` requests and ``max_queued_bytes`` bytes (it stops reading while
-either is reached, so one stream holds at most ``max_queued_bytes`` plus one message; HTTP/2
-flow control then holds the client back). The handler takes requests with ``next``, in order.
+The handler reads its requests itself (``next``): a request goes from the transport to the handler
+with no task between them. While one of its steps computes on the compute workers
+(``computing``), a reader task reads ahead for it into a queue, up to ``max_steps`` requests and
+``max_bytes`` bytes (it stops reading while either is reached, so one stream holds at most
+``max_bytes`` plus one message; HTTP/2 flow control then holds the client back); ``next`` takes
+the queued requests first, in order. A step computed on the event loop (at once, or in the
+loop's batch at its next turn) leaves nothing to overlap, so nothing reads ahead of it.
 
-Forced close (idle reaper, drain) is signalled, not done by cancelling the handler: the
-engine calls ``stream.on_forced_close`` from any thread; the session records the error and
-wakes the handler, whose next ``next`` raises ``StreamClosed`` (a step being computed finishes
-and its reply goes out first). One case cannot be woken: a handler blocked writing a reply to
-a client that does not read. After a forced close the session looks every ``write_grace_s``:
-a handler found in the same write as at the previous look is cancelled, so the RPC ends and
-everything it holds is freed whatever the client does.
+Forced close (idle reaper, drain) is signalled, not done by cancelling the handler at an
+arbitrary point: the engine calls ``on_forced_close`` from any thread; the session records the
+error, and the handler's next ``next`` raises ``StreamClosed`` (a step being computed finishes
+and its reply goes out first). A handler waiting in its own read is cancelled out of that read
+only, and the read raises ``StreamClosed`` too. One case cannot be woken: a handler blocked
+writing a reply to a client that does not read. After a forced close the session looks every
+``write_grace_s``: a handler found in the same write as at the previous look is cancelled, so the
+RPC ends and everything it holds is freed whatever the client does.
 
-Every request byte buffered is also counted on the engine (``read_ahead_bytes``).
+Every request byte read ahead is also counted on the engine (``read_ahead_bytes``).
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
-from ..engine.engine import Engine, Stream
+from ..engine.engine import Engine
 from ..errors import ServiceError
 
 __all__ = ["StreamSession", "StreamClosed", "EOF"]
@@ -48,43 +54,43 @@ EOF = _Eof()
 
 class StreamSession:
     """``read`` is an async callable returning the next request or ``end`` (the transport's
-    end-of-stream marker); ``size`` gives a request's bytes."""
+    end-of-stream marker); ``size`` gives a request's bytes; ``touch`` is called after every
+    request read (the idle timeout). Create on the handler's task."""
 
     def __init__(
         self,
         engine: Engine,
-        stream: Stream,
         read,
         end: Any,
         size,
+        touch: Callable[[], None],
         *,
         max_steps: int,
         max_bytes: int,
         write_grace_s: float = WRITE_GRACE_S,
     ):
         self.engine = engine
-        self.stream = stream
         self._read = read
         self._end = end
         self._size = size
+        self._touch = touch
         self._max_steps = max_steps
         self._max_bytes = max_bytes
         self._write_grace_s = write_grace_s
-        self._queue: deque = deque()  # (request, size)
+        self._queue: deque = deque()  # requests read ahead: (request, size)
         self.queued_bytes = 0
-        self._wake = asyncio.Event()  # the handler: a request arrived, or a forced close
+        self._wake = asyncio.Event()  # the handler: a request was read ahead, or a forced close
         self._room = asyncio.Event()  # the reader: room in the read-ahead
         self.forced: ServiceError | None = None
         self._writes = 0  # writes started; the watchdog cuts only the write it saw
         self.writing = False
+        self._reading = False  # the handler waits in its own read
+        self._cut_read = False  # ... and a forced close cancelled it out of that read
+        self._computing = False  # the handler waits for a step computing on the workers
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None  # reading ahead; None when no read is in flight
         self._closed = False
-
-    def start(self) -> None:
-        self.stream.on_forced_close = self._on_forced_close
-        self._reader = self._loop.create_task(self._read_ahead())
 
     # -- the handler's side -------------------------------------------------------------------
     async def next(self):
@@ -102,8 +108,38 @@ class StreamSession:
                 if isinstance(request, BaseException):
                     raise request
                 return EOF if request is self._end else request
-            self._wake.clear()
+            if self._reader is None:
+                return await self._read_here()
+            self._wake.clear()  # the reader has a read in flight: its request comes next
             await self._wake.wait()
+
+    async def _read_here(self):
+        self._reading = True
+        try:
+            request = await self._read()
+        except asyncio.CancelledError:
+            if not self._cut_read:
+                raise
+            self._cut_read = False
+            self._task.uncancel()
+            raise StreamClosed(self.forced) from None
+        finally:
+            self._reading = False
+        self._touch()
+        return EOF if request is self._end else request
+
+    async def computing(self, future: asyncio.Future):
+        """``await future`` (a step's answer), reading ahead meanwhile if the step computes on
+        the workers: one turn of the loop later it is either answered (computed on the loop)
+        or still computing elsewhere."""
+        if future.done():
+            return future.result()
+        self._computing = True
+        self._loop.call_soon(self._read_ahead_for, future)
+        try:
+            return await future
+        finally:
+            self._computing = False
 
     def begin_write(self) -> None:
         self._writes += 1
@@ -122,11 +158,10 @@ class StreamSession:
         self.engine.read_ahead_bytes -= self.queued_bytes
         self.queued_bytes = 0
         self._queue.clear()
-        self.stream.on_forced_close = None
 
     # -- forced close -----------------------------------------------------------------------------
-    def _on_forced_close(self, error: ServiceError) -> None:
-        """Any thread."""
+    def on_forced_close(self, error: ServiceError) -> None:
+        """Any thread (``Stream.on_forced_close``)."""
         try:
             self._loop.call_soon_threadsafe(self._force, error)
         except RuntimeError:  # the loop is gone; so is the RPC
@@ -137,6 +172,9 @@ class StreamSession:
         if first:
             self.forced = error
         self._wake.set()
+        if self._reading and not self._cut_read and self._task is not None:
+            self._cut_read = True
+            self._task.cancel()
         if first and not self._closed:
             self._loop.call_later(self._write_grace_s, self._watch, self._writes)
 
@@ -151,17 +189,25 @@ class StreamSession:
         self._loop.call_later(self._write_grace_s, self._watch, self._writes)
 
     # -- the reader ----------------------------------------------------------------------------------
+    def _read_ahead_for(self, future: asyncio.Future) -> None:
+        if future.done() or not self._computing or self._reader is not None or self._closed:
+            return
+        if self.forced is None:
+            self._reader = self._loop.create_task(self._read_ahead())
+
     async def _read_ahead(self) -> None:
+        """Reads while the handler waits for a step on the workers (and the read in flight when
+        it stops waiting), then ends."""
         try:
-            while True:
-                while len(self._queue) >= self._max_steps or self.queued_bytes >= self._max_bytes:
+            while self._computing and self.forced is None:
+                if len(self._queue) >= self._max_steps or self.queued_bytes >= self._max_bytes:
                     self._room.clear()
                     await self._room.wait()
+                    continue
                 request = await self._read()
-                self.stream.touch(self.engine.clock())
+                self._touch()
                 if request is self._end:
                     self._queue.append((request, 0))
-                    self._wake.set()
                     return
                 size = self._size(request)
                 self.queued_bytes += size
@@ -172,4 +218,6 @@ class StreamSession:
             raise
         except BaseException as exc:
             self._queue.append((exc, 0))
+        finally:
+            self._reader = None
             self._wake.set()
