@@ -171,6 +171,9 @@ static void store_row(const call_t *call, int64_t i, int64_t at, float *o, int r
     const gqa_cache_t *cc = &call->caches[i];
     const int64_t d = cc->d;
     if (rotate) gqa_hadamard_rows(o, 1, d, d & -d); /* int8 values stored rotated */
+#if GQA_X86_64
+    if (call->wide[i] == ISA_AVX2 && cc->enc == ENC_BF16) unpair_row_avx2(o, d); /* block_avx2_bf16's order */
+#endif
     if (cc->io == ENC_F32) memcpy((float *)cc->out + at, o, (size_t)d * sizeof(float));
 #if GQA_X86_64
     else if (call->wide[i] == ISA_AVX512) narrow_row_avx512(cc->io, o, (uint16_t *)cc->out + at, d);

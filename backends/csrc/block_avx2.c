@@ -198,19 +198,14 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
                                                                 const int gt, const int nv, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     const int64_t el = enc_size(enc);
-    /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask
-     * (the accumulators hold the even channels, then the odd: 8 shuffles a head to put in that
-     * order and back, so only where a block has rows enough to pay for them: 2 fewer
-     * instructions a row for all the heads) */
-    const int pairs = enc == ENC_BF16 && nv % 2 == 0 && nt >= 4 * gt;
+    /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask,
+     * where the accumulators hold each slice's even channels, then its odd ones (the state's
+     * order for this block: store_row puts a row back in channel order, unpair_row_avx2) */
+    const int pairs = enc == ENC_BF16 && nv % 2 == 0;
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
-    for (int g = 0; g < gt; g++) {
-        if (pairs)
-            for (int i = 0; i < nv; i += 2) pairs_load(acc_mem + g * d + j0 + 8 * i, &acc[g][i], &acc[g][i + 1]);
-        else
-            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
-    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (vn)
@@ -229,25 +224,34 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
-    for (int g = 0; g < gt; g++) {
-        if (pairs)
-            for (int i = 0; i < nv; i += 2) pairs_store(acc_mem + g * d + j0 + 8 * i, acc[g][i], acc[g][i + 1]);
-        else
-            for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
-    }
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
 }
 
 /* A block's weighted value sum for gt (<= 4) query heads (acc: gt x d; d a multiple of 8), a
- * slice of 8 nv channels of every row per pass; vn (or NULL): the next block's values (vbytes),
- * asked for a line per row read across the passes. */
+ * slice of 8 nv channels of every row per pass, then one of 16 and one of 8 for what is left
+ * (so every whole 16-channel slice of a bfloat16 row is summed as even and odd channels, for
+ * every tile alike); vn (or NULL): the next block's values (vbytes), asked for a line per row
+ * read across the passes. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
                                                                       const int gt, const char *vn, int64_t vbytes) {
     const int nv = gt >= 3 ? 2 : 4;
-    const int64_t w = 8 * nv, slots = (d / w + d % w / 8) * nt;
+    const int64_t w = 8 * nv, rest = d % w, slots = (d / w + rest / 16 + rest % 16 / 8) * nt;
     int64_t j0 = 0, slot0 = 0;
     for (; j0 + w <= d; j0 += w, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots);
+    if (nv == 4 && j0 + 16 <= d) {
+        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 2, vn, vbytes, slot0, slots);
+        j0 += 16;
+        slot0 += nt;
+    }
     for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots);
+}
+
+/* A row the bfloat16 block summed (pv_avx2: each whole 16-channel slice as its even channels,
+ * then its odd ones) back in channel order, in place. */
+AVX2 GQA_INTERNAL void unpair_row_avx2(float *o, int64_t d) {
+    for (int64_t j = 0; j + 16 <= d; j += 16) pairs_store(o + j, _mm256_loadu_ps(o + j), _mm256_loadu_ps(o + j + 8));
 }
 
 /* Scores, online softmax and value sum of one tile of gt query heads (g0 the first). */
