@@ -125,23 +125,22 @@ async def serve(engine: Engine, config: ServerConfig, context):
     )
     session = Session(engine, config, shared, f"b{next(_session_ids)}", reads.on_forced_close)
     try:
-        reads.begin_write()
-        yield _opened(first.request_id, session)
-        reads.end_write()
+        replies = [_opened(first.request_id, session)]
         layout = session.layout
-        while (request := await reads.next()) is not EOF:
+        while True:
+            for reply in replies:
+                reads.begin_write()
+                yield reply
+                reads.end_write()
+            request = await reads.next()
+            if request is EOF:
+                break
             # a step message read from its bytes is answered here, without a generator of its own
             step = layout.read(request) or wire.read_step_request(request)
             if step is not None:
-                reply = await session.step(step[1], step[0])
-                reads.begin_write()
-                yield reply
-                reads.end_write()
-                continue
-            async for reply in _answers(session, request):
-                reads.begin_write()
-                yield reply
-                reads.end_write()
+                replies = [await session.step(step[1], step[0])]
+            else:
+                replies = [reply async for reply in _answers(session, request)]
     except StreamClosed as closed:
         raise closed.error from None
     finally:
