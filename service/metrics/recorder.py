@@ -131,7 +131,6 @@ class _StreamSeries:
     evictions: object
     moved: object
     written: object
-    bounds: list  # the latency histograms' upper bounds, +Inf last
     pending: tuple  # _Pending of queue, compute, duration
     counts: list  # ok steps, evicted tokens, eviction events, bytes written, not yet added
 
@@ -281,7 +280,6 @@ class MetricsRecorder(EngineObserver):
                         evictions=self.evictions.labels(*labels),
                         moved=self.moved.labels(*labels),
                         written=self.written.labels(*labels),
-                        bounds=list(queue._upper_bounds),
                         pending=(_Pending(buckets), _Pending(buckets), _Pending(buckets)),
                         counts=[0, 0, 0, 0],
                     )
@@ -317,7 +315,7 @@ class MetricsRecorder(EngineObserver):
         """``n`` steps of one message (and label set) at once: three bucket searches and a
         few additions under one lock, whatever ``n`` is; a scrape adds them to the families."""
         s = self._series.get(labels) or self._bound(labels)
-        bounds = s.bounds
+        bounds = s.queue._upper_bounds  # the three latency histograms' (+Inf last)
         duration = queue_seconds + compute_seconds
         iq, ic, idur = (
             bisect_left(bounds, queue_seconds),
