@@ -360,6 +360,7 @@ AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *
 
 /* isa.c */
 int gqa_avx512_usable(void);
+int gqa_avx2_usable(void);
 int gqa_usable_isas(int64_t d);
 GQA_INTERNAL block_fn choose_block(int enc, int isa);
 
