@@ -462,3 +462,30 @@ def test_vector_row_conversions_round_as_the_portable_ones(isa, dtype):
         outs.append(cache.step(q, key[:, :, 1], values[:, :, 1]).output)
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
     assert torch.isnan(outs[0][0, :g, 0]).all() and not torch.isnan(outs[0][0, :, 2:]).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=_dt)
+@pytest.mark.parametrize(
+    "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in KERNEL.isas(128), reason="not here")) for i in ISAS[1:]]
+)
+def test_a_head_with_no_finite_score_has_the_portable_bits(isa, dtype):
+    """Query heads whose every score is -inf (an infinite query channel against keys all negative
+    there): the softmax's exp(-inf - (-inf)) is NaN, as expf's in the portable kernel, so their
+    rows are NaN with the portable rows' bits (the vector exp had clamped the NaN to a tiny
+    weight and averaged the values instead), and the other heads are the portable ones' to
+    rounding."""
+    d, g = 128, 4
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randn(1, HKV, 6, d, generator=gen)
+    keys[..., 0] = -keys[..., 0].abs() - 1.0
+    values = torch.randn(1, HKV, 6, d, generator=gen)
+    q = torch.randn(1, HKV * g, d, generator=gen)
+    q[0, :g, 0] = float("inf")  # KV head 0's query heads
+    outs = []
+    for kernel in (isa, "portable"):
+        cache = DenseCache(CacheSpec(1, HKV * g, HKV, d, dtype, EvictionPolicy.none(8)), f"native-{kernel}")
+        cache.prefill(keys[:, :, :5].to(dtype), values[:, :, :5].to(dtype))
+        outs.append(cache.step(q.to(dtype), keys[:, :, 5].to(dtype), values[:, :, 5].to(dtype)).output)
+    assert torch.isnan(outs[0][0, :g]).all() and not torch.isnan(outs[0][0, g:]).any()
+    assert torch.equal(outs[0][0, :g].view(torch.uint8), outs[1][0, :g].view(torch.uint8))
+    torch.testing.assert_close(outs[0][0, g:], outs[1][0, g:])

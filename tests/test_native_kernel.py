@@ -207,6 +207,29 @@ def test_hadamard_is_the_rotation_product(d):
     torch.testing.assert_close(KERNEL.hadamard(got).double(), x.double(), atol=1e-5, rtol=1e-5)  # H H = I
 
 
+def _butterfly(x: np.ndarray, block: int) -> np.ndarray:
+    """The fast Walsh-Hadamard transform in float32, in the scalar loop's order of operations."""
+    y = x.astype(np.float32).copy()
+    for b0 in range(0, y.shape[-1], block):
+        length = 1
+        while length < block:
+            for i in range(b0, b0 + block, 2 * length):
+                a, b = y[..., i : i + length].copy(), y[..., i + length : i + 2 * length].copy()
+                y[..., i : i + length], y[..., i + length : i + 2 * length] = a + b, a - b
+            length *= 2
+        y[..., b0 : b0 + block] *= np.float32(1.0 / np.sqrt(np.float32(block), dtype=np.float32))
+    return y
+
+
+@pytest.mark.parametrize("d", [1, 4, 8, 16, 24, 48, 64, 128, 256])
+def test_hadamard_has_the_scalar_transforms_bits(d):
+    """Every path this CPU takes (8 or 16 lanes a register, spans within one and across them)
+    adds and subtracts as the scalar loop does, so the bits are the same."""
+    x = torch.randn(7, d, generator=torch.Generator().manual_seed(100 + d))
+    want = _butterfly(x.numpy(), d & -d)
+    assert np.array_equal(KERNEL.hadamard(x).numpy().view(np.int32), want.view(np.int32))
+
+
 # -- the build -------------------------------------------------------------------------------------
 
 

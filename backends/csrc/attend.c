@@ -218,6 +218,12 @@ static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t 
     const gqa_cache_t *cc = &call->caches[i];
     if (cc->status) return;
     const int64_t G = cc->g, d = cc->d;
+#if GQA_X86_64
+    if (call->wide[i] == ISA_AVX2 && cc->enc == cc->io) { /* a dense cache on AVX2: one pass */
+        finish_rows_avx2(cc->io, st->acc, st->l, G, d, (char *)cc->out + h * G * d * enc_size(cc->io));
+        return;
+    }
+#endif
     for (int64_t gi = 0; gi < G; gi++) {
         float *o = st->acc + gi * d;
         const float l = st->l[gi], inv = 1.0f / l;

@@ -338,29 +338,64 @@ AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float 
     for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
 }
 
-/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem (round to nearest
- * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign). */
+/* 8 float32 values as float16/bfloat16 (enc) bits in the low half of each 32-bit lane, bit for
+ * bit as store_elem (round to nearest even; a NaN becomes float_to_half's or float_to_bf16's
+ * quiet NaN of the same sign). */
+AVX2 static inline __attribute__((always_inline)) __m256i narrow8_bits(const int enc, __m256 v) {
+    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (enc == ENC_F16) {
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+        return _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), qnan, nan);
+    }
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+/* 8 lanes of narrow8_bits stored as 8 halves, in order. */
+AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *dst, __m256i r) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+
+/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem. */
 AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t *dst, int64_t n) {
     int64_t x = 0;
-    for (; x + 8 <= n; x += 8) {
-        const __m256 v = _mm256_loadu_ps(src + x);
-        const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
-        const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        __m256i r;
-        if (enc == ENC_F16) {
-            const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            r = _mm256_cvtepu16_epi32(h);
-            const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
-            r = _mm256_blendv_epi8(r, qnan, nan);
-        } else {
-            const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-            r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-            r = _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-        }
-        /* 8 words of 16 significant bits to 8 halves, in order */
-        const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-        _mm_storeu_si128((__m128i *)(dst + x), _mm256_castsi256_si128(packed));
-    }
+    for (; x + 8 <= n; x += 8) store_halves8(dst + x, narrow8_bits(enc, _mm256_loadu_ps(src + x)));
     for (; x < n; x++) store_elem(enc, dst, x, src[x]);
+}
+
+/* A one-split head's gn output rows from the block's state (acc: gn x d, sums l) straight into
+ * `out` in the stream's dtype (enc; d a multiple of 8): each element (0 + acc) / l as
+ * finish_head computes it (a row with l = 0: 0 x (1 / 0), NaN, as there), then stored as
+ * store_row stores it, in one pass. A bfloat16 row's whole 16-channel slices, summed as their
+ * even channels then their odd ones (pv_avx2), come back in channel order for free: the even
+ * channel's bits are the low half of each pair's word and the odd one's the high half. */
+AVX2 GQA_INTERNAL void finish_rows_avx2(const int enc, const float *acc, const float *l, int64_t gn, int64_t d,
+                                        void *out) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t g = 0; g < gn; g++) {
+        const float *o = acc + g * d;
+        const float inv = 1.0f / l[g];
+        const int empty = l[g] == 0.0f;
+        const __m256 vinv = _mm256_set1_ps(inv);
+#define FINISHED(at) _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, _mm256_loadu_ps(o + (at))), vinv)
+        int64_t j = 0;
+        if (enc == ENC_F32) {
+            float *dst = (float *)out + g * d;
+            for (; j < d; j += 8) _mm256_storeu_ps(dst + j, FINISHED(j));
+            continue;
+        }
+        uint16_t *dst = (uint16_t *)out + g * d;
+        if (enc == ENC_BF16)
+            for (; j + 16 <= d; j += 16) {
+                const __m256i even = narrow8_bits(enc, FINISHED(j)), odd = narrow8_bits(enc, FINISHED(j + 8));
+                _mm256_storeu_si256((__m256i *)(dst + j), _mm256_or_si256(even, _mm256_slli_epi32(odd, 16)));
+            }
+        for (; j < d; j += 8) store_halves8(dst + j, narrow8_bits(enc, FINISHED(j)));
+#undef FINISHED
+    }
 }
 #endif /* GQA_X86_64 */

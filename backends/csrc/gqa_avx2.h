@@ -15,9 +15,10 @@
 
 /* exp(x) for x <= 0: 2^n * e^r with |r| <= ln2 / 2, the degree-7 polynomial of exp512; x is
  * clamped at -87 (2^n stays a normal float: e^-87 ~ 1.6e-38 stands for 0, which the callers'
- * lanes past nt get by masking). */
+ * lanes past nt get by masking). A NaN (a score of inf - inf: no finite score in a head) stays
+ * NaN, as expf's does: maxps returns its second operand when one is NaN. */
 AVX2 static inline __m256 exp256(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_max_ps(_mm256_set1_ps(-87.0f), x);
     const __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     const __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256 r = _mm256_mul_ps(_mm256_sub_ps(t, n), _mm256_set1_ps(0.693147180559945309f));

@@ -15,7 +15,7 @@
 /* exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
  * polynomial for e^r (relative error below 1e-8, under float32's rounding). */
 AVX512 static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f)); /* below: 0 after scalef */
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x); /* below: 0 after scalef; a NaN stays NaN (exp256) */
     const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 r = _mm512_mul_ps(_mm512_sub_ps(t, n), _mm512_set1_ps(0.693147180559945309f));

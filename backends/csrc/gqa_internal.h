@@ -53,8 +53,10 @@
  * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
- * fork), the calling thread working too. Parallel calls from several threads are serialized on
- * the pool; calls small enough to run on the calling thread alone run concurrently.
+ * fork), the calling thread working too. A call of PARALLEL_MIN_WORK or more shares its items
+ * with the pool's workers; one that finds the pool taken by another thread's call runs its
+ * items on its own thread instead of waiting (a server's compute threads keep stepping side by
+ * side), as does a smaller call.
  *
  * The step (gqa_run with write_row >= 0): the new key and value are written into their ring
  * row, what they overwrite saved in `saved` (dense: by the work item that reads that row, per
@@ -115,7 +117,14 @@
 #define MAX_SPLITS_PER_ITEM 16 /* a head's consecutive splits one item reads at most */
 #define MAX_RUNS 4
 #define MAX_THREADS 256
-#define PARALLEL_MIN_WORK (1 << 13) /* (positions x KV heads) below which one thread does all */
+/* A call's work, in positions read: each (cache, KV head) counts its attended positions plus
+ * HEAD_WORK for what it costs whatever its length (query in, state, output out: a float32 head
+ * of 1 position took as long as one of ~8 on Zen 1). Below PARALLEL_MIN_WORK the calling thread
+ * does all: a parallel call's own cost (the workers' wake-up, a futex call) is a few us, and
+ * from ~1000 positions x heads two threads were faster, cold and hot (docs/design.md, "Short
+ * caches on both threads"). */
+#define HEAD_WORK 8
+#define PARALLEL_MIN_WORK (1 << 10)
 #ifndef BPIECES
 #define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
 #endif
@@ -339,6 +348,7 @@ AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *, const float *, i
 AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
 AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX2 GQA_INTERNAL void unpair_row_avx2(float *o, int64_t d);
+AVX2 GQA_INTERNAL void finish_rows_avx2(int enc, const float *acc, const float *l, int64_t gn, int64_t d, void *out);
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
@@ -351,6 +361,7 @@ AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *
 
 /* isa.c */
 int gqa_avx512_usable(void);
+int gqa_avx2_usable(void);
 int gqa_usable_isas(int64_t d);
 GQA_INTERNAL block_fn choose_block(int enc, int isa);
 

@@ -57,11 +57,18 @@ AVX512 static int quantize_rows_avx512(const float *x, int64_t rows, int64_t len
                                        float *scale) {
     return quantize_rows_body(x, rows, len, flags, codes, scale);
 }
+
+/* And for AVX2 (8 lanes; rintf becomes vroundps): the AVX2-only CPUs' int8 step quantized each
+ * row's elements one libm call at a time. */
+AVX2 static int quantize_rows_avx2(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
+    return quantize_rows_body(x, rows, len, flags, codes, scale);
+}
 #endif
 
 GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale) {
 #if GQA_X86_64
     if (gqa_avx512_usable()) return quantize_rows_avx512(x, rows, len, flags, codes, scale);
+    if (gqa_avx2_usable()) return quantize_rows_avx2(x, rows, len, flags, codes, scale);
 #endif
     return quantize_rows_body(x, rows, len, flags, codes, scale);
 }
@@ -114,6 +121,37 @@ AVX512 static void hadamard_rows_avx512(float *x, int64_t rows, int64_t d, int64
         }
     }
 }
+
+/* The same at 8 lanes (block a multiple of 8): the spans 1, 2 and 4 within a register (the
+ * partner lane by a permute, the upper lane of each pair keeping partner - self, as
+ * y[j + len] = a - b), the wider spans across registers. */
+AVX2 static void hadamard_rows_avx2(float *x, int64_t rows, int64_t d, int64_t block, float norm) {
+    const __m256 vn = _mm256_set1_ps(norm);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = x + r * d;
+        for (int64_t b0 = 0; b0 < d; b0 += block) {
+            float *y = row + b0;
+            for (int64_t j = 0; j < block; j += 8) {
+                __m256 v = _mm256_loadu_ps(y + j), p;
+                p = _mm256_permute_ps(v, 0xB1); /* span 1: lanes 0<->1, 2<->3, ... */
+                v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xAA);
+                p = _mm256_permute_ps(v, 0x4E); /* span 2: lanes 0<->2, 1<->3, ... */
+                v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xCC);
+                p = _mm256_permute2f128_ps(v, v, 0x01); /* span 4: the two halves */
+                v = _mm256_blend_ps(_mm256_add_ps(v, p), _mm256_sub_ps(p, v), 0xF0);
+                _mm256_storeu_ps(y + j, v);
+            }
+            for (int64_t len = 8; len < block; len <<= 1)
+                for (int64_t i = 0; i < block; i += 2 * len)
+                    for (int64_t j = i; j < i + len; j += 8) {
+                        const __m256 a = _mm256_loadu_ps(y + j), b = _mm256_loadu_ps(y + j + len);
+                        _mm256_storeu_ps(y + j, _mm256_add_ps(a, b));
+                        _mm256_storeu_ps(y + j + len, _mm256_sub_ps(a, b));
+                    }
+            for (int64_t j = 0; j < block; j += 8) _mm256_storeu_ps(y + j, _mm256_mul_ps(_mm256_loadu_ps(y + j), vn));
+        }
+    }
+}
 #endif
 
 int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
@@ -122,6 +160,10 @@ int gqa_hadamard_rows(float *x, int64_t rows, int64_t d, int64_t block) {
 #if GQA_X86_64
     if (block % 16 == 0 && gqa_avx512_usable()) {
         hadamard_rows_avx512(x, rows, d, block, norm);
+        return 0;
+    }
+    if (block % 8 == 0 && gqa_avx2_usable()) {
+        hadamard_rows_avx2(x, rows, d, block, norm);
         return 0;
     }
 #endif

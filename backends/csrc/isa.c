@@ -28,6 +28,7 @@ static int cpu_isas(void) {
 }
 
 int gqa_avx512_usable(void) { return (cpu_isas() >> ISA_AVX512) & 1; }
+int gqa_avx2_usable(void) { return (cpu_isas() >> ISA_AVX2) & 1; }
 
 /* The implementations that can run here for head width d (a bit per ISA_* value). */
 int gqa_usable_isas(int64_t d) {

@@ -16,6 +16,11 @@
  * a worker woken by the caller was often queued on the caller's own CPU while the other one
  * idled, and the two then took turns there for the whole call: the load balancer does not move
  * a task that ran a moment ago (docs/design.md, "The pool's workers on the caller's CPU").
+ *
+ * One call has the workers at a time. A call that finds them taken runs its items on its own
+ * thread: waiting for the pool would leave that thread idle while the other call's threads
+ * hold every CPU, and a server's compute threads stepping side by side lost ~5% of their
+ * throughput that way (docs/design.md, "Short caches on both threads").
  */
 #define _GNU_SOURCE
 #include <sched.h>
@@ -24,7 +29,7 @@
 #include "gqa_internal.h"
 
 static struct {
-    pthread_mutex_t call_lock; /* one parallel call at a time */
+    pthread_mutex_t call_lock; /* one parallel call at a time (the others run alone) */
     pthread_mutex_t m;
     pthread_cond_t wake, done;
     pthread_t tids[MAX_THREADS];
@@ -161,7 +166,10 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
         for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
         return;
     }
-    pthread_mutex_lock(&pool.call_lock);
+    if (pthread_mutex_trylock(&pool.call_lock)) { /* another call has the pool: this thread alone */
+        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+        return;
+    }
     if (pool.started + 1 < pool.size) {
         if (pool.started) pool_stop_locked();
         pool_start_locked();
