@@ -38,7 +38,7 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
 
 /* What a call needs besides its per-cache arrays (floats, or counts). */
 typedef struct {
-    int64_t items, heads, parts, scratch, work, wneed;
+    int64_t items, heads, parts, scratch, work, wneed, splits;
 } call_size_t;
 
 /* The per-cache arrays of a call, from the calling thread's ARENA_CACHES. */
@@ -56,18 +56,21 @@ static int call_arrays(call_t *call, gqa_cache_t *caches, int64_t ncaches) {
     return 0;
 }
 
-/* Splits per work item of a cache with nsplit splits per head: enough items for every thread
- * to take ITEMS_PER_THREAD of them (the dynamic counter's balance), as few as that allows, so a
+/* Splits per work item of a cache with nsplit splits per head, in a call of call_splits splits
+ * (every several-split cache's heads x splits): enough items for every thread to take
+ * ITEMS_PER_THREAD of the call's (the dynamic counter's balance), as few as that allows, so a
  * thread reads a head's consecutive splits as one stream (its prefetch runs on from one split
- * into the next instead of starting cold every SPLIT_T positions). Outputs do not depend on it:
- * every split's partial is the same whichever item computes it. */
-static int64_t splits_per_item(int64_t n, int64_t nsplit, int threads) {
-    const int64_t per = n * nsplit / ((int64_t)threads * ITEMS_PER_THREAD);
+ * into the next instead of starting cold every SPLIT_T positions). Counted over the call, not the
+ * cache: 64 caches are 64 x 8 heads of items already, and cutting each head in two (as one cache
+ * alone needs) only restarted the streams. Outputs do not depend on it: every split's partial is
+ * the same whichever item computes it. */
+static int64_t splits_per_item(int64_t nsplit, int64_t call_splits, int threads) {
+    const int64_t per = call_splits / ((int64_t)threads * ITEMS_PER_THREAD);
     return per < 1 ? 1 : per > MAX_SPLITS_PER_ITEM ? MAX_SPLITS_PER_ITEM : per > nsplit ? nsplit : per;
 }
 
-/* Cache i checked and its items laid out after those of the caches before it (size so far). */
-static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_size_t *size) {
+/* Cache i checked, its block chosen and its sizes counted (size so far). */
+static int check_and_count(call_t *call, int64_t i, int isa, call_size_t *size) {
     gqa_cache_t *cc = &call->caches[i];
     int chosen;
     const int rc = check_cache(cc, isa, &call->s[i], &chosen);
@@ -76,19 +79,7 @@ static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_siz
     call->block[i] = choose_block(cc->enc, chosen);
     call->wide[i] = (char)(chosen >= ISA_AVX512 ? ISA_AVX512 : chosen == ISA_AVX2 ? ISA_AVX2 : 0);
     call->nsplit[i] = (call->s[i] + SPLIT_T - 1) / SPLIT_T;
-    call->item_off[i] = size->items;
-    call->head_off[i] = size->heads;
-    call->part_off[i] = size->parts;
-    if (call->nsplit[i] > 1) {
-        call->hpi[i] = splits_per_item(cc->n, call->nsplit[i], threads);
-        size->items += cc->n * ((call->nsplit[i] + call->hpi[i] - 1) / call->hpi[i]);
-        size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
-    } else { /* heads per item: as many as make up one split's positions */
-        const int64_t per = SPLIT_T / (call->s[i] ? call->s[i] : 1);
-        call->hpi[i] = per < 1 ? 1 : per > cc->n ? cc->n : per;
-        size->items += (cc->n + call->hpi[i] - 1) / call->hpi[i];
-    }
-    size->heads += cc->n;
+    if (call->nsplit[i] > 1) size->splits += cc->n * call->nsplit[i];
     const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
                          cc->g * (key_width(cc) * BPIECES / 2 + 2) + 1; /* split_query_bf16's, query_int16's */
     if (need > size->scratch) size->scratch = need;
@@ -98,6 +89,24 @@ static int lay_out_cache(call_t *call, int64_t i, int isa, int threads, call_siz
         if (w > size->wneed) size->wneed = w;
     }
     return 0;
+}
+
+/* Cache i's work items laid out after those of the caches before it. */
+static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *size) {
+    const gqa_cache_t *cc = &call->caches[i];
+    call->item_off[i] = size->items;
+    call->head_off[i] = size->heads;
+    call->part_off[i] = size->parts;
+    if (call->nsplit[i] > 1) {
+        call->hpi[i] = splits_per_item(call->nsplit[i], size->splits, threads);
+        size->items += cc->n * ((call->nsplit[i] + call->hpi[i] - 1) / call->hpi[i]);
+        size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
+    } else { /* heads per item: as many as make up one split's positions */
+        const int64_t per = SPLIT_T / (call->s[i] ? call->s[i] : 1);
+        call->hpi[i] = per < 1 ? 1 : per > cc->n ? cc->n : per;
+        size->items += (cc->n + call->hpi[i] - 1) / call->hpi[i];
+    }
+    size->heads += cc->n;
 }
 
 /* The call's shared memory (partials, per-thread scratch, the int8 write's buffer, the merge
@@ -149,11 +158,12 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     call_t call;
     int rc = call_arrays(&call, caches, ncaches);
     call_size_t size = {.wneed = 1};
-    for (int64_t i = 0; i < ncaches && !rc; i++) rc = lay_out_cache(&call, i, isa, threads, &size);
+    for (int64_t i = 0; i < ncaches && !rc; i++) rc = check_and_count(&call, i, isa, &size);
     if (rc) return rc;
+    if (size.work < PARALLEL_MIN_WORK) threads = 1;
+    for (int64_t i = 0; i < ncaches; i++) lay_out_cache(&call, i, threads, &size);
     call.item_off[ncaches] = size.items;
     call.head_off[ncaches] = size.heads;
-    if (size.work < PARALLEL_MIN_WORK) threads = 1;
     if (threads > size.items) threads = (int)size.items;
     float *wbuf;
     rc = call_memory(&call, &size, threads, &wbuf);
