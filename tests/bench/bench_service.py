@@ -238,6 +238,9 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
             *(run_steps(call, requests, STEPS[concurrency], latencies, deadline, computes) for call in calls)
         )
         wall = time.perf_counter() - t0
+        # each stream's end read before the channel closes (a call left pending at the loop's
+        # close printed "Task was destroyed but it is pending!")
+        await asyncio.wait_for(asyncio.gather(*(c.code() for c in [warm, *calls])), 30)
     return {
         "steps": sum(counts),
         "wall_s": wall,
