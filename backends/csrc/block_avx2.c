@@ -124,11 +124,18 @@ AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m
 /* Scores of gt query heads against a whole short ring: a block of nt = w rows (1, 2 or 4) at
  * its first row, no outlier channels. A key line holds w positions, so a register of 8 lines'
  * words holds 8 / w consecutive lines (of 1 channel; bfloat16: of 2, split by a shift and a
- * mask into the even channels' register and the odd ones'). Reordered position-major (lane
- * p * 8 / w + c), it multiplies the query's matching channels repeated w times, and each
- * position's score is the sum of its 8 / w lanes at the end. The pass of 16 positions
- * (scores16_avx2) used 8 lanes of a register for one channel's w positions: 8 / w times the
- * loads, broadcasts and FMAs. out[g * TILE_T ...]: the scores, -inf past nt. */
+ * mask into the even channels' register and the odd ones'). It multiplies the query's matching
+ * channels, each repeated w times, and each position's score is the sum of its 8 / w lanes at
+ * the end. The pass of 16 positions (scores16_avx2) used 8 lanes of a register for one
+ * channel's w positions: 8 / w times the loads, broadcasts and FMAs.
+ * - float32, float16: the key register reordered position-major (lane p * 8 / w + c, one
+ *   cross-lane permute a register, for all gt heads), the query's channels broadcast;
+ * - bfloat16 (w 2, 4): the key register as loaded (lane c * w + p), the query's channels
+ *   repeated in place by in-lane shuffles (vmovsldup / vmovshdup, vpermilps): a cross-lane
+ *   permute of the query per head and register had cost Zen 1 more than the FMAs. Each lane
+ *   sums the same products in the same order, and the positions' sums add the same pairs
+ *   (hadd's tree), so the scores are bit for bit the position-major ones.
+ * out[g * TILE_T ...]: the scores, -inf past nt. */
 AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const int enc, const float *q, int64_t dk,
                                                                           int64_t dq, const char *kb, const int w,
                                                                           const int gt, float *out) {
@@ -148,26 +155,26 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
                 acc[g] = _mm256_fmadd_ps(qv, k, acc[g]);
             }
         }
-    } else { /* 2 channels a word: 16 / w channels a register */
+    } else { /* 2 channels a word: 16 / w channels a register, lane c * w + p as loaded */
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-        const __m256i even = w == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6) : _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2);
-        const __m256i odd = w == 2 ? _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7) : _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3);
+        const __m256i even4 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), odd4 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
         for (int64_t j = 0; j < dk; j += 2 * cpl) {
             const __m256i words = _mm256_loadu_si256((const __m256i *)(kb + j * w * el));
-            __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)), k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-            if (w > 1) {
-                k0 = _mm256_permutevar8x32_ps(k0, order);
-                k1 = _mm256_permutevar8x32_ps(k1, order);
-            }
+            const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+            const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
             for (int g = 0; g < gt; g++) {
                 const float *qj = q + g * dq + j;
                 __m256 q0, q1;
                 if (w == 1) {
                     pairs_load(qj, &q0, &q1);
-                } else {
-                    const __m256 x = w == 2 ? _mm256_loadu_ps(qj) : _mm256_castps128_ps256(_mm_loadu_ps(qj));
-                    q0 = _mm256_permutevar8x32_ps(x, even);
-                    q1 = _mm256_permutevar8x32_ps(x, odd);
+                } else if (w == 2) { /* channels j + 2c (and + 1), each twice */
+                    const __m256 x = _mm256_loadu_ps(qj);
+                    q0 = _mm256_moveldup_ps(x);
+                    q1 = _mm256_movehdup_ps(x);
+                } else { /* channels j, j + 2 (and + 1), each four times */
+                    const __m256 x = _mm256_broadcast_ps((const __m128 *)qj);
+                    q0 = _mm256_permutevar_ps(x, even4);
+                    q1 = _mm256_permutevar_ps(x, odd4);
                 }
                 acc[g] = _mm256_fmadd_ps(q1, k1, _mm256_fmadd_ps(q0, k0, acc[g]));
             }
@@ -178,6 +185,10 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
         __m256 s;
         if (w == 1) {
             s = _mm256_set1_ps(hsum8(acc[g]));
+        } else if (enc == ENC_BF16) { /* lane c * w + p: hadd's pairs, (c0 + c1) + (c2 + c3) */
+            const __m256 a = acc[g];
+            const __m256 pairs = w == 2 ? _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2))) : a;
+            s = _mm256_add_ps(pairs, _mm256_permute2f128_ps(pairs, pairs, 1));
         } else {
             const __m256 pairs = _mm256_hadd_ps(acc[g], acc[g]); /* w 4: (p0 p1 p0 p1 | p2 p3 p2 p3) */
             s = w == 2 ? _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs, pairs), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))
