@@ -199,15 +199,43 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
     }
 }
 
+/* 8 float32 values as float16/bfloat16 (enc) bits in the low half of each 32-bit lane, bit for
+ * bit as store_elem (round to nearest even; a NaN becomes float_to_half's or float_to_bf16's
+ * quiet NaN of the same sign). */
+AVX2 static inline __attribute__((always_inline)) __m256i narrow8_bits(const int enc, __m256 v) {
+    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (enc == ENC_F16) {
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+        return _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), qnan, nan);
+    }
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+/* 8 lanes of narrow8_bits stored as 8 halves, in order. */
+AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *dst, __m256i r) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
  * vn (or NULL): the next block's values, vbytes long; row t asks for its cache lines
- * slot0 + t, slot0 + t + slots, ... (the block's passes share them out). */
+ * slot0 + t, slot0 + t + slots, ... (the block's passes share them out).
+ * out (or NULL): the block is its heads' only one (st->out): the sums start at 0 in registers
+ * (acc_mem is not read) and end as the heads' output rows (the stream's dtype, gt rows of d
+ * from out), each element (0 + acc) x (1 / l[g]) narrowed as finish_rows_avx2 does, instead of
+ * going back to acc_mem: the same bits, without clearing, storing and reading the
+ * accumulator again. */
 AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, float *acc_mem, int64_t d, int64_t j0,
                                                                 const char *vb, const float *p, int64_t nt,
                                                                 const int gt, const int nv, const char *vn,
-                                                                int64_t vbytes, int64_t slot0, int64_t slots) {
+                                                                int64_t vbytes, int64_t slot0, int64_t slots,
+                                                                void *out, const float *l) {
     const int64_t el = enc_size(enc);
     /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask,
      * where the accumulators hold each slice's even channels, then its odd ones (the state's
@@ -216,7 +244,7 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+        for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (vn)
@@ -235,6 +263,28 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
+    if (out) {
+        const __m256 zero = _mm256_setzero_ps();
+        for (int g = 0; g < gt; g++) {
+            const __m256 vinv = _mm256_set1_ps(1.0f / l[g]);
+            const int empty = l[g] == 0.0f;
+            __m256 f[4];
+            for (int i = 0; i < nv; i++) f[i] = _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, acc[g][i]), vinv);
+            if (enc == ENC_F32) {
+                float *row = (float *)out + g * d + j0;
+                for (int i = 0; i < nv; i++) _mm256_storeu_ps(row + 8 * i, f[i]);
+            } else {
+                uint16_t *row = (uint16_t *)out + g * d + j0;
+                if (pairs) /* even channels' bits in the low half of each pair's word, odd in the high */
+                    for (int i = 0; i < nv; i += 2)
+                        _mm256_storeu_si256((__m256i *)(row + 8 * i),
+                                            _mm256_or_si256(narrow8_bits(enc, f[i]), _mm256_slli_epi32(narrow8_bits(enc, f[i + 1]), 16)));
+                else
+                    for (int i = 0; i < nv; i++) store_halves8(row + 8 * i, narrow8_bits(enc, f[i]));
+            }
+        }
+        return;
+    }
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
 }
@@ -246,17 +296,19 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
  * read across the passes. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
-                                                                      const int gt, const char *vn, int64_t vbytes) {
+                                                                      const int gt, const char *vn, int64_t vbytes,
+                                                                      void *out, const float *l) {
     const int nv = gt >= 3 ? 2 : 4;
     const int64_t w = 8 * nv, rest = d % w, slots = (d / w + rest / 16 + rest % 16 / 8) * nt;
     int64_t j0 = 0, slot0 = 0;
-    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots);
+    for (; j0 + w <= d; j0 += w, slot0 += nt)
+        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots, out, l);
     if (nv == 4 && j0 + 16 <= d) {
-        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 2, vn, vbytes, slot0, slots);
+        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 2, vn, vbytes, slot0, slots, out, l);
         j0 += 16;
         slot0 += nt;
     }
-    for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots);
+    for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots, out, l);
 }
 
 /* A row the bfloat16 block summed (pv_avx2: each whole 16-channel slice as its even channels,
@@ -303,7 +355,10 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
         else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kend, kn, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
-    pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el);
+    /* a dense head's only block: its rows finished here (st->out) */
+    void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * el : NULL;
+    pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el, out,
+                  st->l + g0);
 }
 
 AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int enc, const gqa_cache_t *cc,
@@ -327,6 +382,7 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int 
             default: tile_avx2(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st); break;
         }
     }
+    if (enc != ENC_INT8 && st->out) st->finished = 1;
 }
 
 AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
@@ -347,28 +403,6 @@ AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float 
     int64_t x = 0;
     for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(widen8(enc, src + x), s));
     for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
-}
-
-/* 8 float32 values as float16/bfloat16 (enc) bits in the low half of each 32-bit lane, bit for
- * bit as store_elem (round to nearest even; a NaN becomes float_to_half's or float_to_bf16's
- * quiet NaN of the same sign). */
-AVX2 static inline __attribute__((always_inline)) __m256i narrow8_bits(const int enc, __m256 v) {
-    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    if (enc == ENC_F16) {
-        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
-        return _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), qnan, nan);
-    }
-    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-    return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-}
-
-/* 8 lanes of narrow8_bits stored as 8 halves, in order. */
-AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *dst, __m256i r) {
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
 }
 
 /* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem. */
