@@ -93,7 +93,13 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         st.m[g] = -INFINITY;
         st.l[g] = 0.0f;
     }
-    memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
+#if GQA_X86_64
+    /* the head's only block on the AVX2 dense path: the block writes the output rows itself */
+    if (nsplit == 1 && call->wide[i] == ISA_AVX2 && cc->enc == cc->io && !cc->status && cc->nruns == 1 &&
+        s <= TILE_T - cc->runs[0] % TILE_T)
+        st.out = (char *)cc->out + h * G * d * enc_size(cc->io);
+#endif
+    if (!st.out) memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
     const block_fn block = call->block[i];
     convert_query(cc, h, st.q, call->wide[i]);
     const float *qf = st.q;
@@ -127,7 +133,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
     }
     /* a head's partials: in the thread's state when it has one split, else in the call's */
     if (nsplit == 1) {
-        finish_head(call, i, h, &st);
+        if (!st.finished) finish_head(call, i, h, &st);
         return;
     }
     float *part = call->part + call->part_off[i] + local * G * (d + 2);

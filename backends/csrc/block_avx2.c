@@ -124,11 +124,18 @@ AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m
 /* Scores of gt query heads against a whole short ring: a block of nt = w rows (1, 2 or 4) at
  * its first row, no outlier channels. A key line holds w positions, so a register of 8 lines'
  * words holds 8 / w consecutive lines (of 1 channel; bfloat16: of 2, split by a shift and a
- * mask into the even channels' register and the odd ones'). Reordered position-major (lane
- * p * 8 / w + c), it multiplies the query's matching channels repeated w times, and each
- * position's score is the sum of its 8 / w lanes at the end. The pass of 16 positions
- * (scores16_avx2) used 8 lanes of a register for one channel's w positions: 8 / w times the
- * loads, broadcasts and FMAs. out[g * TILE_T ...]: the scores, -inf past nt. */
+ * mask into the even channels' register and the odd ones'). It multiplies the query's matching
+ * channels, each repeated w times, and each position's score is the sum of its 8 / w lanes at
+ * the end. The pass of 16 positions (scores16_avx2) used 8 lanes of a register for one
+ * channel's w positions: 8 / w times the loads, broadcasts and FMAs.
+ * - float32, float16: the key register reordered position-major (lane p * 8 / w + c, one
+ *   cross-lane permute a register, for all gt heads), the query's channels broadcast;
+ * - bfloat16 (w 2, 4): the key register as loaded (lane c * w + p), the query's channels
+ *   repeated in place by in-lane shuffles (vmovsldup / vmovshdup, vpermilps): a cross-lane
+ *   permute of the query per head and register had cost Zen 1 more than the FMAs. Each lane
+ *   sums the same products in the same order, and the positions' sums add the same pairs
+ *   (hadd's tree), so the scores are bit for bit the position-major ones.
+ * out[g * TILE_T ...]: the scores, -inf past nt. */
 AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const int enc, const float *q, int64_t dk,
                                                                           int64_t dq, const char *kb, const int w,
                                                                           const int gt, float *out) {
@@ -148,26 +155,26 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
                 acc[g] = _mm256_fmadd_ps(qv, k, acc[g]);
             }
         }
-    } else { /* 2 channels a word: 16 / w channels a register */
+    } else { /* 2 channels a word: 16 / w channels a register, lane c * w + p as loaded */
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-        const __m256i even = w == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6) : _mm256_setr_epi32(0, 2, 0, 2, 0, 2, 0, 2);
-        const __m256i odd = w == 2 ? _mm256_setr_epi32(1, 3, 5, 7, 1, 3, 5, 7) : _mm256_setr_epi32(1, 3, 1, 3, 1, 3, 1, 3);
+        const __m256i even4 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), odd4 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
         for (int64_t j = 0; j < dk; j += 2 * cpl) {
             const __m256i words = _mm256_loadu_si256((const __m256i *)(kb + j * w * el));
-            __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16)), k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-            if (w > 1) {
-                k0 = _mm256_permutevar8x32_ps(k0, order);
-                k1 = _mm256_permutevar8x32_ps(k1, order);
-            }
+            const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
+            const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
             for (int g = 0; g < gt; g++) {
                 const float *qj = q + g * dq + j;
                 __m256 q0, q1;
                 if (w == 1) {
                     pairs_load(qj, &q0, &q1);
-                } else {
-                    const __m256 x = w == 2 ? _mm256_loadu_ps(qj) : _mm256_castps128_ps256(_mm_loadu_ps(qj));
-                    q0 = _mm256_permutevar8x32_ps(x, even);
-                    q1 = _mm256_permutevar8x32_ps(x, odd);
+                } else if (w == 2) { /* channels j + 2c (and + 1), each twice */
+                    const __m256 x = _mm256_loadu_ps(qj);
+                    q0 = _mm256_moveldup_ps(x);
+                    q1 = _mm256_movehdup_ps(x);
+                } else { /* channels j, j + 2 (and + 1), each four times */
+                    const __m256 x = _mm256_broadcast_ps((const __m128 *)qj);
+                    q0 = _mm256_permutevar_ps(x, even4);
+                    q1 = _mm256_permutevar_ps(x, odd4);
                 }
                 acc[g] = _mm256_fmadd_ps(q1, k1, _mm256_fmadd_ps(q0, k0, acc[g]));
             }
@@ -178,6 +185,10 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
         __m256 s;
         if (w == 1) {
             s = _mm256_set1_ps(hsum8(acc[g]));
+        } else if (enc == ENC_BF16) { /* lane c * w + p: hadd's pairs, (c0 + c1) + (c2 + c3) */
+            const __m256 a = acc[g];
+            const __m256 pairs = w == 2 ? _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2))) : a;
+            s = _mm256_add_ps(pairs, _mm256_permute2f128_ps(pairs, pairs, 1));
         } else {
             const __m256 pairs = _mm256_hadd_ps(acc[g], acc[g]); /* w 4: (p0 p1 p0 p1 | p2 p3 p2 p3) */
             s = w == 2 ? _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs, pairs), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))
@@ -188,15 +199,43 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
     }
 }
 
+/* 8 float32 values as float16/bfloat16 (enc) bits in the low half of each 32-bit lane, bit for
+ * bit as store_elem (round to nearest even; a NaN becomes float_to_half's or float_to_bf16's
+ * quiet NaN of the same sign). */
+AVX2 static inline __attribute__((always_inline)) __m256i narrow8_bits(const int enc, __m256 v) {
+    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    if (enc == ENC_F16) {
+        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
+        return _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), qnan, nan);
+    }
+    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
+    return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
+}
+
+/* 8 lanes of narrow8_bits stored as 8 halves, in order. */
+AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *dst, __m256i r) {
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
+    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
  * vn (or NULL): the next block's values, vbytes long; row t asks for its cache lines
- * slot0 + t, slot0 + t + slots, ... (the block's passes share them out). */
+ * slot0 + t, slot0 + t + slots, ... (the block's passes share them out).
+ * out (or NULL): the block is its heads' only one (st->out): the sums start at 0 in registers
+ * (acc_mem is not read) and end as the heads' output rows (the stream's dtype, gt rows of d
+ * from out), each element (0 + acc) x (1 / l[g]) narrowed as finish_rows_avx2 does, instead of
+ * going back to acc_mem: the same bits, without clearing, storing and reading the
+ * accumulator again. */
 AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, float *acc_mem, int64_t d, int64_t j0,
                                                                 const char *vb, const float *p, int64_t nt,
                                                                 const int gt, const int nv, const char *vn,
-                                                                int64_t vbytes, int64_t slot0, int64_t slots) {
+                                                                int64_t vbytes, int64_t slot0, int64_t slots,
+                                                                void *out, const float *l) {
     const int64_t el = enc_size(enc);
     /* bfloat16 in whole 16-channel slices: the channel pairs' words split by a shift and a mask,
      * where the accumulators hold each slice's even channels, then its odd ones (the state's
@@ -205,7 +244,7 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
+        for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (vn)
@@ -224,6 +263,28 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
             for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
+    if (out) {
+        const __m256 zero = _mm256_setzero_ps();
+        for (int g = 0; g < gt; g++) {
+            const __m256 vinv = _mm256_set1_ps(1.0f / l[g]);
+            const int empty = l[g] == 0.0f;
+            __m256 f[4];
+            for (int i = 0; i < nv; i++) f[i] = _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, acc[g][i]), vinv);
+            if (enc == ENC_F32) {
+                float *row = (float *)out + g * d + j0;
+                for (int i = 0; i < nv; i++) _mm256_storeu_ps(row + 8 * i, f[i]);
+            } else {
+                uint16_t *row = (uint16_t *)out + g * d + j0;
+                if (pairs) /* even channels' bits in the low half of each pair's word, odd in the high */
+                    for (int i = 0; i < nv; i += 2)
+                        _mm256_storeu_si256((__m256i *)(row + 8 * i),
+                                            _mm256_or_si256(narrow8_bits(enc, f[i]), _mm256_slli_epi32(narrow8_bits(enc, f[i + 1]), 16)));
+                else
+                    for (int i = 0; i < nv; i++) store_halves8(row + 8 * i, narrow8_bits(enc, f[i]));
+            }
+        }
+        return;
+    }
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) _mm256_storeu_ps(acc_mem + g * d + j0 + 8 * i, acc[g][i]);
 }
@@ -235,17 +296,19 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
  * read across the passes. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
-                                                                      const int gt, const char *vn, int64_t vbytes) {
+                                                                      const int gt, const char *vn, int64_t vbytes,
+                                                                      void *out, const float *l) {
     const int nv = gt >= 3 ? 2 : 4;
     const int64_t w = 8 * nv, rest = d % w, slots = (d / w + rest / 16 + rest % 16 / 8) * nt;
     int64_t j0 = 0, slot0 = 0;
-    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots);
+    for (; j0 + w <= d; j0 += w, slot0 += nt)
+        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, nv, vn, vbytes, slot0, slots, out, l);
     if (nv == 4 && j0 + 16 <= d) {
-        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 2, vn, vbytes, slot0, slots);
+        pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 2, vn, vbytes, slot0, slots, out, l);
         j0 += 16;
         slot0 += nt;
     }
-    for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots);
+    for (; j0 < d; j0 += 8, slot0 += nt) pv_avx2(enc, acc, d, j0, vb, p, nt, gt, 1, vn, vbytes, slot0, slots, out, l);
 }
 
 /* A row the bfloat16 block summed (pv_avx2: each whole 16-channel slice as its even channels,
@@ -292,7 +355,10 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
         else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kend, kn, knline, p);
     }
     softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
-    pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el);
+    /* a dense head's only block: its rows finished here (st->out) */
+    void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * el : NULL;
+    pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el, out,
+                  st->l + g0);
 }
 
 AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int enc, const gqa_cache_t *cc,
@@ -316,6 +382,7 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int 
             default: tile_avx2(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st); break;
         }
     }
+    if (enc != ENC_INT8 && st->out) st->finished = 1;
 }
 
 AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
@@ -336,28 +403,6 @@ AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float 
     int64_t x = 0;
     for (; x + 8 <= n; x += 8) _mm256_storeu_ps(dst + x, _mm256_mul_ps(widen8(enc, src + x), s));
     for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
-}
-
-/* 8 float32 values as float16/bfloat16 (enc) bits in the low half of each 32-bit lane, bit for
- * bit as store_elem (round to nearest even; a NaN becomes float_to_half's or float_to_bf16's
- * quiet NaN of the same sign). */
-AVX2 static inline __attribute__((always_inline)) __m256i narrow8_bits(const int enc, __m256 v) {
-    const __m256i bits = _mm256_castps_si256(v), high = _mm256_srli_epi32(bits, 16);
-    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    if (enc == ENC_F16) {
-        const __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        const __m256i qnan = _mm256_or_si256(_mm256_and_si256(high, _mm256_set1_epi32(0x8000)), _mm256_set1_epi32(0x7E00));
-        return _mm256_blendv_epi8(_mm256_cvtepu16_epi32(h), qnan, nan);
-    }
-    const __m256i lsb = _mm256_and_si256(high, _mm256_set1_epi32(1));
-    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)), 16);
-    return _mm256_blendv_epi8(r, _mm256_or_si256(high, _mm256_set1_epi32(0x40)), nan);
-}
-
-/* 8 lanes of narrow8_bits stored as 8 halves, in order. */
-AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *dst, __m256i r) {
-    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-    _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
 }
 
 /* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem. */

@@ -142,10 +142,12 @@ AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, in
         const float bmax = hmax8(mx);
         float *m = ms + g, *l = ls + g, *acc = accs + g * d;
         if (bmax > *m) {
-            const float alpha = expf(*m - bmax);
-            *l *= alpha;
-            const __m256 a = _mm256_set1_ps(alpha);
-            for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(a, _mm256_loadu_ps(acc + j)));
+            if (*l != 0.0f) { /* l == 0: no block summed yet, acc all +0, which alpha (0) leaves as it is */
+                const float alpha = expf(*m - bmax);
+                *l *= alpha;
+                const __m256 a = _mm256_set1_ps(alpha);
+                for (int64_t j = 0; j < d; j += 8) _mm256_storeu_ps(acc + j, _mm256_mul_ps(a, _mm256_loadu_ps(acc + j)));
+            }
             *m = bmax;
         }
         const __m256 mm = _mm256_set1_ps(*m);

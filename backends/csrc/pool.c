@@ -162,11 +162,8 @@ static void spin_until_done(int64_t nitems) {
 }
 
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
-    if (threads <= 1 || nitems <= 1) {
-        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
-        return;
-    }
-    if (pthread_mutex_trylock(&pool.call_lock)) { /* another call has the pool: this thread alone */
+    /* one thread's work, or another call has the pool: this thread alone */
+    if (threads <= 1 || nitems <= 1 || pthread_mutex_trylock(&pool.call_lock)) {
         for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
         return;
     }
