@@ -133,7 +133,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
     }
     /* a head's partials: in the thread's state when it has one split, else in the call's */
     if (nsplit == 1) {
-        if (!st.finished) finish_head(call, i, h, &st);
+        if (!st.out) finish_head(call, i, h, &st); /* else the block wrote the rows */
         return;
     }
     float *part = call->part + call->part_off[i] + local * G * (d + 2);

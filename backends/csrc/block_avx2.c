@@ -221,6 +221,21 @@ AVX2 static inline __attribute__((always_inline)) void store_halves8(uint16_t *d
     _mm_storeu_si128((__m128i *)dst, _mm256_castsi256_si128(packed));
 }
 
+/* 8 output elements from their sums a: (0 + a) x vinv (vinv = 1 / l), as finish_head computes
+ * them; a row with l = 0 (`empty`): 0 x (1 / 0), NaN, as there. */
+AVX2 static inline __attribute__((always_inline)) __m256 finished8(__m256 a, __m256 vinv, int empty) {
+    const __m256 zero = _mm256_setzero_ps();
+    return _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, a), vinv);
+}
+
+/* A 16-channel slice summed as its even channels, then its odd ones (pv_avx2's bfloat16 order),
+ * stored in channel order as bfloat16: the even channel's bits are the low half of each pair's
+ * word and the odd one's the high half, so the order comes back without a permute. */
+AVX2 static inline __attribute__((always_inline)) void store_pairs16(uint16_t *dst, __m256 even, __m256 odd) {
+    _mm256_storeu_si256((__m256i *)dst,
+                        _mm256_or_si256(narrow8_bits(ENC_BF16, even), _mm256_slli_epi32(narrow8_bits(ENC_BF16, odd), 16)));
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
@@ -264,21 +279,18 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
         }
     }
     if (out) {
-        const __m256 zero = _mm256_setzero_ps();
         for (int g = 0; g < gt; g++) {
             const __m256 vinv = _mm256_set1_ps(1.0f / l[g]);
             const int empty = l[g] == 0.0f;
             __m256 f[4];
-            for (int i = 0; i < nv; i++) f[i] = _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, acc[g][i]), vinv);
+            for (int i = 0; i < nv; i++) f[i] = finished8(acc[g][i], vinv, empty);
             if (enc == ENC_F32) {
                 float *row = (float *)out + g * d + j0;
                 for (int i = 0; i < nv; i++) _mm256_storeu_ps(row + 8 * i, f[i]);
             } else {
                 uint16_t *row = (uint16_t *)out + g * d + j0;
-                if (pairs) /* even channels' bits in the low half of each pair's word, odd in the high */
-                    for (int i = 0; i < nv; i += 2)
-                        _mm256_storeu_si256((__m256i *)(row + 8 * i),
-                                            _mm256_or_si256(narrow8_bits(enc, f[i]), _mm256_slli_epi32(narrow8_bits(enc, f[i + 1]), 16)));
+                if (pairs)
+                    for (int i = 0; i < nv; i += 2) store_pairs16(row + 8 * i, f[i], f[i + 1]);
                 else
                     for (int i = 0; i < nv; i++) store_halves8(row + 8 * i, narrow8_bits(enc, f[i]));
             }
@@ -382,7 +394,6 @@ AVX2 static inline __attribute__((always_inline)) void block_avx2_enc(const int 
             default: tile_avx2(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st); break;
         }
     }
-    if (enc != ENC_INT8 && st->out) st->finished = 1;
 }
 
 AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
@@ -420,13 +431,11 @@ AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t
  * channel's bits are the low half of each pair's word and the odd one's the high half. */
 AVX2 GQA_INTERNAL void finish_rows_avx2(const int enc, const float *acc, const float *l, int64_t gn, int64_t d,
                                         void *out) {
-    const __m256 zero = _mm256_setzero_ps();
     for (int64_t g = 0; g < gn; g++) {
         const float *o = acc + g * d;
-        const float inv = 1.0f / l[g];
         const int empty = l[g] == 0.0f;
-        const __m256 vinv = _mm256_set1_ps(inv);
-#define FINISHED(at) _mm256_mul_ps(empty ? zero : _mm256_add_ps(zero, _mm256_loadu_ps(o + (at))), vinv)
+        const __m256 vinv = _mm256_set1_ps(1.0f / l[g]);
+#define FINISHED(at) finished8(_mm256_loadu_ps(o + (at)), vinv, empty)
         int64_t j = 0;
         if (enc == ENC_F32) {
             float *dst = (float *)out + g * d;
@@ -435,10 +444,7 @@ AVX2 GQA_INTERNAL void finish_rows_avx2(const int enc, const float *acc, const f
         }
         uint16_t *dst = (uint16_t *)out + g * d;
         if (enc == ENC_BF16)
-            for (; j + 16 <= d; j += 16) {
-                const __m256i even = narrow8_bits(enc, FINISHED(j)), odd = narrow8_bits(enc, FINISHED(j + 8));
-                _mm256_storeu_si256((__m256i *)(dst + j), _mm256_or_si256(even, _mm256_slli_epi32(odd, 16)));
-            }
+            for (; j + 16 <= d; j += 16) store_pairs16(dst + j, FINISHED(j), FINISHED(j + 8));
         for (; j < d; j += 8) store_halves8(dst + j, narrow8_bits(enc, FINISHED(j)));
 #undef FINISHED
     }

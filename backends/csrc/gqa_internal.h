@@ -195,10 +195,9 @@ typedef struct {
     float qmul;
     int qpieces, qready;
     /* a one-split head read in one block by an AVX2 dense block: its output rows (the stream's
-     * dtype), which that block finishes itself (finished = 1) from an accumulator that starts
-     * in registers; acc is then neither cleared nor read. NULL otherwise. */
+     * dtype), which that block finishes itself from an accumulator that starts in registers;
+     * acc is then neither cleared nor read. NULL otherwise. */
     void *out;
-    int finished;
 } state_t;
 
 static inline int64_t enc_size(int enc) { return enc == ENC_F32 ? 4 : enc == ENC_INT8 ? 1 : 2; }
