@@ -324,7 +324,7 @@ class Int8Cache(Int8Storage):
         x.flags = native.ISA[self._isa] << native.FLAG_ISA_SHIFT
         if self.scale_dtype == torch.float16:
             x.flags |= native.FLAG_HALF_SCALES
-        elif quant_int8._bnb_quant is not None:  # quantize_int8's rounding with float32 scales
+        elif quant_int8.bitsandbytes_quantizer() is not None:  # quantize_int8's rounding with float32 scales
             x.flags |= native.FLAG_RECIPROCAL
         if self._rotated:
             x.flags |= native.FLAG_ROTATE

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from .contract import Backend, Capabilities
 from .errors import BackendUnavailable
+
+if TYPE_CHECKING:  # names only: importing the registry imports no torch (the command line's flags)
+    from .contract import Backend, Capabilities
 
 __all__ = ["BACKENDS", "DEFAULT_BACKEND", "BackendInfo", "describe", "get_backend"]
 

@@ -25,25 +25,14 @@ No function here knows about caches or backends.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 
-# bitsandbytes is a declared dependency; its CPU kernels are plain torch in 0.50. Its import
-# logs a warning inviting users to `pip install kernels` (a 4-bit GEMM this project never
-# uses): keep its loggers to errors while it loads.
-_bnb_log = logging.getLogger("bitsandbytes")
-_bnb_level = _bnb_log.level
-_bnb_log.setLevel(logging.ERROR)
-try:
-    from bitsandbytes.functional import int8_vectorwise_quant as _bnb_quant
-except ImportError:  # pragma: no cover - kept usable where bitsandbytes cannot load
-    _bnb_quant = None
-finally:
-    _bnb_log.setLevel(_bnb_level)
-
 __all__ = [
     "QMAX",
+    "bitsandbytes_quantizer",
     "SCALE_DTYPES",
     "dequantize_int8",
     "dequantize_int8_residual",
@@ -57,6 +46,28 @@ SCALE_DTYPES = (torch.float32, torch.float16)
 _FLOAT16_MAX = torch.finfo(torch.float16).max
 # Below this absmax, 127 / absmax overflows float32.
 _TINY = QMAX / torch.finfo(torch.float32).max
+
+
+@functools.cache
+def bitsandbytes_quantizer():
+    """bitsandbytes' row-wise absmax quantizer (``int8_vectorwise_quant``: LLM.int8()'s
+    "vectorwise"), or None where bitsandbytes cannot load. Imported on the first call, not with
+    this module: bitsandbytes' import also imports torch's compiler (~5 s of CPU), which a
+    process that never quantizes with float32 scales (the command line, a server whose streams
+    keep float16 scales, the default) should not pay."""
+    # bitsandbytes is a declared dependency; its CPU kernels are plain torch in 0.50. Its import
+    # logs a warning inviting users to `pip install kernels` (a 4-bit GEMM this project never
+    # uses): keep its loggers to errors while it loads.
+    log = logging.getLogger("bitsandbytes")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        from bitsandbytes.functional import int8_vectorwise_quant  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - kept usable where bitsandbytes cannot load
+        return None
+    finally:
+        log.setLevel(level)
+    return int8_vectorwise_quant
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
@@ -96,12 +107,13 @@ def quantize_int8(
     if check and x.dtype == torch.float64 and not bool(torch.isfinite(x2).all()):
         raise ValueError(f"{name}: values beyond the float32 range in shape {tuple(x.shape)}")
     codes = None
-    if scale_dtype == torch.float32 and _bnb_quant is not None and x2.shape[0] > 0:
+    bnb_quant = bitsandbytes_quantizer() if scale_dtype == torch.float32 and x2.shape[0] > 0 else None
+    if bnb_quant is not None:
         # bitsandbytes' row-wise absmax quantizer (LLM.int8()'s "vectorwise") is exactly this
         # scheme with the absmax kept instead of absmax / 127. It multiplies by 127 / absmax, so
         # an all-zero row comes back as NaN cast to int8 (unspecified): those rows are zeroed
         # here. A row so tiny that 127 / absmax overflows goes the plain way below.
-        codes, absmax, _ = _bnb_quant(x2)
+        codes, absmax, _ = bnb_quant(x2)
         if bool((absmax < _TINY).logical_and(absmax > 0).any()):
             codes = None
         else:

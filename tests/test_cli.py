@@ -237,6 +237,23 @@ def test_version():
     assert done.returncode == 0 and done.stdout.strip() == f"gqa-serve {__version__}"
 
 
+def test_flags_help_and_version_answer_without_importing_torch():
+    """--version, --help and a flag error import no torch (~3 s of CPU before the first line):
+    the vocabularies' names and the registry's backend names need none."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from service.cli.main import build_parser\n"
+        "for argv in (['--version'], ['--help'], ['serve', '--help'], ['serve', '--port', 'x']):\n"
+        "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()):\n"
+        "        build_parser().parse_args(argv)\n"
+        "print(sorted(m for m in ('torch', 'bitsandbytes', 'backends.contract') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.fixture
 def busy_port():
     with socket.socket() as s:

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+import quant.int8 as quant_int8
 from backends import native
 from backends.contract import CacheSpec
 from backends.cpu import CPUBackend
@@ -751,3 +752,41 @@ def test_opening_int8_caches_grows_rss_by_their_reservation(capacity, layers):
     grown, held, reserved = map(int, done.stdout.split()[-3:])
     assert held == reserved
     assert grown <= reserved + 8 * 2**20, (grown, reserved)
+
+
+LAZY_SCRIPT = """
+import sys, torch
+from backends import registry
+from backends.contract import CacheSpec
+from backends.int8 import Int8Cache
+from backends.policy import EvictionPolicy
+
+loaded = lambda: "bitsandbytes" in sys.modules
+registry.describe()
+spec = CacheSpec(1, 4, 2, 16, torch.float32, EvictionPolicy.strict(40))
+for kernel in ("native", "blocks"):
+    cache = Int8Cache(spec, kernel=kernel)  # float16 scales, the default
+    for _ in range(40):  # through calibration
+        cache.step(torch.randn(1, 4, 16), torch.randn(1, 2, 16), torch.randn(1, 2, 16))
+print(loaded())
+"""
+
+
+def test_bitsandbytes_is_imported_by_the_first_float32_scale_quantization_only():
+    """bitsandbytes' import brings torch's compiler (~5 s of CPU): describing the backends and a
+    float16-scale cache's steps do without it (in a fresh process); float32 scales still
+    quantize with it."""
+    done = subprocess.run(
+        [sys.executable, "-c", LAZY_SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["False"], done.stdout
+    # here (this process has quantized with float32 scales already or does now): bitsandbytes'
+    # quantizer, and its codes
+    assert quant_int8.bitsandbytes_quantizer() is not None
+    codes, scales = quantize_int8(torch.tensor([[0.5, -2.0, 1.0]]))
+    assert codes.tolist() == [[32, -127, 64]] and scales.tolist() == [float(torch.tensor(2.0) / 127)]

@@ -234,8 +234,14 @@ def test_hadamard_has_the_scalar_transforms_bits(d):
 
 
 def test_build_is_cached_by_content(tmp_path, monkeypatch):
+    """The cache key is every source's content. A tree of two small files and a header stands
+    in for the kernel's (the build steps are the same; the kernel's own build takes ~20 s and is
+    the one every other test loads)."""
     csrc = tmp_path / "csrc"
-    shutil.copytree(native_build.CSRC, csrc)
+    csrc.mkdir()
+    (csrc / "gqa_internal.h").write_text("#define GQA_TWO 2\n")
+    (csrc / "a.c").write_text('#include "gqa_internal.h"\nint gqa_a(int x) { return x * GQA_TWO; }\n')
+    (csrc / "b.c").write_text('#include "gqa_internal.h"\nint gqa_b(int x) { return x + GQA_TWO; }\n')
     monkeypatch.setattr(native_build, "CSRC", csrc)
     out = tmp_path / "out"
     first = native_build.build(out)
@@ -324,7 +330,13 @@ def _spec():
 
 
 def test_prebuild_command(tmp_path):
+    """``python -m backends.native build DIR``: the library's path in DIR and the paths it runs
+    here; usage and a missing compiler as one line. DIR already holds this build (the one this
+    process loaded, by its content name), so nothing compiles: the build itself is
+    ``test_build_is_cached_by_content``'s."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    loaded = native.load().path
+    shutil.copy(loaded, tmp_path / loaded.name)
     done = subprocess.run(
         [sys.executable, "-m", "backends.native", "build", str(tmp_path)],
         capture_output=True,
@@ -333,8 +345,8 @@ def test_prebuild_command(tmp_path):
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
-    built = [p for p in tmp_path.iterdir() if p.suffix == ".so"]
-    assert len(built) == 1 and str(built[0]) in done.stdout and "portable" in done.stdout
+    assert done.stdout.startswith(f"{tmp_path / loaded.name} (") and "portable" in done.stdout, done.stdout
+    assert [p.name for p in tmp_path.iterdir()] == [loaded.name]
     bad = subprocess.run([sys.executable, "-m", "backends.native"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
     no_cc = subprocess.run(

@@ -206,9 +206,8 @@ def _scrape_active(port: int) -> int:
 
 async def active_streams(ports: list[int]) -> list[int]:
     """Streams open on each replica, from its gqa_active_streams gauge (read from the engine at
-    scrape time, so exact). GetServerInfo's limits.active_streams says the same, but its first
-    call loads every backend (int8 imports bitsandbytes and torch's compiler: 10-20 s on a busy
-    2-core machine), which would dominate this test's time."""
+    scrape time, so exact). GetServerInfo's limits.active_streams says the same; the gauge is what
+    an operator's dashboard reads."""
     return list(await asyncio.gather(*(asyncio.to_thread(_scrape_active, p) for p in ports)))
 
 

@@ -6,8 +6,6 @@ import argparse
 import sys
 import time
 
-import torch
-
 __all__ = ["run_demo", "percentile"]
 
 
@@ -31,6 +29,8 @@ def _capacity(args: argparse.Namespace) -> int:
 def run_demo(client, args: argparse.Namespace, out=sys.stdout) -> dict:
     """Runs the demo on ``client`` (a ``gqa_client.Client``); returns the figures in us."""
     stream = _open(client, args, out)
+    import torch  # noqa: PLC0415 (after the open: no server, or a refused open, answers without torch's import)
+
     generator = torch.Generator().manual_seed(args.seed)
     dtype = getattr(torch, args.dtype)
 

@@ -80,7 +80,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
     # -- GetServerInfo ----------------------------------------------------------------------
     async def backend_infos(self) -> list:
         """Every backend's capabilities or reasons, probed once per process and off the event
-        loop: probing imports optional modules (bitsandbytes, triton), which takes seconds."""
+        loop: probing imports every backend's module (and triton, where a GPU is), which can take
+        seconds."""
         if self._backend_infos is None:
             self._backend_infos = await asyncio.get_running_loop().run_in_executor(
                 self.pool, self.engine.describe_backends
