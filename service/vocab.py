@@ -97,7 +97,8 @@ def __getattr__(name: str):
     """``TORCH_DTYPES``, ``DTYPE_TO_TORCH`` and ``TORCH_TO_DTYPE``, built (and torch imported)
     on first use, then plain module attributes."""
     if name in ("TORCH_DTYPES", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE"):
-        globals().update(_torch_tables())
+        if name not in globals():  # ``DType.torch`` calls this directly
+            globals().update(_torch_tables())
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
