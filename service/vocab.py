@@ -60,7 +60,9 @@ class DType(str, enum.Enum):
 
     @property
     def torch(self) -> torch.dtype:
-        return __getattr__("TORCH_DTYPES")[self.value]
+        import torch  # noqa: PLC0415 (on first use: see the module's docstring)
+
+        return getattr(torch, self.value)
 
     @property
     def wire(self) -> int:
@@ -97,8 +99,7 @@ def __getattr__(name: str):
     """``TORCH_DTYPES``, ``DTYPE_TO_TORCH`` and ``TORCH_TO_DTYPE``, built (and torch imported)
     on first use, then plain module attributes."""
     if name in ("TORCH_DTYPES", "DTYPE_TO_TORCH", "TORCH_TO_DTYPE"):
-        if name not in globals():  # ``DType.torch`` calls this directly
-            globals().update(_torch_tables())
+        globals().update(_torch_tables())
         return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
