@@ -8,6 +8,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 import grpc
@@ -22,6 +23,14 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def gauge(port: int, name: str) -> float:
+    """A gauge's value, summed over its labels, from the /metrics of the server whose metrics
+    port on loopback is ``port``."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
 @dataclass(frozen=True)

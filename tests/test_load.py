@@ -21,7 +21,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import torch
@@ -34,7 +33,7 @@ from service.config import ServerConfig
 from service.engine.tensors import from_proto, to_proto
 from service.server import ServerThread
 from tests.client import open_message, wait_until
-from tests.metrics_load import free_port
+from tests.metrics_load import free_port, gauge
 
 STREAMS = int(os.environ.get("GQA_SOAK_STREAMS", "256"))
 STEPS = int(os.environ.get("GQA_SOAK_STEPS", "300"))
@@ -50,13 +49,6 @@ def _rss(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
-
-
-def _gauge(port: int, name: str) -> float:
-    """A gauge's value (summed over its labels) from the server's /metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith((name + "{", name + " ")))
 
 
 class _Server:
@@ -81,9 +73,7 @@ class _Server:
 
     def idle(self) -> bool:
         return (
-            _gauge(self.metrics_port, "gqa_active_streams")
-            == 0
-            == _gauge(self.metrics_port, "gqa_cache_reserved_bytes")
+            gauge(self.metrics_port, "gqa_active_streams") == 0 == gauge(self.metrics_port, "gqa_cache_reserved_bytes")
         )
 
     def close(self) -> None:

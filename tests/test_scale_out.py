@@ -19,7 +19,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 
 import numpy as np
 import pytest
@@ -29,7 +28,7 @@ grpc = pytest.importorskip("grpc")
 
 from service.api import gqa_pb2, gqa_pb2_grpc  # noqa: E402
 from tests.conftest import TOLERANCES  # noqa: E402
-from tests.metrics_load import free_port  # noqa: E402
+from tests.metrics_load import free_port, gauge  # noqa: E402
 from tests.oracle import attention_ref  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -193,15 +192,7 @@ class Stream:
 
 
 def _scrape_active(port: int) -> int:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    return int(
-        sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith(("gqa_active_streams{", "gqa_active_streams "))
-        )
-    )
+    return int(gauge(port, "gqa_active_streams"))
 
 
 async def active_streams(ports: list[int]) -> list[int]:
