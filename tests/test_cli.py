@@ -254,6 +254,23 @@ def test_flags_help_and_version_answer_without_importing_torch():
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_step_input_errors_before_the_tensors_import_no_torch():
+    """A payload that is not JSON, not an object, or lacks or adds keys is answered before the
+    reference (and torch) is imported: 0.6 s instead of 3."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from service.cli.main import main\n"
+        "codes = []\n"
+        "for payload in ('{not json', '[1, 2]', '{\"query\": 1}'):\n"
+        "    with contextlib.redirect_stderr(io.StringIO()):\n"
+        "        codes.append(main(['step', '--json', payload]))\n"
+        "print(codes, 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[2, 2, 2] False", done.stdout
+
+
 @pytest.fixture
 def busy_port():
     with socket.socket() as s:

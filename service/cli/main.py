@@ -64,8 +64,6 @@ def _explicit_tensor(name: str, spec: dict):
 
 
 def cmd_step(args: argparse.Namespace) -> int:
-    from backends.reference import gqa_decode_step
-
     text = args.json if args.json is not None else sys.stdin.read()
     try:
         payload = json.loads(text)
@@ -79,6 +77,8 @@ def cmd_step(args: argparse.Namespace) -> int:
     unknown = sorted(set(payload) - set(STEP_KEYS))
     if unknown:
         return fail(f"input has unknown keys {', '.join(unknown)}")
+    from backends.reference import gqa_decode_step  # torch: ~3 s of CPU, not paid for a malformed object
+
     try:
         inputs = {
             k: _explicit_tensor(k, payload[k]) if k in TENSOR_KEYS and isinstance(payload[k], dict) else payload[k]
