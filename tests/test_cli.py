@@ -271,6 +271,22 @@ def test_step_input_errors_before_the_tensors_import_no_torch():
     assert done.stdout.strip() == "[2, 2, 2] False", done.stdout
 
 
+def test_bench_without_a_server_answers_before_making_its_inputs():
+    """`bench` asks the server for its information before it makes the load's tensors (torch):
+    no server at the address is one line at once, with torch never imported."""
+    code = (
+        "import contextlib, io, sys\n"
+        "from service.cli.main import main\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        f"    code = main(['bench', '--address', '127.0.0.1:{free_port()}', '--duration', '1', '--quiet'])\n"
+        "print(code, 'torch' in sys.modules, 'UNAVAILABLE' in err.getvalue())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "1 False True", done.stdout
+
+
 @pytest.fixture
 def busy_port():
     with socket.socket() as s:

@@ -379,6 +379,9 @@ async def _main(args: argparse.Namespace, config: LoadConfig) -> LoadResult:
     from .common import client_from_args
 
     async with client_from_args(args, client_class=AsyncClient) as client:
+        # one small call before the inputs are made (torch, ~2 s of CPU): a wrong address, a
+        # server that is down or a refused token answers at once
+        await client.server_info()
         bar = _progress(config, quiet=args.quiet)
         try:
             return await run_load(client, config, progress=bar.update if bar else None)
