@@ -237,6 +237,13 @@ def test_version():
     assert done.returncode == 0 and done.stdout.strip() == f"gqa-serve {__version__}"
 
 
+def _fresh_python(code: str) -> str:
+    """``code`` run by a fresh interpreter (nothing imported before it); its stdout."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def test_flags_help_and_version_answer_without_importing_torch():
     """--version, --help and a flag error import no torch (~3 s of CPU before the first line):
     the vocabularies' names and the registry's backend names need none."""
@@ -249,42 +256,34 @@ def test_flags_help_and_version_answer_without_importing_torch():
         "        build_parser().parse_args(argv)\n"
         "print(sorted(m for m in ('torch', 'bitsandbytes', 'backends.contract') if m in sys.modules))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]", done.stdout
+    imported = _fresh_python(code).strip()
+    assert imported == "[]", imported
 
 
-def test_step_input_errors_before_the_tensors_import_no_torch():
-    """A payload that is not JSON, not an object, or lacks or adds keys is answered before the
-    reference (and torch) is imported: 0.6 s instead of 3."""
+def test_bad_input_and_no_server_are_answered_without_importing_torch():
+    """What can be answered before the tensors are made is (torch: ~2 s of CPU first): `step`
+    input that is not a JSON object of its keys, and `bench` with no server at the address
+    (it asks the server for its information before it makes the load's inputs)."""
+    cases = [
+        (["step", "--json", "{not json"], 2, "JSON"),
+        (["step", "--json", "[1, 2]"], 2, "object"),
+        (["step", "--json", '{"query": 1}'], 2, "missing"),
+        (["bench", "--address", f"127.0.0.1:{free_port()}", "--duration", "1", "--quiet"], 1, "UNAVAILABLE"),
+    ]
     code = (
-        "import contextlib, io, sys\n"
+        "import contextlib, io, json, sys\n"
         "from service.cli.main import main\n"
-        "codes = []\n"
-        "for payload in ('{not json', '[1, 2]', '{\"query\": 1}'):\n"
-        "    with contextlib.redirect_stderr(io.StringIO()):\n"
-        "        codes.append(main(['step', '--json', payload]))\n"
-        "print(codes, 'torch' in sys.modules)\n"
+        "answers = []\n"
+        f"for argv in {[argv for argv, _, _ in cases]!r}:\n"
+        "    err = io.StringIO()\n"
+        "    with contextlib.redirect_stderr(err):\n"
+        "        answers.append([main(argv), err.getvalue()])\n"
+        "print(json.dumps([answers, 'torch' in sys.modules]))\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[2, 2, 2] False", done.stdout
-
-
-def test_bench_without_a_server_answers_before_making_its_inputs():
-    """`bench` asks the server for its information before it makes the load's tensors (torch):
-    no server at the address is one line at once, with torch never imported."""
-    code = (
-        "import contextlib, io, sys\n"
-        "from service.cli.main import main\n"
-        "err = io.StringIO()\n"
-        "with contextlib.redirect_stderr(err):\n"
-        f"    code = main(['bench', '--address', '127.0.0.1:{free_port()}', '--duration', '1', '--quiet'])\n"
-        "print(code, 'torch' in sys.modules, 'UNAVAILABLE' in err.getvalue())\n"
-    )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "1 False True", done.stdout
+    answers, torch_imported = json.loads(_fresh_python(code))
+    for (argv, want, word), (got, err) in zip(cases, answers):
+        assert got == want and word in err, (argv, got, err)
+    assert not torch_imported
 
 
 @pytest.fixture
