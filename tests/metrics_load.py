@@ -5,6 +5,7 @@ Every loop here is bounded in count and in time.
 
 from __future__ import annotations
 
+import random
 import socket
 import threading
 import time
@@ -19,7 +20,34 @@ from service.engine.tensors import to_proto
 from service.vocab import POLICY_ENUMS
 
 
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands out to outgoing connections (Linux's default: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_EPHEMERAL_FLOOR = _ephemeral_floor()
+_pick = random.Random()  # seeded from the OS: processes running at once pick apart
+
+
 def free_port() -> int:
+    """A loopback port that is free now, below the kernel's ephemeral range when there is room:
+    between this call and the server's bind, no outgoing connection (this process's clients, a
+    scraper) can be given it as its local port, which a port the kernel chose (port 0, in that
+    range) could be (CI saw EADDRINUSE once that way). The kernel's choice when 50 tries below
+    the range all find a port taken."""
+    if _EPHEMERAL_FLOOR > 10_000:
+        for _ in range(50):
+            port = _pick.randrange(10_000, _EPHEMERAL_FLOOR)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
