@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -9,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from unittest import mock
 
 import grpc
 import pytest
@@ -24,9 +27,24 @@ def gqa(*args, stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*ENTRY, *args], input=stdin, capture_output=True, text=True, timeout=60)
 
 
+def gqa_here(*args, stdin: str = "") -> subprocess.CompletedProcess:
+    """``gqa`` run by this process's interpreter (``main`` with its standard streams replaced),
+    for the commands that compute locally: each subprocess would import torch again (~2.5 s).
+    ``test_step_json_flag_prints_short_floats`` runs `step` through the entry point."""
+    from service.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch("sys.stdin", io.StringIO(stdin)), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as exc:  # argparse's own exits
+            code = exc.code
+    return subprocess.CompletedProcess(list(args), code, out.getvalue(), err.getvalue())
+
+
 def test_step_seed_examples_from_stdin(seed_examples):
     for ex in seed_examples:
-        done = gqa("step", stdin=json.dumps(ex["input"]))
+        done = gqa_here("step", stdin=json.dumps(ex["input"]))
         assert done.returncode == 0, done.stderr
         result = json.loads(done.stdout)
         assert set(result) == {"output", "new_key_cache", "new_value_cache"}
@@ -94,7 +112,7 @@ def test_step_json_flag_prints_short_floats(seed_examples):
     ],
 )
 def test_step_bad_input_exits_2_with_one_line(payload, word):
-    done = gqa("step", stdin=payload)
+    done = gqa_here("step", stdin=payload)
     assert done.returncode == 2
     assert done.stdout == ""
     lines = done.stderr.strip().splitlines()
@@ -377,13 +395,13 @@ def test_step_with_explicit_shapes_sends_an_empty_cache():
         "num_query_heads": 1,
         "num_kv_heads": 1,
     }
-    done = gqa("step", "--json", json.dumps(payload))
+    done = gqa_here("step", "--json", json.dumps(payload))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert result["output"] == [[[6.0, 0.0]]]  # the first token attends to itself alone
     assert result["new_key_cache"] == [[[[1.0, 0.0]]]]
     bad = dict(payload, key_cache={"shape": [1, 1, 1, 2], "values": []})
-    done = gqa("step", "--json", json.dumps(bad))
+    done = gqa_here("step", "--json", json.dumps(bad))
     assert done.returncode == 2 and "key_cache.values" in one_line(done)
 
 
