@@ -1,12 +1,18 @@
-"""A bounded stream load for the metrics tests and benchmark: what the client saw, to compare.
+"""A bounded stream load for the metrics tests and benchmark: what the client saw, to compare;
+and what the tests that run servers share: a free port, ``gqa-serve serve`` in a process of
+its own, a gauge read from its /metrics.
 
 Every loop here is bounded in count and in time.
 """
 
 from __future__ import annotations
 
+import pathlib
 import random
+import select
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -51,6 +57,66 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class ServeProcess:
+    """``gqa-serve serve`` in a process of its own, as deployed: gRPC on the loopback port it
+    picks and reports (``wait_serving``), metrics on a free port (``metrics_port``), its stderr
+    in ``log_path``. ``command``: how to run the command line (default: this interpreter's
+    ``-m service.cli`` from the checkout)."""
+
+    def __init__(self, log_path: pathlib.Path, *flags: str, env: dict | None = None, command: list | None = None):
+        self.log_path = log_path
+        self.metrics_port = free_port()
+        self.port: int | None = None
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [*(command or [sys.executable, "-m", "service.cli"]), "serve", "--address", "127.0.0.1:0"]
+            + ["--metrics-port", str(self.metrics_port), *flags],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+
+    def wait_serving(self, deadline: float) -> None:
+        """Until the server reports its port (``deadline``: ``time.monotonic()``); else
+        ``AssertionError`` with the end of its log."""
+        line = b""
+        while time.monotonic() < deadline and self.proc.poll() is None:
+            if select.select([self.proc.stdout], [], [], 0.2)[0]:
+                line = self.proc.stdout.readline()
+                if b"serving gqa.v1 on" in line:
+                    self.port = int(line.rsplit(b":", 1)[1])
+                    return
+        raise AssertionError(f"{self.log_path.name}: the server did not start ({line!r}):\n{self.log()}")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def log(self) -> str:
+        self._log.flush()
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def close(self, *, kill: bool = False) -> None:
+        """Stops the server: SIGTERM and up to 30 s for its drain, or at once with ``kill``."""
+        try:
+            if self.proc.poll() is None:
+                if kill:
+                    self.proc.kill()
+                else:
+                    self.proc.terminate()
+            self.proc.wait(10 if kill else 30)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            self.proc.stdout.close()
+            self._log.close()
 
 
 def gauge(port: int, name: str) -> float:

@@ -16,9 +16,6 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import select
-import subprocess
-import sys
 import threading
 import time
 
@@ -33,14 +30,11 @@ from service.config import ServerConfig
 from service.engine.tensors import from_proto, to_proto
 from service.server import ServerThread
 from tests.client import open_message, wait_until
-from tests.metrics_load import free_port, gauge
+from tests.metrics_load import ServeProcess, gauge
 
 STREAMS = int(os.environ.get("GQA_SOAK_STREAMS", "256"))
 STEPS = int(os.environ.get("GQA_SOAK_STEPS", "300"))
 HQ, HKV, D, WINDOW = 4, 2, 8, 16
-
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def _rss(pid: int) -> int:
@@ -51,40 +45,21 @@ def _rss(pid: int) -> int:
     raise RuntimeError("no VmRSS")
 
 
-class _Server:
-    """``gqa-serve serve`` on a free loopback port, its log in ``log_path``."""
+class _Server(ServeProcess):
+    """``gqa-serve serve`` started and serving, idle when its metrics say so."""
 
     def __init__(self, log_path: pathlib.Path, *flags: str):
-        self.metrics_port = free_port()
-        self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "service.cli", "serve", "--address", "127.0.0.1:0"]
-            + ["--metrics-port", str(self.metrics_port), *flags],
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-        )
-        deadline, line = time.monotonic() + 120, b""
-        while time.monotonic() < deadline and self.proc.poll() is None and b"serving gqa.v1 on" not in line:
-            if select.select([self.proc.stdout], [], [], 0.2)[0]:
-                line = self.proc.stdout.readline()
-        assert b"serving gqa.v1 on" in line, log_path.read_text()[-3000:]
-        self.address = f"127.0.0.1:{int(line.rsplit(b':', 1)[1])}"
+        super().__init__(log_path, *flags)
+        try:
+            self.wait_serving(time.monotonic() + 120)
+        except BaseException:
+            self.close(kill=True)
+            raise
 
     def idle(self) -> bool:
         return (
             gauge(self.metrics_port, "gqa_active_streams") == 0 == gauge(self.metrics_port, "gqa_cache_reserved_bytes")
         )
-
-    def close(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=30)
-        finally:
-            if self.proc.poll() is None:
-                self.proc.kill()
-            self.proc.stdout.close()
-            self._log.close()
 
 
 def _local_cache():
@@ -160,7 +135,7 @@ def test_concurrent_streams_exact_and_memory_back(tmp_path):
         assert end <= start * 1.05, (start, end)
     finally:
         srv.close()
-    assert srv.proc.returncode == 0, (tmp_path / "server.log").read_text()[-3000:]
+    assert srv.proc.returncode == 0, srv.log()
 
 
 # -- adversaries (issue 17): every RPC ends badly, nothing stays held --------------------------------

@@ -33,20 +33,8 @@ def _config(**overrides) -> ServerConfig:
 
 @pytest.fixture
 def server():
-    # _config() takes a free port, then the server binds it: another process may take it between
-    # the two (CI hit this once), so a collision tries a fresh port, at most three times
-    for attempt in range(3):
-        thread = ServerThread(_config())
-        try:
-            thread.__enter__()
-            break
-        except OSError as exc:
-            if "Address already in use" not in str(exc) or attempt == 2:
-                raise
-    try:
+    with ServerThread(_config()) as thread:
         yield thread
-    finally:
-        thread.__exit__(None, None, None)
 
 
 def _rpc(method: str, kind: str) -> dict[str, str]:

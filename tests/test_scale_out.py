@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import pathlib
-import select
 import signal
-import subprocess
 import sys
 import time
 
@@ -28,12 +26,11 @@ grpc = pytest.importorskip("grpc")
 
 from service.api import gqa_pb2, gqa_pb2_grpc  # noqa: E402
 from tests.conftest import TOLERANCES  # noqa: E402
-from tests.metrics_load import free_port, gauge  # noqa: E402
+from tests.metrics_load import ServeProcess, gauge  # noqa: E402
 from tests.oracle import attention_ref  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 REPLICAS = 3
 STREAMS = 60
 SPREAD = (15, 25)
@@ -48,64 +45,19 @@ HQ, HKV, D = 4, 2, 8
 ATOL, RTOL = TOLERANCES[torch.float32]
 
 
-class Replica:
+class Replica(ServeProcess):
     """One `gqa-serve serve` process on a free loopback port."""
 
     def __init__(self, index: int, log_dir: pathlib.Path):
         self.index = index
-        self.log_path = log_dir / f"replica-{index}.log"
         env = {k: v for k, v in os.environ.items() if not k.startswith("GQA_")}
-        self._log = open(self.log_path, "wb")
-        self.metrics_port = free_port()
         script = pathlib.Path(sys.executable).parent / "gqa-serve"
-        command = [str(script)] if script.exists() else [sys.executable, "-m", "service.cli"]
-        self.proc = subprocess.Popen(
-            [
-                *command,
-                "serve",
-                "--address",
-                "127.0.0.1:0",
-                "--metrics-port",
-                str(self.metrics_port),
-                "--grace-period-s",
-                str(GRACE_S),
-                "--workers",
-                "1",
-                "--log-level",
-                "INFO",
-            ],
-            cwd=ROOT,
+        super().__init__(
+            log_dir / f"replica-{index}.log",
+            *("--grace-period-s", str(GRACE_S), "--workers", "1", "--log-level", "INFO"),
             env=env,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
+            command=[str(script)] if script.exists() else None,
         )
-        self.port: int | None = None
-
-    def wait_serving(self, deadline: float) -> None:
-        line = b""
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.2)
-            if ready:
-                line = self.proc.stdout.readline()
-                if b"serving gqa.v1 on" in line:
-                    self.port = int(line.rsplit(b":", 1)[1])
-                    return
-        raise AssertionError(f"replica {self.index} did not start ({line!r}):\n{self.log()}")
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        self._log.flush()
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-        self.proc.stdout.close()
-        self._log.close()
 
 
 @pytest.fixture
@@ -118,7 +70,7 @@ def replicas(tmp_path):
         yield started
     finally:
         for replica in started:
-            replica.close()
+            replica.close(kill=True)
 
 
 def tensor(array: np.ndarray) -> gqa_pb2.Tensor:
