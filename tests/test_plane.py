@@ -290,21 +290,29 @@ def test_a_failure_mid_step_refuses_its_row_alone(monkeypatch):
     assert [c.tokens_seen for c in caches] == [2, 1, 2]
     assert not out[1].any() and out[0].any() and out[2].any()
 
+    # int8: short caches (each one work item, which writes its row) and long ones (several
+    # items: the row written before them), a refused row of each kind beside one that steps
     icset = CacheSet(1)
-    icaches = [_make("int8", torch.float32, "native", EvictionPolicy.strict(20)) for _ in range(3)]
-    for c in icaches:
+    lengths = (17, 17, 17, 600, 600)
+    icaches = [_make("int8", torch.float32, "native", EvictionPolicy.strict(700)) for _ in lengths]
+    for c, s in zip(icaches, lengths):
         icset.add([c])
-        c.prefill(torch.randn(1, HKV, 17, D, generator=gen), torch.randn(1, HKV, 17, D, generator=gen))
-    q, k, v = torch.randn(3, HQ, D, generator=gen), torch.randn(3, HKV, D, generator=gen), torch.randn(3, HKV, D)
+        c.prefill(torch.randn(1, HKV, s, D, generator=gen), torch.randn(1, HKV, s, D, generator=gen))
+    n = len(lengths)
+    q, k, v = torch.randn(n, HQ, D, generator=gen), torch.randn(n, HKV, D, generator=gen), torch.randn(n, HKV, D)
     k[0, 1, 3] = float("nan")
     v[2, 0, 5] = 1e9  # its float16 scale would overflow
+    q[3, HQ - 1, 0] = float("inf")
     before = [_state_bytes(c) for c in icaches]
-    result = icset.step(0, np.arange(3), q, k, v, torch.zeros(3, HQ, D))
-    assert sorted(result.refused) == [0, 2]
+    out = torch.zeros(n, HQ, D)
+    result = icset.step(0, np.arange(n), q, k, v, out)
+    assert sorted(result.refused) == [0, 2, 3]
     assert all(isinstance(e, InputValueError) for e in result.refused.values())
-    assert [c.tokens_seen for c in icaches] == [17, 18, 17]
-    for i in (0, 2):
+    assert [c.tokens_seen for c in icaches] == [17, 18, 17, 600, 601]
+    for i in (0, 2, 3):
         assert all(torch.equal(a, b) for a, b in zip(before[i], _state_bytes(icaches[i])))
+        assert not out[i].any()
+    assert out[1].any() and out[4].any()
 
 
 def test_tokens_seen_is_the_library_state():

@@ -103,7 +103,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
     const block_fn block = call->block[i];
     convert_query(cc, h, st.q, call->wide[i]);
     const float *qf = st.q;
-    if (call->deferred[i]) { /* a dense step's write of this head, by the split that reads the row */
+    if (call->deferred[i] == DEFER_HEAD) { /* a dense step's write of this head, by the split that reads the row */
         int64_t at = 0;
         for (int64_t r = 0; r < cc->nruns; r++) {
             const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
@@ -161,7 +161,11 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
         for (int64_t sp = sp0; sp < sp1; sp++) attend_head(call, i, h, sp, end, sp > sp0, tid);
         return;
     }
-    const gqa_cache_t *cc = &call->caches[i];
+    gqa_cache_t *cc = &call->caches[i];
+    if (call->deferred[i] == DEFER_ROW) { /* an int8 row, quantized and written before its heads read it */
+        cc->status = int8_write(cc, call->wbuf + tid * call->wfloats);
+        if (cc->status) return;
+    }
     const int64_t h0 = local * call->hpi[i], h1 = h0 + call->hpi[i] < cc->n ? h0 + call->hpi[i] : cc->n;
     const int64_t a = cc->runs[0], to_grid = TILE_T - a % TILE_T, first = cc->runs[1] - a;
     for (int64_t h = h0; h < h1; h++) {

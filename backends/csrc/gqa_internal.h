@@ -336,9 +336,17 @@ typedef struct {
     float *scratch;
     int64_t scratch_floats; /* per thread */
     atomic_int *done;       /* per (cache, head): splits finished */
-    char *deferred;         /* per cache: its dense write is done by the item reading the row */
+    char *deferred;         /* per cache: DEFER_*, whose work item does the step's write */
     char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
+    float *wbuf;            /* per thread: int8_write's room, wfloats floats each (thread 0's also the caller's) */
+    int64_t wfloats;
 } call_t;
+
+/* Who writes a cache's step row: the caller before the items (DEFER_NONE), the item that reads
+ * the row, head by head (DEFER_HEAD: dense caches), or the cache's only item, before its heads
+ * (DEFER_ROW: an int8 cache whose heads are one item, so its quantization runs on the pool
+ * beside the other caches' instead of one after the other on the caller's thread). */
+enum { DEFER_NONE = 0, DEFER_HEAD = 1, DEFER_ROW = 2 };
 
 /* block_portable.c, block_avx2.c, block_avx2_int8.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,

@@ -109,41 +109,44 @@ static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *siz
     size->heads += cc->n;
 }
 
-/* The call's shared memory (partials, per-thread scratch, the int8 write's buffer, the merge
- * counters) from ARENA_CALL; *wbuf: the write's buffer. */
-static int call_memory(call_t *call, const call_size_t *size, int threads, float **wbuf) {
+/* The call's shared memory (partials, per-thread scratch and int8_write room, the merge
+ * counters) from ARENA_CALL. */
+static int call_memory(call_t *call, const call_size_t *size, int threads) {
     call->scratch_floats = (size->scratch + 15) / 16 * 16;
+    call->wfloats = (size->wneed + 15) / 16 * 16;
     const size_t bytes = 4 * 64 + (size_t)size->parts * sizeof(float) +
                          (size_t)(threads * call->scratch_floats) * sizeof(float) +
-                         (size_t)size->wneed * sizeof(float) + (size_t)size->heads * sizeof(atomic_int);
+                         (size_t)(threads * call->wfloats) * sizeof(float) + (size_t)size->heads * sizeof(atomic_int);
     char *at = arena_get(ARENA_CALL, bytes);
     if (!at) return -ENOMEM;
     call->part = carve(&at, (size_t)size->parts * sizeof(float));
     call->scratch = carve(&at, (size_t)(threads * call->scratch_floats) * sizeof(float));
-    *wbuf = carve(&at, (size_t)size->wneed * sizeof(float));
+    call->wbuf = carve(&at, (size_t)(threads * call->wfloats) * sizeof(float));
     call->done = carve(&at, (size_t)size->heads * sizeof(atomic_int));
     for (int64_t x = 0; x < size->heads; x++) atomic_init(&call->done[x], 0);
     return 0;
 }
 
-/* Cache i's write before the items run: int8's whole row (its status: -ERANGE for a scale out
- * of range, nothing written), a dense row nobody attends; an attended dense row is deferred to
- * the item that reads it. */
-static void write_before(call_t *call, int64_t i, float *wbuf) {
+/* Cache i's write before the items run, or who does it (call->deferred): int8's whole row
+ * (its status: -ERANGE for a scale out of range, nothing written) by the cache's item when it
+ * has one, else here; a dense row nobody attends here; an attended dense row by the item that
+ * reads it. */
+static void write_before(call_t *call, int64_t i) {
     gqa_cache_t *cc = &call->caches[i];
-    call->deferred[i] = 0;
+    call->deferred[i] = DEFER_NONE;
 #ifdef GQA_TEST_HOOKS
-    if (injected_failure(cc, wbuf)) return;
+    if (injected_failure(cc, call->wbuf)) return;
 #endif
     if (cc->write_row < 0) return;
     if (cc->enc == ENC_INT8) {
-        cc->status = int8_write(cc, wbuf);
+        if (call->nsplit[i] == 1 && call->hpi[i] >= cc->n) call->deferred[i] = DEFER_ROW;
+        else cc->status = int8_write(cc, call->wbuf);
         return;
     }
     int attended = 0;
     for (int64_t r = 0; r < cc->nruns; r++)
         attended |= cc->write_row >= cc->runs[2 * r] && cc->write_row < cc->runs[2 * r + 1];
-    if (attended) call->deferred[i] = 1;
+    if (attended) call->deferred[i] = DEFER_HEAD;
     else write_row(cc, 0);
 }
 
@@ -165,11 +168,10 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     call.item_off[ncaches] = size.items;
     call.head_off[ncaches] = size.heads;
     if (threads > size.items) threads = (int)size.items;
-    float *wbuf;
-    rc = call_memory(&call, &size, threads, &wbuf);
+    rc = call_memory(&call, &size, threads);
     if (rc) return rc;
     /* from here on a cache fails alone (its status; its output then is not stored) */
-    for (int64_t i = 0; i < ncaches; i++) write_before(&call, i, wbuf);
+    for (int64_t i = 0; i < ncaches; i++) write_before(&call, i);
     pool_run(attend_item, &call, size.items, threads); /* and the merges */
     arena_trim(ARENA_CALL);
     arena_trim(ARENA_CACHES);

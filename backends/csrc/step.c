@@ -1,35 +1,9 @@
 /*
  * gqa_step: the steps of many caches in one call, each planned from its own state (plan.c),
- * its inputs checked, then computed together by gqa_run; the caches' T advanced for the rows
- * that succeeded.
+ * then computed together by gqa_run (which checks an int8 row's values where it writes the
+ * row); the caches' T advanced for the rows that succeeded.
  */
-#include <float.h>
-
 #include "gqa_internal.h"
-
-/* Whether the n elements at p (encoding enc) are finite and within +-limit. */
-static int within(int enc, const void *p, int64_t n, float limit) {
-    int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
-    if (enc == ENC_F32) {
-        const float *f = p;
-        for (int64_t i = 0; i < n; i++) ok &= fabsf(f[i]) <= limit;
-    } else if (enc == ENC_BF16) {
-        const uint16_t *h = p;
-        for (int64_t i = 0; i < n; i++) ok &= fabsf(bf16_to_float(h[i])) <= limit;
-    } else {
-        for (int64_t i = 0; i < n; i++) ok &= fabsf(load_elem(enc, p, i)) <= limit;
-    }
-    return ok;
-}
-
-/* int8: the row's query and value finite, its key finite and within float16's range (outlier
- * channels are stored as float16), as backends/int8_storage.check_values requires. */
-static int int8_values_ok(const gqa_cache_t *x) {
-    const int64_t nd = x->n * x->d;
-    /* FLT_MAX, not INFINITY: |inf| <= inf would pass */
-    return within(x->io, x->q, nd * x->g, FLT_MAX) && within(x->io, x->new_k, nd, 65504.0f) &&
-           within(x->io, x->new_v, nd, FLT_MAX);
-}
 
 /* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
  * caches), planned from its state. The row's query, new key, new value and output: io[4 * i
@@ -78,11 +52,6 @@ int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const
             x->new_k = (const char *)base[1] + i * stride[1];
             x->new_v = (const char *)base[2] + i * stride[2];
             x->out = (char *)base[3] + i * stride[3];
-        }
-        if (x->enc == ENC_INT8 && !int8_values_ok(x)) { /* nothing written: the caller names the value */
-            status[i] = -EDOM;
-            memset(res, 0, (size_t)rcols * sizeof(int64_t));
-            continue;
         }
         row_of[m++] = i;
     }

@@ -4,7 +4,33 @@
  * leaves the cache byte-identical. Dense caches per KV head (by the work item that reads the
  * row, or before the items when the row is not attended); int8 caches before the attention.
  */
+#include <float.h>
+
 #include "gqa_internal.h"
+
+/* Whether the n elements at p (encoding enc) are finite and within +-limit. */
+static int within(int enc, const void *p, int64_t n, float limit) {
+    int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
+    if (enc == ENC_F32) {
+        const float *f = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(f[i]) <= limit;
+    } else if (enc == ENC_BF16) {
+        const uint16_t *h = p;
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(bf16_to_float(h[i])) <= limit;
+    } else {
+        for (int64_t i = 0; i < n; i++) ok &= fabsf(load_elem(enc, p, i)) <= limit;
+    }
+    return ok;
+}
+
+/* int8: the row's query and value finite, its key finite and within float16's range (outlier
+ * channels are stored as float16), as backends/int8_storage.check_values requires. */
+static int int8_values_ok(const gqa_cache_t *x) {
+    const int64_t nd = x->n * x->d;
+    /* FLT_MAX, not INFINITY: |inf| <= inf would pass */
+    return within(x->io, x->q, nd * x->g, FLT_MAX) && within(x->io, x->new_k, nd, 65504.0f) &&
+           within(x->io, x->new_v, nd, FLT_MAX);
+}
 
 /* int8: the new token's bytes per KV head in `saved` (key codes, outlier channels, value codes,
  * two scales), so that a failure puts them back. */
@@ -47,8 +73,11 @@ GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
 
 /* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
  * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
- * values rotated (FLAG_ROTATE) and quantized. -ERANGE (nothing written) if a scale overflows. */
+ * values rotated (FLAG_ROTATE) and quantized. Nothing written when it fails: -EDOM for a
+ * value int8_values_ok refuses (checked here, by whichever thread writes the row), -ERANGE
+ * if a scale overflows. */
 GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
+    if (!int8_values_ok(cc)) return -EDOM; /* the caller names the tensor */
     const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
     float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
     int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
