@@ -2,7 +2,8 @@
  * The step's write: the new token's key and value into ring row write_row, what they
  * overwrite saved in `saved` first, so that a failure puts it back (restore) and a failed step
  * leaves the cache byte-identical. Dense caches per KV head (by the work item that reads the
- * row, or before the items when the row is not attended); int8 caches before the attention.
+ * row, or before the items when the row is not attended); int8 caches whole, before their
+ * attention (by the cache's work item when its heads are one, else before the items).
  */
 #include <float.h>
 
