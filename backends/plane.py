@@ -76,9 +76,6 @@ class CacheSet:
         self._args = (0, 0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, fields, ...
         self._io = np.zeros((0, 4), dtype=np.uint64)  # step_buffers' pointers per row (query, key, value, out)
         self._io_at = 0
-        # step_buffers' last output view and its address: an owner passes the same view of its
-        # output buffer message after message
-        self._out: tuple = (None, 0)
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -176,7 +173,7 @@ class CacheSet:
             layer,
             slots,
             views.rows if rows is None else (lambda i: views.rows(int(rows[i]))),
-            lambda: [_read_address(query), _read_address(new_key), _read_address(new_value), self._out_address(out)],
+            lambda: [_read_address(query), _read_address(new_key), _read_address(new_value), _write_address(out)],
             rows,
         )
 
@@ -235,17 +232,6 @@ class CacheSet:
         if memoryview(out).readonly:
             raise InputValueError("out: a read-only buffer")
         return total
-
-    def _out_address(self, out) -> int:
-        """``out``'s address (writable: ctypes takes it without numpy). A memoryview's is kept
-        with the view: while the view lives (held here) its memory cannot move, and a released
-        one is refused by the length check before this."""
-        held, address = self._out
-        if out is not held:
-            address = ctypes.addressof(ctypes.c_char.from_buffer(out))
-            if type(out) is memoryview:
-                self._out = (out, address)
-        return address
 
     def _grow(self, n: int) -> None:
         self._rows = np.zeros(max(n, 2 * len(self._rows)), dtype=np.uint64)
@@ -327,6 +313,12 @@ def _read_address(buffer) -> int:
     if type(buffer) is bytes:
         return ctypes.cast(buffer, ctypes.c_void_p).value or 0
     return np.frombuffer(buffer, dtype=np.uint8).ctypes.data
+
+
+def _write_address(buffer) -> int:
+    """The address of a writable buffer's first byte (ctypes takes it without numpy; its export
+    of the buffer ends with this call, so the owner may resize it afterwards)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buffer))
 
 
 def _nbytes(buffer) -> int:

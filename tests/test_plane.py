@@ -253,6 +253,19 @@ def test_cacheset_step_buffers_is_step_from_bytes(backend, dtype, kernel):
     assert refusals >= 1  # the policy none row did fill up
 
 
+def test_cacheset_step_buffers_keeps_no_hold_on_the_output_buffer():
+    """The caller owns ``out``: once it drops its view, its bytearray can be resized (a view kept
+    alive by the set would refuse that with BufferError)."""
+    cset = CacheSet(1)
+    cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4))])
+    q, kv, out = bytes(HQ * D * 4), bytes(HKV * D * 4), bytearray(HQ * D * 4)
+    view = memoryview(out)
+    assert not cset.step_buffers(0, np.arange(1), q, kv, kv, view).refused
+    del view
+    out.extend(bytes(HQ * D * 4))
+    assert len(out) == 2 * HQ * D * 4
+
+
 def test_cacheset_step_buffers_refuses_buffers_of_another_length():
     cset = CacheSet(1)
     cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4))])
