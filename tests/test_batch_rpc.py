@@ -136,6 +136,64 @@ def test_step_reply_bytes_parse_to_the_message_upb_builds(rid, n, dtype, reach):
     assert got == want
     assert got.step.HasField("status") and got.step.HasField("output")
     assert len(raw) == want.ByteSize()
+    # written in place: the rows into the reply's own bytes, then its numbers after them
+    placed = _in_place(rid, 3, output, StepResult(fields, refusals, 123456789, None))
+    assert gqa_pb2.BatchResponse.FromString(placed) == want and len(placed) == want.ByteSize()
+
+
+def _in_place(rid, layer, output, result, *, expect_in_place=True) -> bytes:
+    """``StepReply``'s bytes with ``output``'s rows written into its draft, as a set's step
+    writes them; ``expect_in_place``: the reply is the drafted object itself (no copy)."""
+    from service.transport.batch_reply import StepReply
+    from service.vocab import TORCH_TO_DTYPE
+
+    reply = StepReply(rid, layer, TORCH_TO_DTYPE[output.dtype], tuple(output.shape))
+    if not output.numel():
+        assert reply.output is None  # nothing to write in place
+        return reply(result._replace(output=output), 0.0)
+    rows = reply.output
+    rows[:] = output.reshape(-1).view(torch.uint8).numpy().tobytes()
+    drafted = rows.obj.owner
+    raw = reply(result._replace(data=rows), 0.0)
+    assert (raw is drafted) == expect_in_place
+    with pytest.raises(ValueError):  # released: nothing writes into the reply once it is out
+        rows[0] = 0
+    return raw
+
+
+def test_a_reply_whose_refusals_outgrow_its_room_is_copied_and_still_right():
+    """More refusal text than the draft keeps room for: the reply is built by copying the rows,
+    and parses to what upb builds all the same."""
+    import numpy as np
+
+    from service.engine.plane import StepResult
+    from service.errors import InvalidArgument
+    from service.transport.batch_reply import step_reply_bytes
+
+    n = 16
+    output = torch.randn(n, 32, 128, generator=torch.Generator().manual_seed(0))
+    fields = np.zeros((n, 6), dtype=np.int64)
+    refusals = [(i, 100 + i, InvalidArgument("step.ids: " + "x" * 300)) for i in range(n)]
+    result = StepResult(fields, refusals, 5, None)
+    raw = _in_place(9, 1, output, result, expect_in_place=False)
+    want = step_reply_bytes(9, 1, result._replace(output=output))
+    assert gqa_pb2.BatchResponse.FromString(raw) == gqa_pb2.BatchResponse.FromString(want)
+    assert len(gqa_pb2.BatchResponse.FromString(raw).step.refusals) == n
+
+
+def test_a_reply_whose_rows_the_set_wrote_elsewhere_copies_them():
+    """A set that wrote its own buffer (off the CPU, say) gets the copied reply: same message."""
+    import numpy as np
+
+    from service.engine.plane import StepResult
+    from service.transport.batch_reply import StepReply, step_reply_bytes
+    from service.vocab import TORCH_TO_DTYPE
+
+    output = torch.randn(4, 32, 128, generator=torch.Generator().manual_seed(1))
+    result = StepResult(np.ones((4, 6), dtype=np.int64), [], 7, output)
+    reply = StepReply(3, 0, TORCH_TO_DTYPE[output.dtype], tuple(output.shape))
+    assert reply.output is not None
+    assert reply(result, 0.0) == step_reply_bytes(3, 0, result)
 
 
 def test_a_refused_message_reply_is_status_and_layer_only():

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from service.api import gqa_pb2
 from service.config import ServerConfig
 from service.engine.engine import Engine
 
@@ -161,3 +162,44 @@ def test_a_repeated_ids_array_is_planned_again_after_the_set_changes(engine):
     engine.close(sequences.get(3), "idle")  # a close from the reaper
     closed = sequences.plan(0, ids, b"", b"", b"")
     assert [(row, sid, type(exc).__name__) for row, sid, exc in closed.refusals] == [(0, 3, "Unavailable")]
+
+
+def test_a_message_s_rows_are_written_into_its_reply_s_own_bytes(engine):
+    """``submit_message(out=reply.output)``: the step writes each row into the reply's draft and
+    the answer is that very object (no copy of the rows), with the message an identical set
+    answers from its own output buffer (the copying reply); a refused row's place is zeros."""
+    from service.transport.batch_reply import StepReply
+    from service.vocab import NAME_TO_DTYPE
+
+    shape = engine.session_shape(
+        backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
+    )
+    sets = [engine.sequence_set(shape) for _ in range(2)]
+    for sequences in sets:
+        for sid in (1, 2, 3):
+            _open(engine, sequences, sid)
+    g = torch.Generator().manual_seed(0)
+    ids = np.array([3, 9, 1], dtype=np.uint64)  # 9: not in the set, refused alone
+    q = torch.randn(3, HQ, D, generator=g).numpy().tobytes()
+    k, v = (torch.randn(3, HKV, D, generator=g).numpy().tobytes() for _ in range(2))
+
+    async def answer(sequences, in_place: bool):
+        plan = sequences.plan(0, ids, q, k, v)
+        if not in_place:
+            return await engine.submit_message(sequences, plan, received=time.perf_counter(), reply=StepReply(5, 0))
+        reply = StepReply(5, 0, NAME_TO_DTYPE["float32"], (3, HQ, D))
+        drafted = reply.output.obj.owner
+        got = await engine.submit_message(sequences, plan, received=time.perf_counter(), reply=reply, out=reply.output)
+        assert got is drafted
+        return got
+
+    async def main():
+        return [await answer(sets[0], True), await answer(sets[1], False)]
+
+    placed, copied = asyncio.run(main())
+    a, b = (gqa_pb2.BatchResponse.FromString(raw).step for raw in (placed, copied))
+    assert a.compute_ns > 0 and b.compute_ns > 0
+    a.compute_ns = b.compute_ns = 0  # each its own
+    assert a == b and [r.index for r in a.refusals] == [1] and a.tokens_seen == [1, 0, 1]
+    rows = torch.frombuffer(bytearray(a.output.data), dtype=torch.float32).view(3, HQ, D)
+    assert rows[0].abs().sum() > 0 and not rows[1].any() and rows[2].abs().sum() > 0

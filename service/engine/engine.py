@@ -335,16 +335,18 @@ class Engine:
         """A Batch session's request: every one of its sequences is active now."""
         sequences.activity.last_active = self.clock()
 
-    def submit_message(self, sequences: SequenceSet, plan, *, received: float, reply) -> "asyncio.Future":
+    def submit_message(self, sequences: SequenceSet, plan, *, received: float, reply, out=None) -> "asyncio.Future":
         """Queues a planned Batch step message (``SequenceSet.plan``) on the compute workers,
         with the Decode streams' steps; call on the event loop. Returns a future of
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
-        that refused the whole message). Where it computes is ``Placement.message``'s choice: a
-        message of a session whose previous one was fast may run right here."""
+        that refused the whole message); ``out`` (or None) is where the rows go
+        (``SequenceSet.run``): the reply's own bytes. Where it computes is
+        ``Placement.message``'s choice: a message of a session whose previous one was fast may
+        run right here."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
-            result = sequences.run(plan, started, received)
+            result = sequences.run(plan, started, received, out)
             try:
                 return reply(result, max(0.0, started - received))
             except Exception as exc:

@@ -11,9 +11,10 @@ Per step message the Python work does not grow with the sequences beyond numpy o
 array: ids -> slots by ``searchsorted`` over the sorted ids, duplicates, unknown and closed ids
 found vectorized (and only then turned into refusals, one record per refused sequence; a
 repeated read-only ids array reuses the slots it was planned to while the set is unchanged),
-one ``CacheSet.step_buffers`` from the request's bytes into a reused output buffer (no tensor
-made), the per-sequence fields handed on as the (n, 6) array the call wrote, the metrics
-counted per message and policy (``EngineObserver.steps_done``).
+one ``CacheSet.step_buffers`` from the request's bytes into the caller's buffer (the reply's
+own bytes) or else a reused output buffer (no tensor made), the per-sequence fields handed on
+as the (n, 6) array the call wrote, the metrics counted per message and policy
+(``EngineObserver.steps_done``).
 """
 
 from __future__ import annotations
@@ -88,14 +89,15 @@ class StepResult(NamedTuple):
     """A step message's answer: ``fields`` int64 (n, 6), ``FIELDS`` per message row (a refused
     row all 0); ``refusals`` ``[(row, id, ServiceError)]`` in row order; ``compute_ns`` the
     batched computation's time; ``output`` (n, Hq, D) contiguous on the CPU (a refused row 0),
-    valid until the set's next step."""
+    valid until the set's next step, or None when the rows went into the caller's buffer."""
 
     fields: np.ndarray
     refusals: list
     compute_ns: int
-    output: torch.Tensor
-    # ``output``'s bytes as a buffer over the same memory (the set's output buffer lives in a
-    # bytearray, so the reply reads it without a tensor call); None when ``output`` is a copy
+    output: torch.Tensor | None
+    # the rows' bytes: the caller's buffer (``run(out=...)``), or ``output``'s memory (the set's
+    # output buffer lives in a bytearray, so the reply reads it without a tensor call); None
+    # when ``output`` is a copy
     data: memoryview | None = None
 
 
@@ -307,16 +309,21 @@ class SequenceSet:
                 self._out_views[n] = found
         return found
 
-    def run(self, plan: StepPlan, started: float, received: float) -> StepResult:
+    def run(self, plan: StepPlan, started: float, received: float, out=None) -> StepResult:
         """Computes a planned message (on the loop or a compute worker): one ``CacheSet`` step over
-        its live rows, read from the request's bytes and written into the output buffer's on the
-        CPU (``CacheSet.step_buffers``). Never raises: a failure of the call as a whole refuses
-        every live row (INTERNAL, nothing was written)."""
+        its live rows, read from the request's bytes and written on the CPU into ``out`` (a
+        writable buffer of the message's n output rows: the reply's own bytes, so the rows are
+        never copied), or without one into the set's output buffer (``CacheSet.step_buffers``).
+        Never raises: a failure of the call as a whole refuses every live row (INTERNAL, nothing
+        was written)."""
         n = len(plan.ids)
-        out, data = self._rows_out(n)
+        if out is not None and self.shape.device == "cpu":  # (``step_buffers`` checks its size)
+            data, out = (out if out.__class__ is memoryview else memoryview(out)), None  # no tensor made
+        else:
+            out, data = self._rows_out(n)
         queue_seconds = max(0.0, started - received)
         if plan.live is not None and not len(plan.live):
-            out.zero_()
+            _zero(out, data)
             result = StepResult(np.zeros((n, len(FIELDS)), np.int64), plan.refusals, 0, out, data)
             return self._answer(result, 0, queue_seconds)
         if data is None:
@@ -361,7 +368,7 @@ class SequenceSet:
         n, live = len(plan.ids), plan.live
         rows = live.tolist() if live is not None else range(n)
         failed = [(row, int(plan.ids[row]), Internal()) for row in rows]
-        out.zero_()
+        _zero(out, data)
         for j, (_, _, error) in enumerate(failed):
             self.observer.steps_refused(self._labels[self._policy[plan.slots[j]]], error.code)
         refusals = sorted(plan.refusals + failed, key=_row)
@@ -455,3 +462,11 @@ class SequenceSet:
 
 def _row(refusal) -> int:
     return refusal[0]
+
+
+def _zero(tensor: torch.Tensor | None, data: memoryview | None) -> None:
+    """Every output row 0: the tensor, or without one the bytes."""
+    if tensor is not None:
+        tensor.zero_()
+    else:
+        data[:] = bytes(data.nbytes)

@@ -344,9 +344,10 @@ class Session:
 
     async def step(self, request, rid: int) -> bytes:
         """Answers a step message (``wire.StepRequest``, or the runtime's ``BatchStep``): the
-        ``BatchResponse`` with request id ``rid``, serialized. Integer checks and the plan here;
-        the computation and the reply's encoding where ``Engine.submit_message`` runs them (the
-        event loop or a compute worker)."""
+        ``BatchResponse`` with request id ``rid``, serialized. Integer checks, the plan and the
+        reply's draft here; the computation (its rows written into the draft) and the reply's
+        last fields where ``Engine.submit_message`` runs them (the event loop or a compute
+        worker)."""
         received = time.perf_counter()
         s = self.shared
         layer = request.layer
@@ -363,7 +364,11 @@ class Session:
             plan = self.sequences.plan(layer, ids, q_data, k_data, v_data)
         except ServiceError as exc:
             return step_reply_bytes(rid, layer, None, refused=exc)
-        answer = await self.engine.submit_message(self.sequences, plan, received=received, reply=StepReply(rid, layer))
+        # the reply's bytes drafted around the output's rows, which the step writes in place
+        reply = StepReply(rid, layer, self._dtype_enum, (n, s.num_query_heads, s.head_dim))
+        answer = await self.engine.submit_message(
+            self.sequences, plan, received=received, reply=reply, out=reply.output
+        )
         if isinstance(answer, ServiceError):  # the message failed as a whole on the worker
             return step_reply_bytes(rid, layer, None, refused=answer)
         return answer
