@@ -56,8 +56,8 @@ __all__ = [
 # implementation choice passed to the kernel (the C enum), in order of speed
 # "avx2": AVX2 with FMA and F16C, the x86-64 CPUs without AVX-512 (AMD Zen 1-3, Intel client cores);
 # int8 scores and values by vpmaddwd on int16 query and weights
-# "avx512dot": AVX-512 with the VNNI and BF16 dot products (bfloat16 scores by vdpbf16ps, int8
-# scores and values by vpdpwssd on int16 query and weights), where the CPU has both
+# "avx512dot": AVX-512 with the VNNI dot products (int8 scores and values by vpdpwssd on int16
+# query and weights), where the CPU has VNNI; bfloat16 scores by vdpbf16ps where it has BF16 too
 ISA = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512dot": 4}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}

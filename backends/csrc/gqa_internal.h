@@ -44,9 +44,10 @@
  * once and widened to float32 in registers. Four implementations of the block, chosen at run
  * time per cache: AVX2 (with FMA and F16C; D a multiple of 8; int8 scores and values by
  * vpmaddwd on an int16 query and int16 block weights, within 2e-4 of the float paths), AVX-512
- * (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16), AVX-512 with BF16 and VNNI
- * (ISA_AVX512_DOT: bfloat16 scores by vdpbf16ps on the query's own bfloat16; int8 scores and
- * values by vpdpwssd, as AVX2's by vpmaddwd; float32 and float16 as AVX-512) and portable C
+ * (F, BW, VL, DQ; when the CPU has it and D is a multiple of 16), AVX-512 with VNNI
+ * (ISA_AVX512_DOT: int8 scores and values by vpdpwssd, as AVX2's by vpmaddwd; where the CPU
+ * also has BF16, bfloat16 scores by vdpbf16ps on the query's own bfloat16; the rest as
+ * AVX-512) and portable C
  * (the specification the fast paths are tested against). The library builds with no -march
  * flag. The vector blocks prefetch the next block as they go (its key block is one contiguous
  * run, its value rows another).
@@ -134,8 +135,8 @@
 
 
 /* In order of speed. ISA_AVX2: AVX2 with FMA and F16C. ISA_AVX512: F, BW, VL, DQ.
- * ISA_AVX512_DOT: also BF16 and VNNI (bfloat16 scores by vdpbf16ps, int8 scores and values by
- * vpdpwssd; the other encodings as ISA_AVX512). */
+ * ISA_AVX512_DOT: also VNNI (int8 scores and values by vpdpwssd), and where the CPU has BF16 as
+ * well, bfloat16 scores by vdpbf16ps; the other encodings as ISA_AVX512 (isa.c). */
 enum { ISA_AUTO = 0, ISA_PORTABLE = 1, ISA_AVX2 = 2, ISA_AVX512 = 3, ISA_AVX512_DOT = 4 };
 enum { ENC_F32 = 0, ENC_BF16 = 1, ENC_F16 = 2, ENC_INT8 = 3 };
 /* FLAG_FAIL_AFTER_WRITE: acted on only by a test build (test_hooks.c); part of the layout either way */

@@ -3,7 +3,10 @@
  */
 #include "gqa_internal.h"
 
-/* The vector ISAs this CPU has (a bit per ISA_* value, whatever the head width), probed once. */
+/* The vector ISAs this CPU has (a bit per ISA_* value, whatever the head width), probed once;
+ * CPU_BF16 besides where ISA_AVX512_DOT also has AVX-512 BF16. */
+enum { CPU_BF16 = 1 << 8 };
+
 static int cpu_isas(void) {
 #if GQA_X86_64
     static atomic_int known = -1;
@@ -16,8 +19,12 @@ static int cpu_isas(void) {
         if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
             __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
             v |= 1 << ISA_AVX512;
-            /* BF16 and VNNI besides (every CPU with the first has the second) */
-            if (__builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vnni")) v |= 1 << ISA_AVX512_DOT;
+            /* the dot products: VNNI (Ice Lake on) for int8; BF16 too (Cooper Lake, Sapphire Rapids,
+             * Zen 4 on) for bfloat16. Every CPU with BF16 has VNNI. */
+            if (__builtin_cpu_supports("avx512vnni")) {
+                v |= 1 << ISA_AVX512_DOT;
+                if (__builtin_cpu_supports("avx512bf16")) v |= CPU_BF16;
+            }
         }
         atomic_store(&known, v);
     }
@@ -41,7 +48,7 @@ int gqa_usable_isas(int64_t d) {
 
 GQA_INTERNAL block_fn choose_block(int enc, int isa) {
 #if GQA_X86_64
-    if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && BF16_PACK == 2) return block_dot_bf16;
+    if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && BF16_PACK == 2 && (cpu_isas() & CPU_BF16)) return block_dot_bf16;
     if (isa == ISA_AVX512_DOT && enc == ENC_INT8) return block_dot_int8;
     if (isa == ISA_AVX512 || isa == ISA_AVX512_DOT) {
         switch (enc) {
