@@ -56,6 +56,29 @@ def _isa_param(isa: str, d: int = 128):
     )
 
 
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as Linux names them, or None off Linux or off x86-64."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            line = next(row for row in f if row.startswith("flags"))
+    except (OSError, StopIteration):
+        return None
+    return set(line.partition(":")[2].split())
+
+
+@pytest.mark.skipif(_cpu_flags() is None, reason="no /proc/cpuinfo flags (not Linux on x86-64)")
+def test_each_isa_runs_exactly_where_the_cpu_has_its_instructions():
+    # avx512dot needs VNNI only (its int8 block); an Ice Lake without BF16 runs it, its bfloat16
+    # caches taking the AVX-512 block (isa.c)
+    flags = _cpu_flags()
+    avx2 = {"avx2", "fma", "f16c"} <= flags
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags
+    want = ["portable"] + ["avx2"] * avx2 + ["avx512"] * avx512 + ["avx512dot"] * (avx512 and "avx512_vnni" in flags)
+    assert KERNEL.isas(128) == want
+    assert KERNEL.isas(8) == ["portable"] + ["avx2"] * avx2  # AVX-512 blocks: D a multiple of 16
+    assert KERNEL.isas(4) == ["portable"]
+
+
 def _problem(n, g, d, capacity, gen):
     q = torch.randn(n, g, d, generator=gen) / d**0.5
     k = torch.randint(-127, 128, (n, d, capacity), generator=gen, dtype=torch.int8)
