@@ -115,3 +115,19 @@ def test_two_benchmarks_run_each_in_a_fresh_process_and_a_failure_stops_the_run(
         [sys.executable, "-m", "tests.bench", "--no-plots", "--position=1/3", "client"],
         [sys.executable, "-m", "tests.bench", "--no-plots", "--position=2/3", "metrics"],
     ]
+
+
+def test_the_host_steal_share_is_the_steal_column_over_all_cpu_time(tmp_path):
+    from tests.bench.common import HostSteal, steal_note
+
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 0 0\ncpu0 50 0 25 400 5 0 2 18 0 0\n")
+    steal = HostSteal(str(stat))
+    stat.write_text("cpu  160 0 70 900 10 0 5 65 0 0\ncpu0 80 0 35 450 5 0 2 33 0 0\n")
+    share = steal.share()
+    assert share == 30 / 210  # 30 jiffies stolen of 210 since the first read
+    assert steal_note(share) == ", 14% of the CPU time stolen by the host"
+    stat.write_text("intr 0\n")  # a kernel without the line: unknown, and the note says nothing
+    assert HostSteal(str(stat)).share() is None and steal_note(None) == ""
+    assert HostSteal(str(tmp_path / "absent")).share() is None

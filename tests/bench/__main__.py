@@ -128,14 +128,17 @@ def run_here(name: str, position: str) -> None:
     report = Report(name)
     print(f"\n=== {name} ===", flush=True)
     t0 = time.perf_counter()
+    steal = common.HostSteal()
     progress = _Progress()
     progress.start(position, name)
     try:
         module.run(report)
     finally:
         progress.stop()
+    stolen = steal.share()
+    report.add(kind="host", steal_share=stolen)
     path = report.write()
-    print(f"[{name}: {time.perf_counter() - t0:.0f} s, raw numbers in {path}]", flush=True)
+    print(f"[{name}: {time.perf_counter() - t0:.0f} s{common.steal_note(stolen)}, raw numbers in {path}]", flush=True)
 
 
 def run_each_in_its_own_process(selected: list[str]) -> int:

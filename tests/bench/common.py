@@ -205,6 +205,43 @@ class Report:
         return path
 
 
+class HostSteal:
+    """The share of this machine's CPU time its host gave to others while a benchmark ran: the
+    ``steal`` column of ``/proc/stat`` (time a virtual CPU was ready to run but the hypervisor ran
+    something else), over all the CPUs' time between ``__init__`` and ``share()``. A "quiet
+    machine" (docs/benchmarks.md) has next to none; on a shared host it moves from minute to
+    minute, and with it every timing, so each benchmark's summary line says it. None where the
+    kernel does not report it (not Linux)."""
+
+    def __init__(self, path: str = "/proc/stat"):
+        self.path = path
+        self._start = self.read()
+
+    def read(self) -> tuple[int, int] | None:
+        """(steal, total) jiffies of all CPUs since boot, or None."""
+        try:
+            with open(self.path) as f:
+                fields = f.readline().split()
+        except OSError:
+            return None
+        if len(fields) < 9 or fields[0] != "cpu":
+            return None
+        # user nice system idle iowait irq softirq steal [guest guest_nice: inside user, nice]
+        ticks = [int(x) for x in fields[1:9]]
+        return ticks[7], sum(ticks)
+
+    def share(self) -> float | None:
+        end = self.read()
+        if self._start is None or end is None or end[1] <= self._start[1]:
+            return None
+        return (end[0] - self._start[0]) / (end[1] - self._start[1])
+
+
+def steal_note(share: float | None) -> str:
+    """``", 12% of the CPU time stolen by the host"`` for a summary line ("" where unknown)."""
+    return "" if share is None else f", {100 * share:.0f}% of the CPU time stolen by the host"
+
+
 # -- cold-cache timing (docs/benchmarks.md): evict the last-level cache before every timed call ----
 
 
