@@ -21,10 +21,20 @@
 #include "gqa_avx512.h"
 
 #if GQA_X86_64
-/* acc += the pairwise products of a's int16 lanes and the two int16 of the int32 word at p (in
- * every lane: the instruction's own {1to16} broadcast, no vpbroadcastd), in place: GCC's
- * intrinsic copies every accumulator to a fresh register and back around each instruction. */
-#define DPWSSD_B(acc, a, p) __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(a), "m"(*(const int32_t *)(p)))
+/* acc += the pairwise products of a's and b's int16 lanes, in place: GCC's intrinsic copies
+ * every accumulator to a fresh register and back around each instruction. Both operands in
+ * registers, the query's (or weights') word broadcast once for all the products that use it:
+ * a {1to16} memory operand is a 512-bit load per instruction, and an Ice Lake issues those once
+ * a cycle against two vpdpwssd, so the block was load-bound (docs/design.md, "int8: one
+ * broadcast per word, not per product"). */
+#define DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+
+/* The int32 word at p in every lane (vpbroadcastd from memory: a load, no vector port). */
+AVX512VNNI static inline __m512i word_bcast(const void *p) {
+    int32_t w;
+    memcpy(&w, p, sizeof w);
+    return _mm512_set1_epi32(w);
+}
 
 /* The int16 lanes of the i-th group of 32 positions (or channels) that n fill. */
 static inline __mmask32 lanes32(int64_t n, int i) {
@@ -78,17 +88,19 @@ AVX512VNNI static inline __attribute__((always_inline)) void pairs16(const char 
 }
 
 /* One channel pair (r1 NULL: the odd last channel alone) of the block's nh halves into the
- * gt heads' accumulators: query word l of each head. */
+ * gt heads' accumulators: query word l of each head (words apart). */
 AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i acc[TILE_G][4], const int32_t *qw,
                                                                          int64_t words, int64_t l, const char *r0,
                                                                          const char *r1, const __mmask32 *m32,
                                                                          const int gt, const int nh) {
+    __m512i qb[TILE_G];
+    for (int g = 0; g < gt; g++) qb[g] = word_bcast(qw + g * words + l);
     for (int s = 0; s < nh; s++) {
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
-            DPWSSD_B(acc[g][2 * s], lo, qw + g * words + l);
-            DPWSSD_B(acc[g][2 * s + 1], hi, qw + g * words + l);
+            DPWSSD(acc[g][2 * s], lo, qb[g]);
+            DPWSSD(acc[g][2 * s + 1], hi, qb[g]);
         }
     }
 }
@@ -167,11 +179,13 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
                                                                          const __mmask32 *m32, const int gt, const int nc) {
     __m512i lo[2], hi[2];
     for (int c = 0; c < nc; c++) pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
-    for (int g = 0; g < gt; g++)
+    for (int g = 0; g < gt; g++) {
+        const __m512i w = word_bcast(wq + g * TILE_T + t);
         for (int c = 0; c < nc; c++) {
-            DPWSSD_B(acc[g][2 * c], lo[c], wq + g * TILE_T + t);
-            DPWSSD_B(acc[g][2 * c + 1], hi[c], wq + g * TILE_T + t);
+            DPWSSD(acc[g][2 * c], lo[c], w);
+            DPWSSD(acc[g][2 * c + 1], hi[c], w);
         }
+    }
 }
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
