@@ -16,8 +16,8 @@ to their torch kernels (``GQA_NATIVE=0`` forces that).
 
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
 steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors
-given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_usable_isas(d)``;
-``gqa_hadamard_rows``.
+given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_prewake(cache)``
+alerts it before a step that will use it; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
 """
 
 from __future__ import annotations
@@ -170,6 +170,8 @@ class Kernel:
         lib.gqa_set_threads.restype = i32
         lib.gqa_threads.argtypes = []
         lib.gqa_threads.restype = i32
+        lib.gqa_prewake.argtypes = [p]
+        lib.gqa_prewake.restype = None
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
         lib.gqa_layout.argtypes = [p, i64]
@@ -189,6 +191,9 @@ class Kernel:
         self._run = lib.gqa_run
         self._run_ptrs = lib.gqa_run_ptrs
         self.step = lib.gqa_step
+        # prewake(desc address): the pool's workers alerted when that cache's next step is
+        # likely parallel, so that they are running when it starts (csrc/pool.c)
+        self.prewake = lib.gqa_prewake
         lib.gqa_set_threads(_threads)
 
     # ``step``: the C function ``gqa_step`` itself (ctypes, the GIL released while it runs):

@@ -11,10 +11,12 @@ unavailable.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import os
 import threading
+import time
 import warnings
 
 import numpy as np
@@ -388,6 +390,47 @@ def test_the_pool_worker_runs_on_another_cpu_than_its_caller(pool_size):
             assert cpu != caller and cpu in cpus
     finally:
         os.sched_setaffinity(0, before)
+
+
+def _runtime_ns(tid: int) -> int:
+    """CPU time a thread of this process has run, from its schedstat (ns)."""
+    with open(f"/proc/self/task/{tid}/schedstat") as f:
+        return int(f.read().split()[0])
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+    reason="needs two CPUs and per-thread schedstat",
+)
+def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
+    """gqa_prewake, which the public step calls before its checks: for a cache whose next step
+    will run on two threads, the sleeping worker is woken and waits for the call awake (CPU time
+    on it although no call comes); for a cache too short for the pool, it stays asleep. The
+    pool then stops as usual (the fixture's set_threads joins the alerted worker)."""
+    pool_size(2)
+    gen = torch.Generator().manual_seed(7)
+    big = DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.none(1200)), "native")
+    big.prefill(*(torch.randn(1, 8, 1100, 64, generator=gen) for _ in range(2)))
+    small = DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.none(16)), "native")
+    small.prefill(*(torch.randn(1, 8, 2, 64, generator=gen) for _ in range(2)))
+    big.step(*(torch.randn(1, h, 64, generator=gen) for h in (32, 8, 8)))  # the pool started
+    workers = list(_threads_on_one_cpu())
+    if len(workers) != 1:
+        pytest.skip(f"the pool's worker was not found pinned ({len(workers)} pinned threads)")
+    (worker,) = workers
+
+    def alerted_cpu_ns(cache) -> int:
+        time.sleep(0.01)  # the worker back asleep
+        before = _runtime_ns(worker)
+        KERNEL.prewake(ctypes.addressof(cache._state))
+        time.sleep(0.05)  # it waits up to pool.c's PREWAKE_SPIN_NS (0.3 ms), then sleeps
+        return _runtime_ns(worker) - before
+
+    assert alerted_cpu_ns(small) < 20_000
+    assert alerted_cpu_ns(big) > 50_000
+    assert alerted_cpu_ns(small) < 20_000
 
 
 def test_set_threads_sizes_the_pool(pool_size):

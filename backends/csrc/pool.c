@@ -17,6 +17,11 @@
  * idled, and the two then took turns there for the whole call: the load balancer does not move
  * a task that ran a moment ago (docs/design.md, "The pool's workers on the caller's CPU").
  *
+ * A caller that knows a parallel call is coming (the public step, before its Python checks)
+ * alerts the workers first (pool_prewake): each then waits for the call awake, for up to
+ * PREWAKE_SPIN_NS, instead of asleep, so that the call finds it running rather than paying its
+ * wake-up (docs/design.md, "The workers woken before the call").
+ *
  * One call has the workers at a time. A call that finds them taken runs its items on its own
  * thread: waiting for the pool would leave that thread idle while the other call's threads
  * hold every CPU, and a server's compute threads stepping side by side lost ~5% of their
@@ -37,6 +42,8 @@ static struct {
     int started; /* workers running (size - 1 once started) */
     int stop;
     uint64_t gen, start_gen;
+    uint64_t alert;            /* pool_prewake's count: a worker that sees it change wakes */
+    atomic_ullong published;   /* gen, for workers that poll it without the mutex */
     task_fn fn;
     void *ctx;
     int64_t nitems;
@@ -73,13 +80,43 @@ static void items_done(uint64_t gen, int64_t ran) {
     pthread_mutex_unlock(&pool.m);
 }
 
+/* How long an alerted worker waits awake for the call (then asleep again). */
+#define PREWAKE_SPIN_NS 300000
+
+static int64_t elapsed_ns(const struct timespec *t0) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (t.tv_sec - t0->tv_sec) * 1000000000LL + (t.tv_nsec - t0->tv_nsec);
+}
+
+/* An alerted worker: returns when a call after `seen` is published, or PREWAKE_SPIN_NS on. */
+static void await_call(uint64_t seen) {
+    struct timespec t0;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (int i = 1;; i++) {
+        if (atomic_load_explicit(&pool.published, memory_order_acquire) != seen) return;
+#if GQA_X86_64
+        __builtin_ia32_pause();
+#endif
+        if (i % 64 == 0 && elapsed_ns(&t0) > PREWAKE_SPIN_NS) return;
+    }
+}
+
 static void *pool_worker(void *arg) {
     const int idx = (int)(intptr_t)arg; /* 1 .. started */
     pthread_mutex_lock(&pool.m);
     uint64_t seen = pool.start_gen; /* the generation before its first task, however late it runs */
+    uint64_t alerted = pool.alert;
     for (;;) {
-        while (pool.gen == seen && !pool.stop) pthread_cond_wait(&pool.wake, &pool.m);
+        while (pool.gen == seen && pool.alert == alerted && !pool.stop) pthread_cond_wait(&pool.wake, &pool.m);
         if (pool.stop) break;
+        if (pool.gen == seen) { /* alerted: a call is coming */
+            alerted = pool.alert;
+            pthread_mutex_unlock(&pool.m);
+            await_call(seen);
+            pthread_mutex_lock(&pool.m);
+            continue;
+        }
         seen = pool.gen;
         const int part = idx <= pool.want;
         task_fn fn = pool.fn;
@@ -106,6 +143,7 @@ static void pool_stop_locked(void) { /* call_lock held */
 static void pool_start_locked(void) { /* call_lock held, no workers running */
     const int want = (pool.size > 0 ? pool.size : 1) - 1;
     pool.start_gen = pool.gen;
+    atomic_store(&pool.published, pool.gen);
     pool.placed_for = -1;
     pool.nallowed = sched_getaffinity(0, sizeof pool.allowed, &pool.allowed) ? 0 : CPU_COUNT(&pool.allowed);
     for (int i = 0; i < want && i < MAX_THREADS - 1; i++) {
@@ -147,17 +185,14 @@ __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, 
 /* Returns once the current call's items are all done or SPIN_WAIT_NS have passed. */
 #define SPIN_WAIT_NS 300000
 static void spin_until_done(int64_t nitems) {
-    struct timespec t0, t;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
     for (int i = 1;; i++) {
         if (atomic_load_explicit(&pool.completed, memory_order_acquire) >= nitems) return;
 #if GQA_X86_64
         __builtin_ia32_pause();
 #endif
-        if (i % 64 == 0) {
-            clock_gettime(CLOCK_MONOTONIC, &t);
-            if ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) > SPIN_WAIT_NS) return;
-        }
+        if (i % 64 == 0 && elapsed_ns(&t0) > SPIN_WAIT_NS) return;
     }
 }
 
@@ -184,6 +219,7 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     atomic_store(&pool.completed, 0);
     const uint64_t gen = ++pool.gen;
     atomic_store(&pool.next, (unsigned long long)(uint32_t)gen << 32);
+    atomic_store_explicit(&pool.published, gen, memory_order_release);
     if (want) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.m);
     if (!want) {
@@ -199,6 +235,28 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
         pthread_mutex_unlock(&pool.m);
     }
     pthread_mutex_unlock(&pool.call_lock);
+}
+
+/* Alerts the started workers that a parallel call is coming; nothing when there are none, or
+ * when a call has them now. */
+static void pool_prewake(void) {
+    if (pthread_mutex_trylock(&pool.call_lock)) return;
+    if (pool.started) {
+        pthread_mutex_lock(&pool.m);
+        pool.alert++;
+        pthread_cond_broadcast(&pool.wake);
+        pthread_mutex_unlock(&pool.m);
+    }
+    pthread_mutex_unlock(&pool.call_lock);
+}
+
+/* A hint before the step of cache cc: when that step is likely to run on more than one thread
+ * (the positions it attends, by its T and capacity, times its heads: run.c's work), the workers
+ * are alerted now, while the caller still has its own checks to make. */
+void gqa_prewake(const gqa_cache_t *cc) {
+    if (!cc || gqa_threads() < 2) return;
+    const int64_t attended = cc->t + 1 < cc->c ? cc->t + 1 : cc->c;
+    if (cc->n * (attended + HEAD_WORK) >= PARALLEL_MIN_WORK) pool_prewake();
 }
 
 int gqa_set_threads(int n) {
