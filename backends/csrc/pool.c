@@ -254,7 +254,7 @@ static void pool_prewake(void) {
  * (the positions it attends, by its T and capacity, times its heads: run.c's work), the workers
  * are alerted now, while the caller still has its own checks to make. */
 void gqa_prewake(const gqa_cache_t *cc) {
-    if (!cc || gqa_threads() < 2) return;
+    if (!cc || gqa_threads() < 2 || cc->t < cc->python_below) return; /* python_below: no call comes */
     const int64_t attended = cc->t + 1 < cc->c ? cc->t + 1 : cc->c;
     if (cc->n * (attended + HEAD_WORK) >= PARALLEL_MIN_WORK) pool_prewake();
 }
