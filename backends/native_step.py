@@ -65,16 +65,19 @@ class NativeStep:
             addr,
         )
         # the pool alerted before the checks: a cold step's Python takes about as long as a
-        # sleeping worker's wake-up (docs/design.md, "The workers woken before the call")
-        self._wake = (kernel.prewake, ctypes.addressof(desc))
+        # sleeping worker's wake-up (docs/design.md, "The workers woken before the call"); not
+        # asked for a cache too small ever to use the pool (the call itself costs ~14 us cold)
+        big = desc.n * desc.c >= kernel.parallel_min_work
+        self._wake = (kernel.prewake, ctypes.addressof(desc)) if big else None
         s = self.spec
         self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
 
     def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path
         (``python_below``: the int8 cache's calibration)."""
-        wake, desc = self._wake
-        wake(desc)
+        wake = self._wake
+        if wake is not None:
+            wake[0](wake[1])
         self.check_native_inputs(query, new_key, new_value)
         _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
         fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect

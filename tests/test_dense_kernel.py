@@ -431,6 +431,8 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     assert alerted_cpu_ns(small) < 20_000
     assert alerted_cpu_ns(big) > 50_000
     assert alerted_cpu_ns(small) < 20_000
+    # the public step does not even call it for a cache too small ever to use the pool
+    assert small._wake is None and big._wake is not None
 
 
 def test_set_threads_sizes_the_pool(pool_size):

@@ -383,6 +383,7 @@ typedef void (*task_fn)(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
 int gqa_threads(void);
 void gqa_prewake(const gqa_cache_t *cc);
+int64_t gqa_parallel_min_work(void);
 
 /* arena.c: the calling thread's memory, kept between its calls */
 enum { ARENA_CALL = 0, ARENA_CACHES = 1, ARENA_DESCS = 2, ARENAS = 3 };

@@ -259,6 +259,10 @@ void gqa_prewake(const gqa_cache_t *cc) {
     if (cc->n * (attended + HEAD_WORK) >= PARALLEL_MIN_WORK) pool_prewake();
 }
 
+/* The work (positions x heads) from which a call runs on more than one thread: a cache with
+ * less, whatever its T, never needs gqa_prewake (native_step.py asks once per cache). */
+int64_t gqa_parallel_min_work(void) { return PARALLEL_MIN_WORK; }
+
 int gqa_set_threads(int n) {
     if (n < 1 || n > MAX_THREADS) return -EINVAL;
     pthread_mutex_lock(&pool.call_lock);
