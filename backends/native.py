@@ -172,8 +172,8 @@ class Kernel:
         lib.gqa_threads.restype = i32
         lib.gqa_prewake.argtypes = [p]
         lib.gqa_prewake.restype = None
-        lib.gqa_parallel_min_work.argtypes = []
-        lib.gqa_parallel_min_work.restype = i64
+        lib.gqa_may_use_pool.argtypes = [p]
+        lib.gqa_may_use_pool.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
         lib.gqa_hadamard_rows.restype = i32
         lib.gqa_layout.argtypes = [p, i64]
@@ -196,7 +196,7 @@ class Kernel:
         # prewake(desc address): the pool's workers alerted when that cache's next step is
         # likely parallel, so that they are running when it starts (csrc/pool.c)
         self.prewake = lib.gqa_prewake
-        self.parallel_min_work = lib.gqa_parallel_min_work()
+        self.may_use_pool = lib.gqa_may_use_pool
         lib.gqa_set_threads(_threads)
 
     # ``step``: the C function ``gqa_step`` itself (ctypes, the GIL released while it runs):

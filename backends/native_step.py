@@ -67,8 +67,8 @@ class NativeStep:
         # the pool alerted before the checks: a cold step's Python takes about as long as a
         # sleeping worker's wake-up (docs/design.md, "The workers woken before the call"); not
         # asked for a cache too small ever to use the pool (the call itself costs ~14 us cold)
-        big = desc.n * desc.c >= kernel.parallel_min_work
-        self._wake = (kernel.prewake, ctypes.addressof(desc)) if big else None
+        at = ctypes.addressof(desc)
+        self._wake = (kernel.prewake, at) if kernel.may_use_pool(at) else None
         s = self.spec
         self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
 

@@ -126,6 +126,8 @@
  * caches on both threads"). */
 #define HEAD_WORK 8
 #define PARALLEL_MIN_WORK (1 << 10)
+/* A cache's share of a call's work: its heads, each over `positions` (run.c, pool.c's alert). */
+static inline int64_t cache_work(int64_t heads, int64_t positions) { return heads * (positions + HEAD_WORK); }
 #ifndef BPIECES
 #define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
 #endif
@@ -383,7 +385,7 @@ typedef void (*task_fn)(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
 int gqa_threads(void);
 void gqa_prewake(const gqa_cache_t *cc);
-int64_t gqa_parallel_min_work(void);
+int gqa_may_use_pool(const gqa_cache_t *cc);
 
 /* arena.c: the calling thread's memory, kept between its calls */
 enum { ARENA_CALL = 0, ARENA_CACHES = 1, ARENA_DESCS = 2, ARENAS = 3 };

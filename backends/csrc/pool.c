@@ -256,12 +256,12 @@ static void pool_prewake(void) {
 void gqa_prewake(const gqa_cache_t *cc) {
     if (!cc || gqa_threads() < 2 || cc->t < cc->python_below) return; /* python_below: no call comes */
     const int64_t attended = cc->t + 1 < cc->c ? cc->t + 1 : cc->c;
-    if (cc->n * (attended + HEAD_WORK) >= PARALLEL_MIN_WORK) pool_prewake();
+    if (cache_work(cc->n, attended) >= PARALLEL_MIN_WORK) pool_prewake();
 }
 
-/* The work (positions x heads) from which a call runs on more than one thread: a cache with
- * less, whatever its T, never needs gqa_prewake (native_step.py asks once per cache). */
-int64_t gqa_parallel_min_work(void) { return PARALLEL_MIN_WORK; }
+/* Whether a step of cache cc can ever run on more than one thread (all its capacity attended):
+ * one that cannot never needs gqa_prewake (native_step.py asks once per cache). */
+int gqa_may_use_pool(const gqa_cache_t *cc) { return cc && cache_work(cc->n, cc->c) >= PARALLEL_MIN_WORK; }
 
 int gqa_set_threads(int n) {
     if (n < 1 || n > MAX_THREADS) return -EINVAL;

@@ -83,7 +83,7 @@ static int check_and_count(call_t *call, int64_t i, int isa, call_size_t *size) 
     const int64_t need = 2 * cc->g + 3 * cc->g * cc->d + 2 * cc->g + (TILE_G + 2) * TILE_T + 16 +
                          cc->g * (key_width(cc) * BPIECES / 2 + 2) + 1; /* split_query_bf16's, query_int16's */
     if (need > size->scratch) size->scratch = need;
-    size->work += cc->n * (call->s[i] + HEAD_WORK);
+    size->work += cache_work(cc->n, call->s[i]);
     if (cc->enc == ENC_INT8 && cc->write_row >= 0) {
         const int64_t w = 2 * cc->n * cc->d + 2 * cc->n + (2 * cc->n * cc->d + 3) / 4 + 1;
         if (w > size->wneed) size->wneed = w;
