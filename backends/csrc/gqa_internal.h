@@ -386,6 +386,7 @@ typedef void (*task_fn)(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
 int gqa_threads(void);
 void gqa_prewake(const gqa_cache_t *cc);
+void gqa_prewake_heads(int64_t heads);
 int gqa_may_use_pool(const gqa_cache_t *cc);
 
 /* arena.c: the calling thread's memory, kept between its calls */
