@@ -177,9 +177,7 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
         /* the next head's first block on its way to L2 while this one computes: a short cache's
          * heads are each a few KiB apart in memory, each a fresh start for the hardware's
          * prefetcher (a cold step of many short caches otherwise waits on every head's first lines) */
-        if (h + 1 < h1) {
-            prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
-        }
+        if (h + 1 < h1) prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
         attend_head(call, i, h, 0, call->s[i], 0, tid);
     }
 }
