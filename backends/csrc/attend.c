@@ -99,9 +99,9 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         st.l[g] = 0.0f;
     }
 #if GQA_X86_64
-    /* the head's only block on the AVX2 dense path: the block writes the output rows itself */
-    if (nsplit == 1 && call->wide[i] == ISA_AVX2 && cc->enc == cc->io && !cc->status && cc->nruns == 1 &&
-        s <= TILE_T - cc->runs[0] % TILE_T)
+    /* the head's only block on an AVX2 or AVX-512 dense path: the block writes the output rows */
+    if (nsplit == 1 && (call->wide[i] == ISA_AVX2 || call->wide[i] == ISA_AVX512) && cc->enc == cc->io &&
+        !cc->status && cc->nruns == 1 && s <= TILE_T - cc->runs[0] % TILE_T)
         st.out = (char *)cc->out + h * G * d * enc_size(cc->io);
 #endif
     if (!st.out) memset(st.acc, 0, (size_t)(G * d) * sizeof(float));

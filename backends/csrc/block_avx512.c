@@ -199,7 +199,9 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
         scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 4, pf, p);
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
-    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf);
+    /* a dense head's only block: its rows finished here (st->out) */
+    void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL;
+    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
 }
 
 
@@ -243,26 +245,6 @@ AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const void *src, float 
     }
 }
 
-/* 16 float32 lanes to float16/bfloat16 (enc), bit for bit as store_elem: round to nearest
- * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign. */
-AVX512 static inline __attribute__((always_inline)) __m256i narrow16(const int enc, __m512 v) {
-    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    if (enc == ENC_F16) {
-        const __m512i qnan = _mm512_or_si512(_mm512_and_si512(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7E00));
-        return _mm256_mask_mov_epi16(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nan,
-                                     _mm512_cvtepi32_epi16(qnan));
-    }
-    /* rounded in the high halves, which one word permutation gathers: a narrowing store
-     * (vpmovdw to memory) costs several times a plain one here */
-    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-    r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(0x400000));
-    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r));
-}
-
 /* n float32 elements to float16/bfloat16 (enc), as narrow16. */
 AVX512 GQA_INTERNAL void narrow_row_avx512(const int enc, const float *src, uint16_t *dst, int64_t n) {
     for (int64_t x = 0; x < n; x += 16) {
@@ -277,15 +259,12 @@ AVX512 GQA_INTERNAL void narrow_row_avx512(const int enc, const float *src, uint
 AVX512 GQA_INTERNAL void finish_rows_avx512(const int enc, const float *acc, const float *l, int64_t gn, int64_t d,
                                           void *out) {
     for (int64_t g = 0; g < gn; g++) {
-        const float inv = 1.0f / l[g];
-        const __m512 vinv = _mm512_set1_ps(inv), zero = _mm512_setzero_ps();
+        const __m512 vinv = _mm512_set1_ps(1.0f / l[g]);
         const int empty = l[g] == 0.0f;
+        char *row = (char *)out + g * d * enc_size(enc);
         for (int64_t x = 0; x < d; x += 16) {
             const __mmask16 m = lanes16(d - x, 0);
-            const __m512 o = empty ? zero : _mm512_add_ps(zero, _mm512_maskz_loadu_ps(m, acc + g * d + x));
-            const __m512 f = _mm512_mul_ps(o, vinv);
-            if (enc == ENC_F32) _mm512_mask_storeu_ps((float *)out + g * d + x, m, f);
-            else _mm256_mask_storeu_epi16((uint16_t *)out + g * d + x, m, narrow16(enc, f));
+            store_finished16(enc, row, x, m, _mm512_maskz_loadu_ps(m, acc + g * d + x), vinv, empty);
         }
     }
 }
