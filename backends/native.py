@@ -17,7 +17,8 @@ to their torch kernels (``GQA_NATIVE=0`` forces that).
 Entry points (C): ``gqa_run(gqa_cache_t *caches, int64 n, int threads, int isa)`` computes the
 steps or attentions of ``n`` caches in one call (``gqa_run_ptrs``: the same over descriptors
 given by address); ``gqa_set_threads`` / ``gqa_threads`` size the pool; ``gqa_prewake(cache)``
-alerts it before a step that will use it; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
+(``gqa_prewake_heads(n)`` before a step of many caches) alerts it before a step that will use
+it; ``gqa_usable_isas(d)``; ``gqa_hadamard_rows``.
 """
 
 from __future__ import annotations
@@ -172,6 +173,8 @@ class Kernel:
         lib.gqa_threads.restype = i32
         lib.gqa_prewake.argtypes = [p]
         lib.gqa_prewake.restype = None
+        lib.gqa_prewake_heads.argtypes = [ctypes.c_int64]
+        lib.gqa_prewake_heads.restype = None
         lib.gqa_may_use_pool.argtypes = [p]
         lib.gqa_may_use_pool.restype = i32
         lib.gqa_hadamard_rows.argtypes = [p, i64, i64, i64]
@@ -197,6 +200,8 @@ class Kernel:
         # likely parallel, so that they are running when it starts (csrc/pool.c)
         self.prewake = lib.gqa_prewake
         self.may_use_pool = lib.gqa_may_use_pool
+        # prewake_heads(n): the same before a step of many caches with n (cache, KV head) pairs
+        self.prewake_heads = lib.gqa_prewake_heads
         lib.gqa_set_threads(_threads)
 
     # ``step``: the C function ``gqa_step`` itself (ctypes, the GIL released while it runs):

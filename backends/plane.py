@@ -131,6 +131,13 @@ class CacheSet:
         return caches
 
     # -- the step ---------------------------------------------------------------------------
+    def expect(self, n: int) -> None:
+        """A hint that a step of ``n`` rows follows soon: the library's workers are alerted now
+        when that step will share them, so that they are running when it starts (the caller's
+        parsing and checks take about as long as a sleeping worker's wake-up)."""
+        if self._kernel is not None and self._shape is not None:
+            self._kernel.prewake_heads(n * self._shape[1])
+
     def step(
         self,
         layer: int,

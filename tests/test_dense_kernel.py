@@ -29,6 +29,7 @@ from backends.contract import CacheSpec
 from backends.cpu import CPUBackend, DenseCache
 from backends.errors import CacheFullError
 from backends.int8 import Int8Backend
+from backends.plane import CacheSet
 from backends.policy import EvictionPolicy
 from tests.conftest import assert_close_to_oracle
 from tests.oracle import attention_ref
@@ -433,6 +434,42 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     assert alerted_cpu_ns(small) < 20_000
     # the public step does not even call it for a cache too small ever to use the pool
     assert small._wake is None and big._wake is not None
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity")
+    or len(os.sched_getaffinity(0)) < 2
+    or not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
+    reason="needs two CPUs and per-thread schedstat",
+)
+def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
+    """``CacheSet.expect(n)``, which a Batch session calls when a step message arrives: a step of
+    64 caches (64 x 8 heads, each at least one position: pool work) wakes the sleeping worker,
+    which then waits awake; a step of one cache of the same shape does not; nor does an empty
+    set."""
+    pool_size(2)
+    gen = torch.Generator().manual_seed(8)
+    caches = [DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.strict(2)), "native") for _ in range(64)]
+    plane = CacheSet(1)
+    for cache in caches:
+        plane.add([cache])
+    rows = (torch.randn(64, h, 64, generator=gen) for h in (32, 8, 8))
+    plane.step(0, np.arange(64, dtype=np.int64), *rows, torch.empty(64, 32, 64))  # the pool started
+    workers = list(_threads_on_one_cpu())
+    if len(workers) != 1:
+        pytest.skip(f"the pool's worker was not found pinned ({len(workers)} pinned threads)")
+    (worker,) = workers
+
+    def alerted_cpu_ns(expect) -> int:
+        time.sleep(0.01)  # the worker back asleep
+        before = _runtime_ns(worker)
+        expect()
+        time.sleep(0.05)  # it waits up to pool.c's PREWAKE_SPIN_NS (0.3 ms), then sleeps
+        return _runtime_ns(worker) - before
+
+    assert alerted_cpu_ns(lambda: plane.expect(1)) < 20_000
+    assert alerted_cpu_ns(lambda: plane.expect(64)) > 50_000
+    assert alerted_cpu_ns(lambda: CacheSet(1).expect(64)) < 20_000
 
 
 def test_set_threads_sizes_the_pool(pool_size):

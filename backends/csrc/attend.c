@@ -28,6 +28,12 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
 static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide) {
     const int64_t G = cc->g, d = cc->d;
+#if GQA_X86_64
+    if (!cc->order && wide == ISA_AVX512) { /* any encoding, float32 too: 16 lanes at a time */
+        widen_row_avx512(cc->io, (const char *)cc->q + h * G * d * enc_size(cc->io), qf, G * d, cc->qscale);
+        return;
+    }
+#endif
     if (!cc->order && cc->io == ENC_F32) {
         const float *q = (const float *)cc->q + h * G * d;
         for (int64_t x = 0; x < G * d; x++) qf[x] = q[x] * cc->qscale;
@@ -36,8 +42,7 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
 #if GQA_X86_64
     if (!cc->order && wide) {
         const uint16_t *q = (const uint16_t *)cc->q + h * G * d;
-        if (wide == ISA_AVX512) widen_row_avx512(cc->io, q, qf, G * d, cc->qscale);
-        else widen_row_avx2(cc->io, q, qf, G * d, cc->qscale);
+        widen_row_avx2(cc->io, q, qf, G * d, cc->qscale);
         return;
     }
 #else
@@ -94,9 +99,9 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         st.l[g] = 0.0f;
     }
 #if GQA_X86_64
-    /* the head's only block on the AVX2 dense path: the block writes the output rows itself */
-    if (nsplit == 1 && call->wide[i] == ISA_AVX2 && cc->enc == cc->io && !cc->status && cc->nruns == 1 &&
-        s <= TILE_T - cc->runs[0] % TILE_T)
+    /* the head's only block on an AVX2 or AVX-512 dense path: the block writes the output rows */
+    if (nsplit == 1 && (call->wide[i] == ISA_AVX2 || call->wide[i] == ISA_AVX512) && cc->enc == cc->io &&
+        !cc->status && cc->nruns == 1 && s <= TILE_T - cc->runs[0] % TILE_T)
         st.out = (char *)cc->out + h * G * d * enc_size(cc->io);
 #endif
     if (!st.out) memset(st.acc, 0, (size_t)(G * d) * sizeof(float));
@@ -231,6 +236,10 @@ static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t 
 #if GQA_X86_64
     if (call->wide[i] == ISA_AVX2 && cc->enc == cc->io) { /* a dense cache on AVX2: one pass */
         finish_rows_avx2(cc->io, st->acc, st->l, G, d, (char *)cc->out + h * G * d * enc_size(cc->io));
+        return;
+    }
+    if (call->wide[i] == ISA_AVX512 && !(cc->flags & FLAG_ROTATE)) { /* one pass on AVX-512 too */
+        finish_rows_avx512(cc->io, st->acc, st->l, G, d, (char *)cc->out + h * G * d * enc_size(cc->io));
         return;
     }
 #endif

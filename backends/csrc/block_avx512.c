@@ -89,6 +89,98 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
 }
 
 
+/* 8 consecutive elements of encoding enc widened to float32 (masked lanes 0). */
+AVX512 static inline __attribute__((always_inline)) __m256 widen8(const int enc, const void *p, __mmask8 mask) {
+    switch (enc) {
+        case ENC_F32: return _mm256_maskz_loadu_ps(mask, p);
+        case ENC_BF16:
+            return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_maskz_loadu_epi16(mask, p)), 16));
+        case ENC_F16: return _mm256_maskz_cvtph_ps(0xFF, _mm_maskz_loadu_epi16(mask, p));
+        default: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_maskz_loadu_epi8(mask, p)));
+    }
+}
+
+/* a * b + c in 8 lanes (AVX-512VL's form: the AVX512 target does not name FMA). */
+AVX512 static inline __attribute__((always_inline)) __m256 fma8(__m256 a, __m256 b, __m256 c) {
+    return _mm256_mask_fmadd_ps(a, 0xFF, b, c);
+}
+
+/* The channel loop of scores8_avx512: a0 gets the even channels, a1 the odd ones. */
+AVX512 static inline __attribute__((always_inline)) void scores8_loop(
+    const int enc, const float *q, int64_t dq, int64_t dk, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, __mmask8 m8, const int gt, const int prefetch, __m256 *a0, __m256 *a1) {
+    const int64_t el = enc_size(enc);
+    const float *qg[TILE_G];
+    for (int g = 0; g < gt; g++) qg[g] = q + g * dq;
+    if (kpack(enc) == 1) {
+        const int64_t step = kline * el, nstep = knline * el;
+        int64_t j = 0;
+        for (; j + 2 <= dk; j += 2) {
+            const char *row = kb + j * step;
+            if (prefetch) {
+                const char *next = kn + j * nstep;
+                for (int64_t x = 0; x < 2 * nstep; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            }
+            const __m256 k0 = widen8(enc, row, m8), k1 = widen8(enc, row + step, m8);
+            for (int g = 0; g < gt; g++) {
+                a0[g] = fma8(_mm256_set1_ps(qg[g][j]), k0, a0[g]);
+                a1[g] = fma8(_mm256_set1_ps(qg[g][j + 1]), k1, a1[g]);
+            }
+        }
+        if (j < dk) {
+            if (prefetch)
+                for (int64_t x = 0; x < nstep; x += 64) _mm_prefetch(kn + j * nstep + x, _MM_HINT_T1);
+            const __m256 k0 = widen8(enc, kb + j * step, m8);
+            for (int g = 0; g < gt; g++) a0[g] = fma8(_mm256_set1_ps(qg[g][j]), k0, a0[g]);
+        }
+        return;
+    }
+    /* bfloat16, lines of 2 channels a word (dk padded to even with zero channels, which add
+     * nothing: the query's are read only up to dk) */
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
+    int64_t l = 0;
+    for (; 2 * l + 2 <= dk; l++) {
+        if (prefetch)
+            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
+        const __m256i w = _mm256_maskz_loadu_epi32(m8, kb + l * kline * 2);
+        const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), k1 = _mm256_castsi256_ps(_mm256_and_si256(w, high));
+        for (int g = 0; g < gt; g++) {
+            a0[g] = fma8(_mm256_set1_ps(qg[g][2 * l]), k0, a0[g]);
+            a1[g] = fma8(_mm256_set1_ps(qg[g][2 * l + 1]), k1, a1[g]);
+        }
+    }
+    if (2 * l < dk) {
+        if (prefetch)
+            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
+        const __m256i w = _mm256_maskz_loadu_epi32(m8, kb + l * kline * 2);
+        const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+        for (int g = 0; g < gt; g++) a0[g] = fma8(_mm256_set1_ps(qg[g][2 * l]), k0, a0[g]);
+    }
+}
+
+/* scores_avx512 for a block of at most 8 positions (a short cache's whole run): 8-lane
+ * registers, whose loads and query broadcasts issue two a cycle on this core where 16-lane
+ * ones issue one, and two accumulators per query head (even and odd channels) so that the
+ * multiply-adds' latency does not bound a loop of one per head and channel (docs/design.md,
+ * "Short blocks"). The same sums for a block whichever call or thread computes it. */
+AVX512 static inline __attribute__((always_inline)) void scores8_avx512(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
+    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int prefetch,
+    float *out) {
+    const __mmask8 m8 = (__mmask8)((1u << nt) - 1);
+    __m256 a0[TILE_G], a1[TILE_G];
+    for (int g = 0; g < gt; g++) a0[g] = a1[g] = _mm256_setzero_ps();
+    if (prefetch) scores8_loop(enc, q, dk + no, dk, kb, kline, kn, knline, m8, gt, 1, a0, a1);
+    else scores8_loop(enc, q, dk + no, dk, kb, kline, kn, knline, m8, gt, 0, a0, a1);
+    __m512 acc[TILE_G][4];
+    __mmask16 mask[4] = {lanes16(nt, 0), 0, 0, 0};
+    for (int g = 0; g < gt; g++) {
+        acc[g][0] = _mm512_zextps256_ps512(_mm256_add_ps(a0[g], a1[g]));
+        acc[g][1] = acc[g][2] = acc[g][3] = _mm512_setzero_ps();
+    }
+    scores_int8_finish(enc, acc, mask, q, dk, no, kob, c, ks, gt, out);
+}
+
 /* Scores, online softmax and the weighted sum of the values for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
@@ -99,13 +191,17 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
     const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
-    if (nt <= 16)
+    if (nt <= 8)
+        scores8_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, pf, p);
+    else if (nt <= 16)
         scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 1, pf, p);
     else
         scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 4, pf, p);
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
-    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf);
+    /* a dense head's only block: its rows finished here (st->out) */
+    void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL;
+    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
 }
 
 
@@ -138,37 +234,38 @@ AVX512 GQA_INTERNAL void block_avx512_int8(const gqa_cache_t *cc, const float *q
     block_avx512_enc(ENC_INT8, cc, qf, h, phys, nt, st);
 }
 
-/* n float16/bfloat16 elements (enc) to float32 times scale: load_elem(enc, src, i) * scale,
+/* n elements of encoding enc (float32, float16 or bfloat16) to float32 times scale: load_elem(enc, src, i) * scale,
  * 16 lanes at a time. */
-AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const uint16_t *src, float *dst, int64_t n, float scale) {
+AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const void *src, float *dst, int64_t n, float scale) {
     const __m512 s = _mm512_set1_ps(scale);
+    const int64_t el = enc_size(enc);
     for (int64_t x = 0; x < n; x += 16) {
         const __mmask16 m = lanes16(n - x, 0);
-        _mm512_mask_storeu_ps(dst + x, m, _mm512_mul_ps(widen16(enc, src + x, m), s));
+        _mm512_mask_storeu_ps(dst + x, m, _mm512_mul_ps(widen16(enc, (const char *)src + x * el, m), s));
     }
 }
 
-/* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem: round to nearest
- * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign. */
+/* n float32 elements to float16/bfloat16 (enc), as narrow16. */
 AVX512 GQA_INTERNAL void narrow_row_avx512(const int enc, const float *src, uint16_t *dst, int64_t n) {
-    const __m512i one = _mm512_set1_epi32(1), round = _mm512_set1_epi32(0x7FFF);
     for (int64_t x = 0; x < n; x += 16) {
         const __mmask16 m = lanes16(n - x, 0);
-        const __m512 v = _mm512_maskz_loadu_ps(m, src + x);
-        const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
-        const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        __m256i h;
-        if (enc == ENC_F16) {
-            const __m512i qnan = _mm512_or_si512(_mm512_and_si512(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7E00));
-            h = _mm256_mask_mov_epi16(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nan,
-                                      _mm512_cvtepi32_epi16(qnan));
-        } else {
-            const __m512i lsb = _mm512_and_si512(high, one);
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(round, lsb)), 16);
-            r = _mm512_mask_or_epi32(r, nan, high, _mm512_set1_epi32(0x40));
-            h = _mm512_cvtepi32_epi16(r);
+        _mm256_mask_storeu_epi16(dst + x, m, narrow16(enc, _mm512_maskz_loadu_ps(m, src + x)));
+    }
+}
+
+/* A one-split head's gn output rows from its accumulators in one pass: each element
+ * (0 + acc) x (1 / l[g]) (0 x inf, a NaN row, where l[g] = 0), stored in encoding enc at out:
+ * attend.c's finish_head and store_row, the same bits, without a second pass over the rows. */
+AVX512 GQA_INTERNAL void finish_rows_avx512(const int enc, const float *acc, const float *l, int64_t gn, int64_t d,
+                                          void *out) {
+    for (int64_t g = 0; g < gn; g++) {
+        const __m512 vinv = _mm512_set1_ps(1.0f / l[g]);
+        const int empty = l[g] == 0.0f;
+        char *row = (char *)out + g * d * enc_size(enc);
+        for (int64_t x = 0; x < d; x += 16) {
+            const __mmask16 m = lanes16(d - x, 0);
+            store_finished16(enc, row, x, m, _mm512_maskz_loadu_ps(m, acc + g * d + x), vinv, empty);
         }
-        _mm256_mask_storeu_epi16(dst + x, m, h);
     }
 }
 #endif /* GQA_X86_64 */

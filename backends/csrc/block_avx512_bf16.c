@@ -89,7 +89,8 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     }
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
-    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf);
+    void *out = st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL; /* as tile_avx512 */
+    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
 }
 
 AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(

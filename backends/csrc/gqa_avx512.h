@@ -47,17 +47,52 @@ AVX512 static inline __attribute__((always_inline)) __m512 widen16(const int enc
     }
 }
 
+/* 16 float32 lanes to float16/bfloat16 (enc), bit for bit as store_elem: round to nearest
+ * even; a NaN becomes float_to_half's or float_to_bf16's quiet NaN of the same sign. */
+AVX512 static inline __attribute__((always_inline)) __m256i narrow16(const int enc, __m512 v) {
+    const __m512i bits = _mm512_castps_si512(v), high = _mm512_srli_epi32(bits, 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    if (enc == ENC_F16) {
+        const __m512i qnan = _mm512_or_si512(_mm512_and_si512(high, _mm512_set1_epi32(0x8000)), _mm512_set1_epi32(0x7E00));
+        return _mm256_mask_mov_epi16(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), nan,
+                                     _mm512_cvtepi32_epi16(qnan));
+    }
+    /* rounded in the high halves, which one word permutation gathers: a narrowing store
+     * (vpmovdw to memory) costs several times a plain one here */
+    const __m512i lsb = _mm512_and_si512(high, _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+    r = _mm512_mask_or_epi32(r, nan, bits, _mm512_set1_epi32(0x400000));
+    const __m512i odd = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                         25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi16(odd, r));
+}
+
+/* 16 lanes of a one-split head's output row, finished as attend.c's finish_head does it:
+ * (0 + acc) x inv, or 0 x inv (a NaN row) where the head's sum l is 0 (`empty`); stored from
+ * element x of `row` on, in encoding enc, under mask m. */
+AVX512 static inline __attribute__((always_inline)) void store_finished16(const int enc, void *row, int64_t x,
+                                                                          __mmask16 m, __m512 acc, __m512 vinv,
+                                                                          int empty) {
+    const __m512 zero = _mm512_setzero_ps();
+    const __m512 f = _mm512_mul_ps(empty ? zero : _mm512_add_ps(zero, acc), vinv);
+    if (enc == ENC_F32) _mm512_mask_storeu_ps((float *)row + x, m, f);
+    else _mm256_mask_storeu_epi16((uint16_t *)row + x, m, narrow16(enc, f));
+}
+
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)
  * registers of 16 channels per query head, gt x nv at most 16, all constants after inlining so
  * the accumulators stay in registers. The first pass over a block also prefetches the rows of
- * a later block. */
+ * a later block. out (or NULL): the block is its heads' only one (st->out, a dense cache): the
+ * sums start at 0 in registers (acc_mem is not read) and end as the heads' output rows (gt rows
+ * of d in the stream's dtype from out), finished as finish_rows_avx512 does: the same bits,
+ * without clearing, storing and reading the accumulators again. */
 AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
-    const int nv, const int prefetch) {
+    const int nv, const int prefetch, void *out, const float *l) {
     const int64_t el = enc_size(enc);
     __m512 acc[TILE_G][8];
     for (int g = 0; g < gt; g++)
-        for (int i = 0; i < nv; i++) acc[g][i] = _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
+        for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
         if (j0 == 0 && prefetch) {
@@ -70,11 +105,21 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
             for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
         }
     }
+    if (out) { /* the heads' only block: their output rows, finished in registers */
+        for (int g = 0; g < gt; g++) {
+            const __m512 vinv = _mm512_set1_ps(1.0f / l[g]);
+            const int empty = l[g] == 0.0f;
+            char *row = (char *)out + g * d * enc_size(enc);
+            for (int i = 0; i < nv; i++) store_finished16(enc, row, j0 + 16 * i, 0xFFFF, acc[g][i], vinv, empty);
+        }
+        return;
+    }
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_mem + g * d + j0 + 16 * i, acc[g][i]);
 }
 
-/* A block's weighted value sum for `gt` query heads (acc: gt x d, p: gt x TILE_T). For d = 128
+/* A block's weighted value sum for `gt` query heads (acc: gt x d, p: gt x TILE_T; out and l:
+ * pv_avx512's, the output rows of the tile and its heads' sums). For d = 128
  * (the common head width) the query heads go two at a time over whole rows: each pass reads the
  * block's rows in order, where four heads at a time fit only half a row's 8 registers each and
  * read every row in two strided halves (docs/design.md, "The value sum over whole rows": 9-14%
@@ -82,16 +127,20 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
  * the same order either way. Only the first pass prefetches the later block's rows. */
 AVX512 static inline __attribute__((always_inline)) void pv_block_avx512(
     const int enc, float *acc_mem, int64_t d, const char *vb, const float *p, int64_t nt, const int gt,
-    const int prefetch) {
+    const int prefetch, void *out, const float *l) {
     if (d == 128) {
         int g = 0;
-        for (; g + 2 <= gt; g += 2) pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, prefetch && g == 0);
-        if (g < gt) pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 1, 8, prefetch && g == 0);
+        for (; g + 2 <= gt; g += 2)
+            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, prefetch && g == 0,
+                      out ? (char *)out + g * d * enc_size(enc) : NULL, l + g);
+        if (g < gt)
+            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 1, 8, prefetch && g == 0,
+                      out ? (char *)out + g * d * enc_size(enc) : NULL, l + g);
         return;
     }
     int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 4, prefetch);
-    for (; j0 < d; j0 += 16) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 1, prefetch);
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 4, prefetch, out, l);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 1, prefetch, out, l);
 }
 
 /* The shared online-softmax update of one block for `gt` query heads: p[g][t] holds the scores
@@ -110,10 +159,12 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
         const float bmax = _mm512_reduce_max_ps(mx);
         float *m = ms + g, *l = ls + g, *acc = accs + g * d;
         if (bmax > *m) {
-            const float alpha = expf(*m - bmax);
-            *l *= alpha;
-            const __m512 a = _mm512_set1_ps(alpha);
-            for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(a, _mm512_loadu_ps(acc + j)));
+            if (*l != 0.0f) { /* l == 0: no block summed yet, acc all +0 (or not kept: st->out), as alpha leaves it */
+                const float alpha = expf(*m - bmax);
+                *l *= alpha;
+                const __m512 a = _mm512_set1_ps(alpha);
+                for (int64_t j = 0; j < d; j += 16) _mm512_storeu_ps(acc + j, _mm512_mul_ps(a, _mm512_loadu_ps(acc + j)));
+            }
             *m = bmax;
         }
         const __m512 mm = _mm512_set1_ps(*m);

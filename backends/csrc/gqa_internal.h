@@ -60,11 +60,12 @@
  * side), as does a smaller call.
  *
  * The step (gqa_run with write_row >= 0): the new key and value are written into their ring
- * row, what they overwrite saved in `saved` (dense: by the work item that reads that row, per
- * KV head; int8: before the attention, keys put in the stored channel order and quantized, the
- * outlier channels as float16, values Hadamard-rotated (FLAG_ROTATE) and quantized as
- * quant.quantize_int8 does); a failure after the write restores it, so a failed step leaves the
- * cache byte-identical. The output is written in the stream dtype (int8: rotated back first).
+ * row (dense: by the work item that reads that row, per KV head; int8: before the attention,
+ * keys put in the stored channel order and quantized, the outlier channels as float16, values
+ * Hadamard-rotated (FLAG_ROTATE) and quantized as quant.quantize_int8 does). Every check and
+ * allocation comes before the write, so a refused step leaves the cache byte-identical and
+ * nothing fails after it (a test build keeps the overwritten bytes in `saved` for its injected
+ * failure, write.c). The output is written in the stream dtype (int8: rotated back first).
  *
  * The files (one job each; native_build.py compiles them all into one shared library):
  *
@@ -170,8 +171,9 @@ typedef struct {
                                    in model order with `order` given */
     const int64_t *order;       /* int8: (N, D) the stored key order (coded, then outliers); or NULL */
     const void *new_k, *new_v;  /* (N, D) in io (= enc): the step's token */
-    void *saved;                /* the overwritten row: dense 2 * N * D elements of enc; int8
-                                   N * (dk + 2 no + D + 2 * scale bytes) bytes */
+    void *saved;                /* a test build's copy of the overwritten row (write.c): dense
+                                   2 * N * D elements of enc; int8 N * (dk + 2 no + D + 2 * scale
+                                   bytes) bytes */
     void *out;                  /* (N, G, D) in io */
     /* The cache's state for gqa_step, which plans each step from it (the C twin of
      * backends/policy.py): the policy (POLICY_*, its window and sinks; its capacity is c), the
@@ -370,8 +372,10 @@ AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, in
 AVX512 GQA_INTERNAL void block_avx512_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
-AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
+AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const void *src, float *dst, int64_t n, float scale);
 AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *dst, int64_t n);
+AVX512 GQA_INTERNAL void finish_rows_avx512(int enc, const float *acc, const float *l, int64_t gn, int64_t d,
+                                          void *out);
 #endif
 
 /* isa.c */
@@ -385,6 +389,7 @@ typedef void (*task_fn)(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
 int gqa_threads(void);
 void gqa_prewake(const gqa_cache_t *cc);
+void gqa_prewake_heads(int64_t heads);
 int gqa_may_use_pool(const gqa_cache_t *cc);
 
 /* arena.c: the calling thread's memory, kept between its calls */

@@ -259,6 +259,13 @@ void gqa_prewake(const gqa_cache_t *cc) {
     if (cache_work(cc->n, attended) >= PARALLEL_MIN_WORK) pool_prewake();
 }
 
+/* A hint before a step of many caches (a plane message: `heads` cache heads in all, each
+ * attending at least one position): the workers alerted when even that least work shares the
+ * call. The lengths are not added up; a message of a few long caches goes unalerted. */
+void gqa_prewake_heads(int64_t heads) {
+    if (gqa_threads() >= 2 && cache_work(heads, 1) >= PARALLEL_MIN_WORK) pool_prewake();
+}
+
 /* Whether a step of cache cc can ever run on more than one thread (all its capacity attended):
  * one that cannot never needs gqa_prewake (native_step.py asks once per cache). */
 int gqa_may_use_pool(const gqa_cache_t *cc) { return cc && cache_work(cc->n, cc->c) >= PARALLEL_MIN_WORK; }

@@ -1,13 +1,26 @@
 /*
- * The step's write: the new token's key and value into ring row write_row, what they
- * overwrite saved in `saved` first, so that a failure puts it back (restore) and a failed step
- * leaves the cache byte-identical. Dense caches per KV head (by the work item that reads the
- * row, or before the items when the row is not attended); int8 caches whole, before their
- * attention (by the cache's work item when its heads are one, else before the items).
+ * The step's write: the new token's key and value into ring row write_row. Dense caches per KV
+ * head (by the work item that reads the row, or before the items when the row is not
+ * attended); int8 caches whole, before their attention (by the cache's work item when its
+ * heads are one, else before the items).
+ *
+ * A step is atomic because nothing can fail once its write has begun: every check, every
+ * allocation and int8's quantization come first (run.c, int8_write), and a cache refused there
+ * is not written at all. So the bytes a write overwrites are kept (in `saved`, for `restore` to
+ * put back) only where a failure after the write exists: a test build's injected one
+ * (test_hooks.c), which checks that such a failure would leave the cache byte-identical. The
+ * production library keeps nothing: the copy cost 6-11% of a hot step of 16 short caches
+ * (docs/design.md, "Short blocks").
  */
 #include <float.h>
 
 #include "gqa_internal.h"
+
+#ifdef GQA_TEST_HOOKS
+#define KEEP_OVERWRITTEN 1
+#else
+#define KEEP_OVERWRITTEN 0
+#endif
 
 /* Whether the n elements at p (encoding enc) are finite and within +-limit. */
 static int within(int enc, const void *p, int64_t n, float limit) {
@@ -40,6 +53,7 @@ static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
 }
 
 GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    if (!KEEP_OVERWRITTEN) return;
     const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
     const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
     for (int64_t h = 0; h < n; h++) {
@@ -72,8 +86,8 @@ GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
     }
 }
 
-/* int8: the step's write (the old bytes to saved first). buf: 2 N D floats and 2 N D + 2 N
- * bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
+/* int8: the step's write (the old bytes to saved first in a test build). buf: 2 N D floats and
+ * 2 N D + 2 N bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
  * values rotated (FLAG_ROTATE) and quantized. Nothing written when it fails: -EDOM for a
  * value int8_values_ok refuses (checked here, by whichever thread writes the row), -ERANGE
  * if a scale overflows. */
@@ -128,7 +142,8 @@ GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
 }
 
 /* A key column's `words` words of `word` bytes (a line's P channels of one position), one per
- * line, `line` bytes apart, swapped with sv (the old bytes out, src's in; restore: sv's back).
+ * line, `line` bytes apart, written from src (the old bytes to sv first in a test build;
+ * restore: sv's back).
  * word is a constant after inlining: one load and one store per line, no division. */
 static inline __attribute__((always_inline)) void swap_words(char *kk, char *sv, const char *src, int64_t words,
                                                              int64_t line, const int64_t word, int restore) {
@@ -137,14 +152,14 @@ static inline __attribute__((always_inline)) void swap_words(char *kk, char *sv,
         if (restore) {
             memcpy(cell, sv + l * word, (size_t)word);
         } else {
-            memcpy(sv + l * word, cell, (size_t)word);
+            if (KEEP_OVERWRITTEN) memcpy(sv + l * word, cell, (size_t)word);
             memcpy(cell, src + l * word, (size_t)word);
         }
     }
 }
 
 /* The step's write for KV head h: its key column and value row of ring row `write_row`, the
- * old bytes to saved (or back, restore). */
+ * old bytes to saved in a test build (or back, restore). */
 GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     const int64_t el = enc_size(cc->enc), n = cc->n, d = cc->d, row = cc->write_row;
     char *saved = cc->saved;
@@ -161,12 +176,13 @@ GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore) {
     if (restore) {
         memcpy(cell, keep, (size_t)(d * el));
     } else {
-        memcpy(keep, cell, (size_t)(d * el));
+        if (KEEP_OVERWRITTEN) memcpy(keep, cell, (size_t)(d * el));
         memcpy(cell, (const char *)cc->new_v + h * d * el, (size_t)(d * el));
     }
 }
 
-/* The step's write: key column and value row of ring row `write_row`, the old bytes to saved. */
+/* The step's write: key column and value row of ring row `write_row` (the old bytes to saved in
+ * a test build). */
 GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore) {
     for (int64_t h = 0; h < cc->n; h++) write_head(cc, h, restore);
 }

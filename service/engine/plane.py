@@ -210,6 +210,11 @@ class SequenceSet:
         self._planned = (None, None)  # its slots were found in the old index
 
     # -- a step message --------------------------------------------------------------------------
+    def expect(self, n: int) -> None:
+        """A step message of ``n`` rows has arrived: the kernel's workers alerted before its
+        checks and plan, when its step will share them (``CacheSet.expect``)."""
+        self.caches.expect(n)
+
     def plan(self, layer: int, ids: np.ndarray, query, new_key, new_value) -> StepPlan:
         """The message's rows as slots, on the event loop. ``ids`` uint64 (n,); the tensors'
         bytes are the caller's, checked against (n, heads, D) in the set's dtype. A layer out of

@@ -355,6 +355,7 @@ class Session:
         if not isinstance(ids, np.ndarray):
             ids = np.array(ids, dtype=np.uint64)
         n = len(ids)
+        self.sequences.expect(n)
         try:
             q, k, v = request.query, request.new_key, request.new_value
             q_data, k_data, v_data = q.data, k.data, v.data  # the runtime copies bytes per access
