@@ -399,12 +399,33 @@ def _runtime_ns(tid: int) -> int:
         return int(f.read().split()[0])
 
 
-@pytest.mark.skipif(
+_NEEDS_SCHEDSTAT = pytest.mark.skipif(
     not hasattr(os, "sched_getaffinity")
     or len(os.sched_getaffinity(0)) < 2
     or not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
     reason="needs two CPUs and per-thread schedstat",
 )
+
+
+def _the_worker() -> int:
+    """The pool's one worker (a pool of two, started): the thread pinned alone to a CPU."""
+    workers = list(_threads_on_one_cpu())
+    if len(workers) != 1:
+        pytest.skip(f"the pool's worker was not found pinned ({len(workers)} pinned threads)")
+    return workers[0]
+
+
+def _alerted_cpu_ns(worker: int, alert) -> int:
+    """CPU time the sleeping worker runs after ``alert()`` with no call following: an alerted
+    worker waits for the call awake, up to pool.c's PREWAKE_SPIN_NS (0.3 ms), then sleeps."""
+    time.sleep(0.01)  # the worker back asleep
+    before = _runtime_ns(worker)
+    alert()
+    time.sleep(0.05)
+    return _runtime_ns(worker) - before
+
+
+@_NEEDS_SCHEDSTAT
 def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     """gqa_prewake, which the public step calls before its checks: for a cache whose next step
     will run on two threads, the sleeping worker is woken and waits for the call awake (CPU time
@@ -417,17 +438,10 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     small = DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.none(16)), "native")
     small.prefill(*(torch.randn(1, 8, 2, 64, generator=gen) for _ in range(2)))
     big.step(*(torch.randn(1, h, 64, generator=gen) for h in (32, 8, 8)))  # the pool started
-    workers = list(_threads_on_one_cpu())
-    if len(workers) != 1:
-        pytest.skip(f"the pool's worker was not found pinned ({len(workers)} pinned threads)")
-    (worker,) = workers
+    worker = _the_worker()
 
     def alerted_cpu_ns(cache) -> int:
-        time.sleep(0.01)  # the worker back asleep
-        before = _runtime_ns(worker)
-        KERNEL.prewake(ctypes.addressof(cache._state))
-        time.sleep(0.05)  # it waits up to pool.c's PREWAKE_SPIN_NS (0.3 ms), then sleeps
-        return _runtime_ns(worker) - before
+        return _alerted_cpu_ns(worker, lambda: KERNEL.prewake(ctypes.addressof(cache._state)))
 
     assert alerted_cpu_ns(small) < 20_000
     assert alerted_cpu_ns(big) > 50_000
@@ -436,12 +450,7 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     assert small._wake is None and big._wake is not None
 
 
-@pytest.mark.skipif(
-    not hasattr(os, "sched_getaffinity")
-    or len(os.sched_getaffinity(0)) < 2
-    or not os.path.exists(f"/proc/self/task/{os.getpid()}/schedstat"),
-    reason="needs two CPUs and per-thread schedstat",
-)
+@_NEEDS_SCHEDSTAT
 def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
     """``CacheSet.expect(n)``, which a Batch session calls when a step message arrives: a step of
     64 caches (64 x 8 heads, each at least one position: pool work) wakes the sleeping worker,
@@ -455,21 +464,10 @@ def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
         plane.add([cache])
     rows = (torch.randn(64, h, 64, generator=gen) for h in (32, 8, 8))
     plane.step(0, np.arange(64, dtype=np.int64), *rows, torch.empty(64, 32, 64))  # the pool started
-    workers = list(_threads_on_one_cpu())
-    if len(workers) != 1:
-        pytest.skip(f"the pool's worker was not found pinned ({len(workers)} pinned threads)")
-    (worker,) = workers
-
-    def alerted_cpu_ns(expect) -> int:
-        time.sleep(0.01)  # the worker back asleep
-        before = _runtime_ns(worker)
-        expect()
-        time.sleep(0.05)  # it waits up to pool.c's PREWAKE_SPIN_NS (0.3 ms), then sleeps
-        return _runtime_ns(worker) - before
-
-    assert alerted_cpu_ns(lambda: plane.expect(1)) < 20_000
-    assert alerted_cpu_ns(lambda: plane.expect(64)) > 50_000
-    assert alerted_cpu_ns(lambda: CacheSet(1).expect(64)) < 20_000
+    worker = _the_worker()
+    assert _alerted_cpu_ns(worker, lambda: plane.expect(1)) < 20_000
+    assert _alerted_cpu_ns(worker, lambda: plane.expect(64)) > 50_000
+    assert _alerted_cpu_ns(worker, lambda: CacheSet(1).expect(64)) < 20_000
 
 
 def test_set_threads_sizes_the_pool(pool_size):
