@@ -9,9 +9,9 @@ row-major ``q @ K^T``) and 16-bit keys as rows. Appending writes one key column 
 row; eviction writes nothing.
 
 Kernels (``kernel=``): "native" (the default where the library builds and loads) computes the
-whole step in one call: the new token written into its ring row (the overwritten bytes saved
-so a failure restores them), the attention over the resident runs without copying them, the
-output written in the stream dtype, the GIL released. "native-portable" / "native-avx2" /
+whole step in one call: the new token written into its ring row (after every check, so
+nothing can fail once it is written), the attention over the resident runs without copying
+them, the output written in the stream dtype, the GIL released. "native-portable" / "native-avx2" /
 "native-avx512" / "native-avx512dot" pick one implementation (tests). "torch" is the fallback where no compiler
 exists: float32 through ``attention.attend`` (GEMMs), bfloat16/float16 through torch's fused
 CPU kernel, which needs keys as rows (B, Hkv, C, D), so those caches keep their keys as rows

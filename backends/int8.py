@@ -32,8 +32,9 @@ The step. During calibration (fewer than ``CALIBRATION_TOKENS`` keys seen, with 
 channels) the step runs in Python. After it, with a "native" kernel, the whole step is one
 native call (``gqa_step``): the new key reordered and quantized, its outlier channels in
 float16, the value rotated and quantized (the same codes as ``quant.quantize_int8``, bit for
-bit), the codes written into the ring with the overwritten bytes saved (restored on failure),
-the attention, and the output rotated back in the stream dtype.
+bit), the codes written into the ring (after every check and the quantization, so nothing
+can fail once they are written), the attention, and the output rotated back in the stream
+dtype.
 
 Attention never dequantizes the cache. The key scales are folded into the scores and the value
 scales into the attention weights, and both products run on the codes::

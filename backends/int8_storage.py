@@ -78,7 +78,8 @@ def int8_nbytes(
 
 def fixed_bytes(d: int, o: int, scale: int) -> int:
     """Per KV head, beside the positions: the calibration rows of the first keys (while they
-    are needed), the key channel order (int64) and the step's saved row (a position's bytes)."""
+    are needed), the key channel order (int64) and the step's saved row (a position's bytes:
+    a test build's copy of what the write overwrites, csrc/write.c)."""
     return calibration_bytes(d, o) + 8 * d + position_bytes(d, o, scale)
 
 
