@@ -40,7 +40,7 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
         return;
     }
 #if GQA_X86_64
-    if (!cc->order && wide) {
+    if (!cc->order && wide == ISA_AVX2) { /* float16 / bfloat16 (AVX-512 took every encoding above) */
         const uint16_t *q = (const uint16_t *)cc->q + h * G * d;
         widen_row_avx2(cc->io, q, qf, G * d, cc->qscale);
         return;
