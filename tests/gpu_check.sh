@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check (`make gpu-check`, or `bash tests/gpu_check.sh` where nothing can be installed):
-# the `gpu`-marked tests, then the CUDA kernel benchmark (tests/bench/gpu_bench.py). Logs, the
+# the `gpu`-marked tests, then the CUDA kernel benchmark (tests/bench/gpu_bench.py), then where a
+# step's time goes, device against host (tests/bench/gpu_overhead.py, reported only). Logs, the
 # tests' JUnit XML and the benchmark's JSON go to $OUT if set, else to bench-results/.
 # Python: $PYTHON if set, else the first of .venv/bin/python and python3 whose torch sees a GPU.
 # Budget: the tests stop after GPU_TEST_TIMEOUT s (default 240), the benchmark after
-# GPU_BENCH_TIMEOUT s (default 240), so the whole check ends well inside 8 minutes.
+# GPU_BENCH_TIMEOUT s (default 240), the overhead probe after GPU_OVERHEAD_TIMEOUT s (default 90),
+# so the whole check ends inside 10 minutes.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -49,6 +51,9 @@ tests_rc=${PIPESTATUS[0]}
 echo "== gpu bench =="
 timeout "${GPU_BENCH_TIMEOUT:-240}" "$py" -m tests.bench.gpu_bench 2>&1 | tee "$out/gpu-bench.log"
 bench_rc=${PIPESTATUS[0]}
+
+echo "== gpu overhead (device time against host time per call) =="
+timeout "${GPU_OVERHEAD_TIMEOUT:-90}" "$py" -m tests.bench.gpu_overhead 2>&1 | tee "$out/gpu-overhead.log"
 
 echo "gpu-check: tests exit $tests_rc, bench exit $bench_rc (1 = a target missed), $(( $(date +%s) - start )) s; files in $out"
 [ "$tests_rc" -eq 0 ] && [ "$bench_rc" -eq 0 ]

@@ -23,7 +23,7 @@ import torch
 
 from service.api import gqa_pb2, gqa_pb2_grpc
 from service.engine.tensors import to_proto
-from service.vocab import POLICY_ENUMS
+from service.vocab import POLICY_ENUMS, TORCH_TO_DTYPE
 
 
 def _ephemeral_floor() -> int:
@@ -148,12 +148,18 @@ class StreamResult:
 
 
 def open_request(
-    policy: str = "strict", window: int = 8, shape: Shape = Shape(), *, capacity: int = 0, sinks: int = 0
+    policy: str = "strict",
+    window: int = 8,
+    shape: Shape = Shape(),
+    *,
+    capacity: int = 0,
+    sinks: int = 0,
+    dtype: torch.dtype = torch.float32,
 ) -> gqa_pb2.DecodeRequest:
     return gqa_pb2.DecodeRequest(
         request_id=0,
         open=gqa_pb2.OpenStream(
-            dtype=gqa_pb2.DTYPE_FLOAT32,
+            dtype=TORCH_TO_DTYPE[dtype],
             batch_size=1,
             num_query_heads=shape.heads,
             num_kv_heads=shape.kv_heads,
@@ -167,8 +173,11 @@ def open_request(
     )
 
 
-def step_requests(shape: Shape, count: int, *, seed: int = 0) -> list[gqa_pb2.DecodeRequest]:
-    """``count`` valid steps, built ahead so the client spends no time making tensors."""
+def step_requests(
+    shape: Shape, count: int, *, seed: int = 0, dtype: torch.dtype = torch.float32
+) -> list[gqa_pb2.DecodeRequest]:
+    """``count`` valid steps of ``dtype`` (the stream's), built ahead so the client spends no time
+    making tensors."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for i in range(count):
@@ -177,9 +186,9 @@ def step_requests(shape: Shape, count: int, *, seed: int = 0) -> list[gqa_pb2.De
                 request_id=i + 1,
                 step=gqa_pb2.Step(
                     layer=i % shape.layers,
-                    query=to_proto(torch.randn(1, shape.heads, shape.head_dim, generator=g)),
-                    new_key=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
-                    new_value=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g)),
+                    query=to_proto(torch.randn(1, shape.heads, shape.head_dim, generator=g).to(dtype)),
+                    new_key=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g).to(dtype)),
+                    new_value=to_proto(torch.randn(1, shape.kv_heads, shape.head_dim, generator=g).to(dtype)),
                 ),
             )
         )

@@ -402,9 +402,9 @@ def test_cuda_memory_gauges_follow_a_cuda_stream(server):
 
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    request = open_request("strict", WINDOW, SHAPE)
+    request = open_request("strict", WINDOW, SHAPE, dtype=torch.float16)  # the CUDA backend's dtypes: half
     request.open.backend = "cuda"
-    seen = run_stream(server.address, request, step_requests(SHAPE, 5))
+    seen = run_stream(server.address, request, step_requests(SHAPE, 5, dtype=torch.float16))
     assert seen.code == grpc.StatusCode.OK and seen.ok_steps == 5
     assert torch.cuda.is_initialized()
     fams = _families(server)
