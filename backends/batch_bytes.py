@@ -192,6 +192,8 @@ def _step_generic(s: ByteStep, out: np.ndarray, at: int, row: list, refused: dic
     q = torch.frombuffer(s.data, dtype=dtype, count=b * hq * d, offset=s.q_at).view(b, hq, d)
     k = torch.frombuffer(s.data, dtype=dtype, count=b * hkv * d, offset=s.k_at).view(b, hkv, d)
     v = torch.frombuffer(s.data, dtype=dtype, count=b * hkv * d, offset=s.v_at).view(b, hkv, d)
+    if spec.device != "cpu":  # a cache off the CPU (cuda) takes its step's tensors where it lives
+        q, k, v = q.to(spec.device), k.to(spec.device), v.to(spec.device)
     (o,) = _step_many([BatchStep(s.cache, q, k, v)])
     if not isinstance(o, StepOutcome):
         refused[i] = o

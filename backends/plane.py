@@ -63,6 +63,7 @@ class CacheSet:
         self._addrs = np.zeros((num_layers, 0), dtype=np.uint64)
         self._kernel = None  # the library of the set's native caches
         self._shape = None  # (Hq, Hkv, D, dtype) of the first cache added
+        self._device = "cpu"  # its device type: the step's tensors live there
         # the native call's arguments, kept from call to call (a step allocates only the copy of
         # its fields it returns and no object the garbage collector tracks but that result): the
         # rows' descriptor addresses, statuses and fields (grown to the largest n), the four
@@ -88,13 +89,16 @@ class CacheSet:
             shape = (s.num_query_heads, s.num_kv_heads, s.head_dim, s.dtype)
             if s.batch_size != 1:
                 raise ValueError(f"add: batch_size {s.batch_size}; a set's sequences have batch size 1")
+            device = torch.device(s.device).type
             if self._shape is None:
-                self._shape = shape
+                self._shape, self._device = shape, device
                 row = s.head_dim * s.dtype.itemsize
                 self._stride[:] = (s.num_query_heads * row, s.num_kv_heads * row, s.num_kv_heads * row,
                                    s.num_query_heads * row)  # fmt: skip
             elif shape != self._shape:
                 raise ValueError(f"add: a cache of shape {shape}, the set's is {self._shape}")
+            elif device != self._device:
+                raise ValueError(f"add: a cache on {device}, the set's caches are on {self._device}")
             kernel = cache._native if cache._state is not None else None
             if kernel is not None:
                 if self._kernel is None:
@@ -149,7 +153,8 @@ class CacheSet:
     ) -> StepBatch:
         """One step of layer ``layer`` for the sequences at ``slots`` (int64 (n,), distinct, live:
         the caller checked). query (n, Hq, D), new_key and new_value (n, Hkv, D), out (n, Hq, D):
-        contiguous CPU tensors of the set's dtype (``ValueError`` otherwise, nothing written).
+        contiguous tensors of the set's dtype on its caches' device (``ValueError`` otherwise,
+        nothing written).
         Row i's step is bit-identical to ``caches(slots[i])[layer].step(query[i:i+1], ...)``;
         its output goes to ``out[i]``."""
         self._check(query, new_key, new_value, out, len(slots))
@@ -283,12 +288,13 @@ class CacheSet:
                 type(t) is not torch.Tensor
                 or t.shape != (n, heads, d)
                 or t.dtype is not dtype
-                or not t.is_cpu
+                or t.device.type != self._device
                 or not t.is_contiguous()
             ):
+                got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise InputValueError(
-                    f"{name}: expected a contiguous CPU tensor ({n}, {heads}, {d}) of {str(dtype)[6:]}, "
-                    f"got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}"
+                    f"{name}: expected a contiguous {self._device} tensor ({n}, {heads}, {d}) of {str(dtype)[6:]}, "
+                    f"got {got}"
                 )
 
 

@@ -292,6 +292,50 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
     batch.close()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (run by `make gpu-check`)")
+def test_cuda_sequences_match_decode_streams_and_the_oracle(channel):
+    """The cuda backend behind both front ends: the request's tensors arrive on the CPU and the
+    server moves them to the caches' device; a Batch session's rows and the same sequences' Decode
+    streams give the same bits, within the oracle's float16 tolerance."""
+    d, dtype = 16, torch.float16  # the Triton kernel's smallest tile width
+    g = torch.Generator().manual_seed(12)
+    batch = session(channel, dtype, head_dim=d, backend="cuda")
+    decode: dict[int, Session] = {}
+    history: dict[int, tuple[list, list]] = {}  # layer 0's keys, values per position
+    for sid, (policy, lengths) in SEQUENCES.items():
+        pre = {layer: (rand(g, 1, HKV, n, d, dtype=dtype), rand(g, 1, HKV, n, d, dtype=dtype)) for layer, n in
+               enumerate(lengths) if n}  # fmt: skip
+        batch.add(sid, prefill=pre, **policy)
+        message = open_message(hq=HQ, hkv=HKV, d=d, layers=LAYERS, dtype=dtype, backend="cuda", prefill=pre, **policy)
+        decode[sid] = Session(channel, message)
+        k, v = pre.get(0, (torch.empty(1, HKV, 0, d), torch.empty(1, HKV, 0, d)))
+        history[sid] = ([k[:, :, i] for i in range(k.shape[2])], [v[:, :, i] for i in range(v.shape[2])])
+    ids = list(SEQUENCES)
+    for step in range(6):
+        q, k, v = (rand(g, len(ids), h, d, dtype=dtype) for h in (HQ, HKV, HKV))
+        result = batch.step(0, ids, q, k, v)
+        assert not result.refusals, result.refusals
+        for i, sid in enumerate(ids):
+            reply = decode[sid].step(0, q[i : i + 1], k[i : i + 1], v[i : i + 1])
+            assert reply.step.status.code == 0, reply.step.status.message
+            assert torch.equal(result.output[i : i + 1], decode[sid].output(reply)), (step, sid)
+            keys, values = history[sid]
+            keys.append(k[i : i + 1])
+            values.append(v[i : i + 1])
+            policy = SEQUENCES[sid][0]
+            positions = attended_positions(
+                policy["policy"], len(keys), policy.get("window", 0), policy.get("sink_tokens", 0)
+            )
+            kk = torch.stack([keys[p] for p in positions], dim=2)
+            vv = torch.stack([values[p] for p in positions], dim=2)
+            oracle = attention_ref(q[i : i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+            assert_close_to_oracle(result.output[i : i + 1], oracle, dtype, f"step {step} sequence {sid}")
+    for stream in decode.values():
+        stream.close()
+    batch.close()
+
+
 def test_step_messages_feed_the_observer_and_the_open_count(channel, server):
     RECORDER.messages.clear()
     g = torch.Generator().manual_seed(4)

@@ -350,6 +350,20 @@ def test_cacheset_refuses_tensors_of_another_shape():
     assert cset.caches(0)[0].tokens_seen == 0
 
 
+def test_cacheset_refuses_tensors_off_its_caches_device():
+    """A set's step tensors live on its caches' device (the service moves a request's tensors
+    there first): a tensor elsewhere is refused by name and device, nothing written."""
+    cset = CacheSet(1)
+    cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4))])
+    tensors = [torch.zeros(1, h, D) for h in (HQ, HKV, HKV, HQ)]
+    for i, name in enumerate(("query", "new_key", "new_value", "out")):
+        moved = list(tensors)
+        moved[i] = torch.zeros(moved[i].shape, device="meta")
+        with pytest.raises(InputValueError, match=f"{name}: expected a contiguous cpu tensor .* on meta"):
+            cset.step(0, np.arange(1), *moved)
+    assert cset.caches(0)[0].tokens_seen == 0
+
+
 # -- the C/Python boundary ---------------------------------------------------------------------
 def test_the_library_layout_is_the_mirror():
     kernel = native.load()

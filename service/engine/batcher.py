@@ -91,10 +91,10 @@ class PendingJob:
         return self.owner
 
 
-def _tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    if isinstance(data, torch.Tensor):
-        return data
-    return torch.frombuffer(data, dtype=dtype).view(shape)
+def _tensor(data: Any, dtype: torch.dtype, shape: tuple[int, ...], device: str) -> torch.Tensor:
+    """A step's tensor from its bytes (or as given), on the cache's device."""
+    t = data if isinstance(data, torch.Tensor) else torch.frombuffer(data, dtype=dtype).view(shape)
+    return t if device == "cpu" else t.to(device)
 
 
 class Batcher:
@@ -381,9 +381,9 @@ class Batcher:
                 batch.append(
                     batch_module.BatchStep(
                         step.cache,
-                        _tensor(step.query, spec.dtype, (b, hq, d)),
-                        _tensor(step.new_key, spec.dtype, (b, hkv, d)),
-                        _tensor(step.new_value, spec.dtype, (b, hkv, d)),
+                        _tensor(step.query, spec.dtype, (b, hq, d), spec.device),
+                        _tensor(step.new_key, spec.dtype, (b, hkv, d), spec.device),
+                        _tensor(step.new_value, spec.dtype, (b, hkv, d), spec.device),
                     )
                 )
             except (TypeError, ValueError, RuntimeError) as exc:
