@@ -28,3 +28,24 @@ def test_bench_module_runs_in_smoke_mode(name, monkeypatch, capsys):
     assert re.search(r"^legend: ", out, re.M), out
     assert re.search(r"^(PASS|FAIL)  ", out, re.M), out
     assert report.records
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_step_rate_probe_measures_each_dtype(dtype, monkeypatch):
+    """tests/bench/step_rate.py (a probe for docs/design.md, not in `make bench`): one line per
+    dtype with hot and cold medians and their read rates, every figure positive."""
+    import torch
+
+    from tests.bench import step_rate
+    from tests.bench.common import Evictor
+
+    monkeypatch.setattr(step_rate, "HOT", 3)
+    monkeypatch.setattr(step_rate, "COLD", 3)
+    line = step_rate.measure(getattr(torch, dtype), 70, "auto", Evictor(nbytes=1 << 20))
+    m = re.fullmatch(
+        rf"{dtype} +S=70 (\S+): hot ([0-9.]+) ms \(([0-9.]+) GB/s\), cold ([0-9.]+) ms \(([0-9.]+) GB/s\); "
+        r"cold deciles ms( [0-9.]+){9}",
+        line,
+    )
+    assert m, line
+    assert all(float(x) > 0 for x in m.group(2, 3, 4, 5)), line
