@@ -91,6 +91,16 @@ def state(s: BatchSession, sid: int) -> list[bytes]:
     return [c.SerializeToString(deterministic=True) for c in chunks]
 
 
+def sequence_oracle(sid: int, query, keys: list, values: list):
+    """The float64 oracle of sequence ``sid``'s step: ``query`` (1, Hq, D) over the positions its
+    policy (``SEQUENCES``) attends among ``keys``/``values``, one (1, Hkv, D) per position."""
+    policy = SEQUENCES[sid][0]
+    positions = attended_positions(policy["policy"], len(keys), policy.get("window", 0), policy.get("sink_tokens", 0))
+    kk = torch.stack([keys[p] for p in positions], dim=2)
+    vv = torch.stack([values[p] for p in positions], dim=2)
+    return attention_ref(query.double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+
+
 def prefills(g, lengths, dtype):
     return {
         layer: (rand(g, 1, HKV, n, D, dtype=dtype), rand(g, 1, HKV, n, D, dtype=dtype))
@@ -279,13 +289,7 @@ def test_mixed_sequences_match_decode_streams_and_the_oracle(channel, dtype):
             keys, values = history[sid, layer]
             keys.append(k[i : i + 1])
             values.append(v[i : i + 1])
-            policy = SEQUENCES[sid][0]
-            positions = attended_positions(
-                policy["policy"], len(keys), policy.get("window", 0), policy.get("sink_tokens", 0)
-            )
-            kk = torch.stack([keys[p] for p in positions], dim=2)
-            vv = torch.stack([values[p] for p in positions], dim=2)
-            oracle = attention_ref(q[i : i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+            oracle = sequence_oracle(sid, q[i : i + 1], keys, values)
             assert_close_to_oracle(result.output[i : i + 1], oracle, dtype, f"step {step} sequence {sid}")
     for stream in decode.values():
         stream.close()
@@ -323,13 +327,7 @@ def test_cuda_sequences_match_decode_streams_and_the_oracle(channel):
             keys, values = history[sid]
             keys.append(k[i : i + 1])
             values.append(v[i : i + 1])
-            policy = SEQUENCES[sid][0]
-            positions = attended_positions(
-                policy["policy"], len(keys), policy.get("window", 0), policy.get("sink_tokens", 0)
-            )
-            kk = torch.stack([keys[p] for p in positions], dim=2)
-            vv = torch.stack([values[p] for p in positions], dim=2)
-            oracle = attention_ref(q[i : i + 1].double().numpy(), kk.double().numpy(), vv.double().numpy(), HQ, HKV)
+            oracle = sequence_oracle(sid, q[i : i + 1], keys, values)
             assert_close_to_oracle(result.output[i : i + 1], oracle, dtype, f"step {step} sequence {sid}")
     for stream in decode.values():
         stream.close()
