@@ -5,6 +5,14 @@
  */
 #include "gqa_avx512.h"
 
+/* Blocks of up to this many positions (a short ring's) take the widening block
+ * (block_avx512_bf16's 8-lane scores, each key line read once for every head): there
+ * vdpbf16ps' 16 lanes are mostly masked off and the query's split is pure overhead. Sapphire
+ * Rapids, 64 short caches hot: 154 -> 132 us a call (docs/design.md, twenty-second session). */
+#ifndef BF16_WIDEN_MAX_T
+#define BF16_WIDEN_MAX_T 8
+#endif
+
 #if GQA_X86_64
 /* bfloat16 with BF16 dot products: the query of one head as bfloat16 pieces per channel,
  * pairs of channels a word, padded with zeros to key_width channels, in st->qb. A bfloat16
@@ -95,6 +103,10 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
 
 AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    if (nt <= BF16_WIDEN_MAX_T) { /* a short block: the widening block's (above) */
+        block_avx512_bf16(cc, qf, h, phys, nt, st);
+        return;
+    }
     if (!st->qready) split_query_bf16(cc, h, qf, st);
     int64_t kline, knline = 0;
     const char *kb, *kn, *vb;
