@@ -18,9 +18,10 @@ import cProfile
 import functools
 import pstats
 import sys
-import time
 
 import torch
+
+from .common import CudaClock, sample_seconds
 
 HQ, HKV, D = 32, 8, 128
 DTYPE = torch.float16
@@ -40,13 +41,8 @@ def device_us(fn) -> float:
         fn()
     graph.replay()
     torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(CALLS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / CALLS
+    (seconds,) = sample_seconds([graph.replay], 1, per_sample=CALLS, clock=CudaClock())
+    return seconds * 1e6
 
 
 def host_us(fn) -> float:
@@ -54,12 +50,9 @@ def host_us(fn) -> float:
     for _ in range(5):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    t1 = time.perf_counter()
+    (seconds,) = sample_seconds([fn], 1, per_sample=CALLS)  # the wall clock: no wait on the device
     torch.cuda.synchronize()
-    return (t1 - t0) * 1e6 / CALLS
+    return seconds * 1e6
 
 
 def profile(name: str, fn, top: int = 14) -> None:

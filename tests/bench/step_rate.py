@@ -14,9 +14,9 @@ bound by its arithmetic or by memory (docs/design.md, "A Sapphire Rapids machine
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
-import time
 
 import torch
 
@@ -25,7 +25,7 @@ from backends.contract import CacheSpec
 from backends.cpu import DenseCache
 from backends.policy import EvictionPolicy
 
-from .common import Evictor
+from .common import Evictor, sample_seconds
 
 HQ, HKV, D = 32, 8, 128
 HOT, COLD = 60, 60
@@ -36,16 +36,9 @@ def measure(dtype: torch.dtype, length: int, kernel: str, evict: Evictor) -> str
     cache = DenseCache(CacheSpec(1, HQ, HKV, D, dtype, EvictionPolicy.strict(length)), kernel)
     cache.prefill(*(torch.randn(1, HKV, length, D, generator=gen).to(dtype) for _ in range(2)))
     q, k, v = (torch.randn(1, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV))
-    hot, cold = [], []
-    for _ in range(HOT):
-        t0 = time.perf_counter()
-        cache.step(q, k, v)
-        hot.append(time.perf_counter() - t0)
-    for _ in range(COLD):
-        evict()
-        t0 = time.perf_counter()
-        cache.step(q, k, v)
-        cold.append(time.perf_counter() - t0)
+    step = functools.partial(cache.step, q, k, v)
+    hot = sample_seconds([step], HOT)
+    cold = sample_seconds([step], COLD, before=evict)
     nbytes = 2 * HKV * length * D * dtype.itemsize
     h, c = statistics.median(hot), statistics.median(cold)
     deciles = statistics.quantiles(cold, n=10, method="inclusive")
