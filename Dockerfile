@@ -31,11 +31,13 @@ FROM build-base AS build-cpu
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The int8 backend's C kernel is compiled here, into the venv, so the runtime image needs no
 # compiler (GQA_KERNEL_CACHE below). It takes no -march flag: it runs on any x86-64 node and
-# picks its AVX-512 path at run time. Debian packages are not version-pinned: the base image
-# fixes the release, and a pin would break rebuilds when Debian replaces a version.
+# picks its AVX-512 path at run time. g++ builds the public step's C++ entry beside it
+# (backends/csrc/torch_step.cpp, against the venv's torch). Debian packages are not
+# version-pinned: the base image fixes the release, and a pin would break rebuilds when Debian
+# replaces a version.
 # hadolint ignore=DL3008
 RUN apt-get update \
- && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
  && rm -rf /var/lib/apt/lists/*
 # torch first, from the CPU index, so that the project's exact pin is already satisfied by the
 # CPU build and pip never reaches for the multi-GB default (CUDA) wheel.

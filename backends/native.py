@@ -8,7 +8,10 @@ torch on the CPU widens half-precision and int8 storage with ops that write a fl
 memory; the kernel widens in registers instead and reads each key and value once. It is plain C
 with no Python or torch headers, so it builds in about a second with the system C compiler and
 is loaded with ``ctypes`` (as Triton builds and caches its launcher stubs); ctypes releases the
-GIL for each call.
+GIL for each call. The public ``cache.step`` has one more, optional entry: ``load_torch_step``'s
+module (``csrc/torch_step.cpp``, C++ against torch's headers) reads its tensors' shapes, dtypes
+and pointers inline and calls ``gqa_step`` itself; where it cannot be built, the step goes
+through ctypes, with the same results.
 
 How and where the library is built and cached: ``backends.native_build``. Where it cannot be
 built or loaded, ``load`` raises ``NativeUnavailable`` with the reason and the caches fall back
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .key_layout import KeyBlocks
-from .native_build import NativeUnavailable, build
+from .native_build import NativeUnavailable, build, build_torch_step
 
 __all__ = [
     "ENC",
@@ -50,6 +53,7 @@ __all__ = [
     "layout_mirror",
     "build",
     "load",
+    "load_torch_step",
     "set_threads",
     "threads",
 ]
@@ -401,6 +405,25 @@ def load() -> Kernel:
         raise NativeUnavailable(f"cannot load the native kernel ({exc})") from None
 
 
+@functools.cache
+def load_torch_step():
+    """The public step's entry with torch tensors (the module built from ``csrc/torch_step.cpp``),
+    built if needed; ``NativeUnavailable`` says why not (no C++ compiler or headers, or
+    ``GQA_TORCH_STEP=0``), and the caches then step through ctypes (the result is cached)."""
+    if os.environ.get("GQA_TORCH_STEP", "1") == "0":
+        raise NativeUnavailable("disabled by GQA_TORCH_STEP=0")
+    import importlib.util  # noqa: PLC0415
+
+    path = build_torch_step()
+    try:
+        spec = importlib.util.spec_from_file_location("_gqa_torch_step", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except ImportError as exc:  # dlopen failed, or a module built for another torch
+        raise NativeUnavailable(f"cannot load the torch step module {path.name} ({exc})") from None
+    return module
+
+
 def available() -> tuple[bool, str]:
     """Whether the kernel loads here, and if not why (never raises)."""
     try:
@@ -421,6 +444,10 @@ def _main(argv: list[str]) -> int:
         return 1
     kernel = Kernel(path)
     print(f"{path} (on this CPU at head_dim 128: {', '.join(kernel.isas(128))})")
+    try:  # the optional C++ entry of the public step, beside it (ctypes serves without it)
+        print(build_torch_step(path.parent))
+    except NativeUnavailable as exc:
+        print(f"backends.native: no torch step module, the public step goes through ctypes ({exc})", file=sys.stderr)
     return 0
 
 

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["CSRC", "NativeUnavailable", "build", "cache_dir", "sources"]
+__all__ = ["CSRC", "NativeUnavailable", "build", "build_torch_step", "cache_dir", "sources"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
@@ -108,6 +108,66 @@ def build(directory: Path | None = None) -> Path:
             list(pool.map(_compile, jobs))  # the first failure raises
         _compile([compiler, *flags, "-o", str(work / "lib.so"), *objects, *LIBS])
         os.replace(work / "lib.so", target)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+# The public step's optional entry with torch tensors (csrc/torch_step.cpp, the Python module
+# _gqa_torch_step): C++ against torch's and Python's headers, linked to torch's libraries, so
+# named by torch's version and Python's ABI as well as its source. ~10 s to compile, once.
+TORCH_STEP = CSRC / "torch_step.cpp"
+CXXFLAGS = ("-O2", "-fPIC", "-shared", "-std=c++17", "-w")
+
+
+def _torch_step_inputs() -> tuple[Path, tuple[str, ...], str]:
+    """(torch's folder, the compile and link flags, the file name) of the torch step module."""
+    import sysconfig  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415 (this module is imported without torch by `backends.native build`'s users)
+
+    root = Path(torch.__file__).resolve().parent
+    abi = int(bool(torch._C._GLIBCXX_USE_CXX11_ABI))
+    flags = (
+        *CXXFLAGS,
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        f"-I{root / 'include'}",
+        f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-L{root / 'lib'}",
+        f"-Wl,-rpath,{root / 'lib'}",
+    )
+    key = hashlib.sha256(TORCH_STEP.read_bytes())
+    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
+    key.update(" ".join(flags).encode() + torch.__version__.encode() + suffix.encode())
+    return root, flags, f"_gqa_torch_step-{key.hexdigest()[:16]}{suffix}"
+
+
+def build_torch_step(directory: Path | None = None) -> Path:
+    """The torch step module's path in ``directory`` (default ``cache_dir()``), compiling it if
+    absent; ``NativeUnavailable`` when there is no C++ compiler, no Python or torch headers, no
+    writable cache, or the compiler fails."""
+    directory = Path(directory) if directory is not None else cache_dir()
+    root, flags, name = _torch_step_inputs()
+    target = directory / name
+    if target.exists():
+        return target
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise NativeUnavailable("no C++ compiler for the torch step module (set CXX)")
+    headers = [root / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"]
+    missing = [str(h) for h in headers if not h.exists()]
+    if missing:
+        raise NativeUnavailable(f"torch's headers are not installed ({missing[0]} is absent)")
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        work = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
+    except OSError as exc:
+        raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
+    try:
+        out = work / "module.so"
+        _compile([compiler, *flags, "-o", str(out), str(TORCH_STEP), "-ltorch_python", "-ltorch", "-lc10"])
+        os.replace(out, target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target

@@ -33,6 +33,7 @@ class NativeStep:
     ``spec``, ``row_bytes``, ``check_tensors`` and ``_state``)."""
 
     _native = None
+    _fast = None  # the C++ entry's (function, context, kernel), or None: ctypes alone
     _outputs: list | None = None  # the current slab's rows not handed out yet, last first
 
     def _attach_native(self, kernel, desc) -> None:
@@ -71,6 +72,17 @@ class NativeStep:
         self._wake = (kernel.prewake, at) if kernel.may_use_pool(at) else None
         s = self.spec
         self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
+        # the C++ entry (native.load_torch_step), when it is built: its function, its context
+        # (gqa_step's address, then those of the arrays above, and tensors of the step's
+        # dtype and shapes) and the kernel it was made for
+        self._fast = None
+        try:
+            step_at = ctypes.cast(kernel.step, ctypes.c_void_p).value  # a stand-in's is no C function
+            module = native.load_torch_step()
+        except (native.NativeUnavailable, ctypes.ArgumentError):
+            return
+        kv_like = torch.empty((s.batch_size, s.num_kv_heads, s.head_dim), dtype=s.dtype)
+        self._fast = (module.step, (step_at, *self._one[1:8:2], self._out_like, kv_like), kernel)
 
     def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path
@@ -78,17 +90,24 @@ class NativeStep:
         wake = self._wake
         if wake is not None:
             wake[0](wake[1])
-        self.check_native_inputs(query, new_key, new_value)
-        _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
-        fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
-        q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
         if out is None:
             out = self.next_output()
-        io[0] = q.data_ptr()
-        io[1] = k.data_ptr()
-        io[2] = v.data_ptr()
-        io[3] = out.data_ptr()
-        rc = fn(addrs, 1, io_at, None, None, res_at, 7, status_at, 0, 0)
+        rc = None
+        fast = self._fast
+        if fast is not None and self._native is fast[2]:  # a test's stand-in kernel goes through ctypes
+            rc = fast[0](fast[1], query, new_key, new_value, out)
+            if type(rc) is tuple:  # stepped
+                return StepOutcome(out, rc[0], rc[1], rc[2], rc[3], rc[4], self.row_bytes, 0, rc[6])
+        _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
+        if rc is None:  # no C++ entry, or a tensor it does not take: the checks here, then ctypes
+            self.check_native_inputs(query, new_key, new_value)
+            fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
+            q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
+            io[0] = q.data_ptr()
+            io[1] = k.data_ptr()
+            io[2] = v.data_ptr()
+            io[3] = out.data_ptr()
+            rc = fn(addrs, 1, io_at, None, None, res_at, 7, status_at, 0, 0)
         if rc:
             self._native.raise_for(rc)
         if status.value:

@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -354,12 +355,15 @@ def _spec():
 
 def test_prebuild_command(tmp_path):
     """``python -m backends.native build DIR``: the library's path in DIR and the paths it runs
-    here; usage and a missing compiler as one line. DIR already holds this build (the one this
-    process loaded, by its content name), so nothing compiles: the build itself is
-    ``test_build_is_cached_by_content``'s."""
+    here, then the torch step module's path; usage and a missing compiler as one line. DIR
+    already holds both builds (the ones this process loaded, by their content names), so nothing
+    compiles: the builds themselves are ``test_build_is_cached_by_content``'s and
+    ``test_torch_step_module_is_built_once_and_cached``'s."""
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
     loaded = native.load().path
     shutil.copy(loaded, tmp_path / loaded.name)
+    module = Path(native.load_torch_step().__file__)
+    shutil.copy(module, tmp_path / module.name)
     done = subprocess.run(
         [sys.executable, "-m", "backends.native", "build", str(tmp_path)],
         capture_output=True,
@@ -369,7 +373,8 @@ def test_prebuild_command(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"{tmp_path / loaded.name} (") and "portable" in done.stdout, done.stdout
-    assert [p.name for p in tmp_path.iterdir()] == [loaded.name]
+    assert done.stdout.splitlines()[1] == str(tmp_path / module.name), done.stdout
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([loaded.name, module.name])
     bad = subprocess.run([sys.executable, "-m", "backends.native"], capture_output=True, text=True, env=env, timeout=60)
     assert bad.returncode == 2 and "usage" in bad.stderr
     no_cc = subprocess.run(

@@ -89,6 +89,8 @@
  *     step.c              gqa_step: plan, check and run many caches' steps in one call
  *     layout.c            gqa_layout: the descriptor's layout for native.py's check
  *     test_hooks.c        failure injection, compiled only into test builds (-DGQA_TEST_HOOKS)
+ *     torch_step.cpp      not in the library: the public step's optional C++ entry from Python,
+ *                         a module of its own against torch's headers that calls gqa_step
  */
 #ifndef GQA_INTERNAL_H
 #define GQA_INTERNAL_H

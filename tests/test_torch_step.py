@@ -1,0 +1,199 @@
+"""The public step's C++ entry (``backends/csrc/torch_step.cpp``, ``native.load_torch_step``):
+the same results as the ctypes path it stands in for, every tensor it does not take handed back
+to that path (whose checks name what is wrong), and its build cached."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from backends import native, native_build
+from backends.contract import CacheSpec
+from backends.cpu import DenseCache
+from backends.errors import CacheFullError, InputTypeError, InputValueError
+from backends.int8 import Int8Backend
+from backends.policy import EvictionPolicy
+
+try:
+    native.load()
+    native.load_torch_step()
+except native.NativeUnavailable as exc:  # pragma: no cover - this machine builds both
+    pytest.skip(f"the torch step module cannot be built here: {exc}", allow_module_level=True)
+
+HQ, HKV, D = 8, 2, 32
+POLICIES = {
+    "none": EvictionPolicy.none(64),
+    "strict": EvictionPolicy.strict(5),
+    "greedy": EvictionPolicy.greedy(6, 9),
+    "sink": EvictionPolicy.sink(7, 2),
+}
+
+
+def _cache(backend: str, dtype: torch.dtype, policy: EvictionPolicy):
+    spec = CacheSpec(1, HQ, HKV, D, dtype, policy)
+    return Int8Backend().create_cache(spec) if backend == "int8" else DenseCache(spec, "native")
+
+
+def _spy(cache) -> list:
+    """Wraps the cache's C++ entry: each call's return value is appended to the list."""
+    fn, ctx, kernel = cache._fast
+    seen: list = []
+    cache._fast = (lambda *a: seen.append(fn(*a)) or seen[-1], ctx, kernel)
+    return seen
+
+
+def _inputs(gen, dtype, n):
+    return [tuple(torch.randn(1, h, D, generator=gen).to(dtype) for h in (HQ, HKV, HKV)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", sorted(POLICIES))
+@pytest.mark.parametrize(
+    "backend,dtype",
+    [("cpu", torch.float32), ("cpu", torch.bfloat16), ("cpu", torch.float16), ("int8", torch.float32)],
+)
+def test_the_cpp_entry_steps_as_the_ctypes_path_does(backend, dtype, policy):
+    """Two caches of one spec, one stepped through the C++ entry and one through ctypes (its
+    entry removed), 30 steps: every output bit-identical and every outcome field equal. int8's
+    first steps (its calibration, in Python) are included."""
+    fast, slow = _cache(backend, dtype, POLICIES[policy]), _cache(backend, dtype, POLICIES[policy])
+    assert fast._fast is not None
+    slow._fast = None
+    seen = _spy(fast)
+    for q, k, v in _inputs(torch.Generator().manual_seed(7), dtype, 30):
+        a, b = fast.step(q, k, v), slow.step(q, k, v)
+        assert torch.equal(a.output, b.output)
+        assert dataclasses.replace(a, output=None) == dataclasses.replace(b, output=None)
+    assert sum(type(r) is tuple for r in seen) >= 30 - 16  # int8's calibration steps are Python's
+
+
+def test_tensors_the_entry_does_not_take_go_through_the_checks():
+    """A transposed view (not contiguous), a tensor subclass, the wrong dtype and the wrong
+    shape: the C++ entry answers None and calls nothing; the first two are stepped by the
+    ctypes path with the results of their contiguous plain copies, the last two are refused by
+    name with the cache unchanged. (torch's own ``Parameter`` is a plain tensor to the entry.)"""
+    gen = torch.Generator().manual_seed(3)
+    cache, twin = _cache("cpu", torch.float32, POLICIES["strict"]), _cache("cpu", torch.float32, POLICIES["strict"])
+    seen = _spy(cache)
+    q, k, v = _inputs(gen, torch.float32, 1)[0]
+    q_view = q.reshape(1, D, HQ).clone().transpose(1, 2)  # (1, HQ, D), strides (.., 1, HQ)
+    q_view.copy_(q)
+    assert not q_view.is_contiguous()
+    out = cache.step(q_view, k, v).output
+    assert seen == [None] and torch.equal(out, twin.step(q, k, v).output)
+
+    class Sub(torch.Tensor):
+        pass
+
+    out = cache.step(q.clone().as_subclass(Sub), k, v).output
+    assert seen[-1] is None and torch.equal(out, twin.step(q, k, v).output)
+    out = cache.step(torch.nn.Parameter(q.clone(), requires_grad=False), k, v).output  # torch's own
+    assert type(seen[-1]) is tuple and torch.equal(out, twin.step(q, k, v).output)
+    before = cache.tokens_seen, cache.export()
+    with pytest.raises(InputTypeError, match="query: dtype"):
+        cache.step(q.double(), k.double(), v.double())
+    with pytest.raises(InputValueError, match="new_key"):
+        cache.step(q, k[:, :1], v)
+    assert seen[-2:] == [None, None] and len(seen) == 5
+    assert cache.tokens_seen == before[0] and all(torch.equal(x, y) for x, y in zip(cache.export(), before[1]))
+    out = cache.step(q, k, v).output  # and the next plain step is the entry's again
+    assert type(seen[-1]) is tuple and torch.equal(out, twin.step(q, k, v).output)
+
+
+def test_a_row_the_kernel_refuses_is_reported_as_on_the_ctypes_path():
+    """A full policy-none cache (the kernel's -ENOSPC) and an int8 step with a NaN (its value
+    check, -EDOM): the entry returns 0, and the step raises the same error as the ctypes path,
+    with nothing written."""
+    gen = torch.Generator().manual_seed(5)
+    full = _cache("cpu", torch.float32, EvictionPolicy.none(2))
+    seen = _spy(full)
+    steps = _inputs(gen, torch.float32, 3)
+    for q, k, v in steps[:2]:
+        full.step(q, k, v)
+    with pytest.raises(CacheFullError):
+        full.step(*steps[2])
+    assert seen[-1] == 0 and full.tokens_seen == 2
+    int8 = _cache("int8", torch.float32, POLICIES["none"])
+    for q, k, v in _inputs(gen, torch.float32, 20):  # past the calibration: the native step
+        int8.step(q, k, v)
+    seen = _spy(int8)
+    q, k, v = _inputs(gen, torch.float32, 1)[0]
+    k[0, 1, 3] = float("nan")
+    before = int8.export()
+    with pytest.raises(InputValueError, match="new_key"):
+        int8.step(q, k, v)
+    assert seen == [0] and int8.tokens_seen == 20
+    assert all(torch.equal(x, y) for x, y in zip(int8.export(), before))
+
+
+def test_without_the_module_the_caches_step_through_ctypes(monkeypatch):
+    """``GQA_TORCH_STEP=0`` (or a module that cannot be built) leaves a new cache without the
+    entry; its steps are the ctypes path's, with the same results."""
+    monkeypatch.setenv("GQA_TORCH_STEP", "0")
+    with pytest.raises(native.NativeUnavailable, match="GQA_TORCH_STEP=0"):
+        native.load_torch_step.__wrapped__()
+
+    def unavailable():
+        raise native.NativeUnavailable("no C++ compiler")
+
+    monkeypatch.setattr(native, "load_torch_step", unavailable)
+    plain = _cache("cpu", torch.bfloat16, POLICIES["sink"])
+    monkeypatch.undo()
+    entry = _cache("cpu", torch.bfloat16, POLICIES["sink"])
+    assert plain._fast is None and entry._fast is not None
+    for q, k, v in _inputs(torch.Generator().manual_seed(9), torch.bfloat16, 12):
+        assert torch.equal(plain.step(q, k, v).output, entry.step(q, k, v).output)
+
+
+def test_the_entry_refuses_a_malformed_context():
+    """Its own arguments are checked (a TypeError naming them), not trusted."""
+    step = native.load_torch_step().step
+    q = torch.zeros(1, HQ, D)
+    with pytest.raises(TypeError, match="ctx is a 7-tuple"):
+        step((1, 2), q, q, q, q)
+    with pytest.raises(TypeError, match="tensors"):
+        step((1, 2, 3, 4, 5, "q", "kv"), q, q, q, q)
+    with pytest.raises(ValueError, match="null address"):
+        step((0, 2, 3, 4, 5, q, q), q, q, q, q)
+
+
+def test_torch_step_module_is_built_once_and_cached(tmp_path, monkeypatch):
+    """The module is named by its source, torch's version and Python's ABI: asked again, the
+    cached file is returned without compiling; with no C++ compiler the reason is said in one
+    line."""
+    built = Path(native.load_torch_step().__file__)
+    mtime = built.stat().st_mtime_ns
+    assert native_build.build_torch_step(built.parent) == built and built.stat().st_mtime_ns == mtime
+    assert torch.__version__.encode() not in built.name.encode()  # a hash, not a readable key
+    monkeypatch.setenv("CXX", str(tmp_path / "no-c++"))
+    with pytest.raises(native.NativeUnavailable, match="cannot run the C compiler"):
+        native_build.build_torch_step(tmp_path)
+    assert not list(tmp_path.glob("*.so"))
+
+
+def test_the_entry_calls_the_kernel_it_was_made_for():
+    """A cache's entry holds gqa_step's own address; a stand-in kernel put on the cache later
+    (as the fault tests do) is called through ctypes, not bypassed by the entry."""
+    cache = _cache("cpu", torch.float32, POLICIES["strict"])
+    kernel = cache._native
+    assert cache._fast[1][0] == ctypes.cast(kernel.step, ctypes.c_void_p).value and cache._fast[2] is kernel
+
+    class StandIn:
+        def __init__(self, real):
+            self.real, self.calls = real, 0
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+        def step(self, *args):
+            self.calls += 1
+            return self.real.step(*args)
+
+    cache._native = StandIn(kernel)
+    seen = _spy(cache)
+    q, k, v = _inputs(torch.Generator().manual_seed(1), torch.float32, 1)[0]
+    assert cache.step(q, k, v).tokens_seen == 1
+    assert cache._native.calls == 1 and seen == []
