@@ -142,6 +142,9 @@ class LayerCache(NativeStep, CacheState, abc.ABC):
             and query.is_cpu
             and new_key.is_cpu
             and new_value.is_cpu
+            and query.layout is torch.strided
+            and new_key.layout is torch.strided
+            and new_value.layout is torch.strided
         ):
             self._check_step_slow(query, new_key, new_value)
 

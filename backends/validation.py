@@ -79,6 +79,9 @@ def check_step_tensors(
     num_kv_heads: int,
 ) -> tuple[int, int]:
     """Checks one step's tensors against each other and the head counts; returns (B, D)."""
+    for name, t in (("query", query), ("new_key", new_key), ("new_value", new_value)):
+        if t.layout is not torch.strided:
+            raise InputTypeError(f"{name}: a {str(t.layout)[6:]} tensor; a step takes dense (strided) tensors")
     _rank(query, "query", 3, "(B, Hq, D)")
     _rank(new_key, "new_key", 3, "(B, Hkv, D)")
     _rank(new_value, "new_value", 3, "(B, Hkv, D)")

@@ -74,7 +74,8 @@ def test_tensors_the_entry_does_not_take_go_through_the_checks():
     """A transposed view (not contiguous), a tensor subclass, the wrong dtype and the wrong
     shape: the C++ entry answers None and calls nothing; the first two are stepped by the
     ctypes path with the results of their contiguous plain copies, the last two are refused by
-    name with the cache unchanged. (torch's own ``Parameter`` is a plain tensor to the entry.)"""
+    name with the cache unchanged, as is a sparse tensor. torch's own ``Parameter`` is a plain
+    tensor to the entry."""
     gen = torch.Generator().manual_seed(3)
     cache, twin = _cache("cpu", torch.float32, POLICIES["strict"]), _cache("cpu", torch.float32, POLICIES["strict"])
     seen = _spy(cache)
@@ -99,6 +100,10 @@ def test_tensors_the_entry_does_not_take_go_through_the_checks():
         cache.step(q, k[:, :1], v)
     assert seen[-2:] == [None, None] and len(seen) == 5
     assert cache.tokens_seen == before[0] and all(torch.equal(x, y) for x, y in zip(cache.export(), before[1]))
+    sparse = q.to_sparse()  # a CPU tensor of the right dtype and shape that has no data pointer
+    with pytest.raises(InputTypeError, match="query: a sparse_coo tensor"):
+        cache.step(sparse, k, v)
+    assert seen[-1] is None and cache.tokens_seen == before[0]
     out = cache.step(q, k, v).output  # and the next plain step is the entry's again
     assert type(seen[-1]) is tuple and torch.equal(out, twin.step(q, k, v).output)
 

@@ -13,8 +13,8 @@
  * step(ctx, query, new_key, new_value, out), ctx = (gqa_step's address, and those of the
  * cache's descriptor pointer, io (4 pointers), results (7 int64) and status (int32) arrays,
  * q_like, kv_like) made once per cache (native_step.NativeStep._attach_native). Returns:
- * - None, nothing called: a tensor is not a plain torch.Tensor on the CPU, contiguous, of
- *   q_like's dtype and shape (query, out) or kv_like's (new_key, new_value). The caller's own
+ * - None, nothing called: a tensor is not a plain strided torch.Tensor on the CPU, contiguous,
+ *   of q_like's dtype and shape (query, out) or kv_like's (new_key, new_value). The caller's own
  *   checks then name what is wrong, or make it contiguous;
  * - the 7 results of a step (a tuple of ints): the row stepped;
  * - an int: gqa_step's own nonzero return code, or 0 when it returned 0 but refused the row
@@ -36,11 +36,14 @@ using step_fn = int32_t (*)(void *const *caches, int64_t n, const void *const *i
 constexpr Py_ssize_t kAddrs = 5;   // gqa_step, descriptor pointer array, io, results, status
 constexpr int64_t kResults = 7;    // the result columns a public step returns (native.RESULT_COLUMNS_ALL)
 
-// Whether o is a plain CPU tensor, contiguous, of like's dtype and shape; its data pointer to *at.
+// Whether o is a plain CPU tensor (strided, with storage), contiguous, of like's dtype and
+// shape; its data pointer to *at. Asks nothing that throws for another kind of tensor (a
+// sparse one's is_contiguous does): those fail the layout test first.
 bool fits(PyObject *o, const at::Tensor &like, void **at) {
     if (!THPVariable_CheckExact(o)) return false;
     const at::Tensor &t = THPVariable_Unpack(o);
-    if (!t.is_cpu() || t.scalar_type() != like.scalar_type() || t.sizes() != like.sizes() || !t.is_contiguous())
+    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.has_storage() ||
+        t.scalar_type() != like.scalar_type() || t.sizes() != like.sizes() || !t.is_contiguous())
         return false;
     *at = t.data_ptr();
     return true;
@@ -67,9 +70,14 @@ PyObject *step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
     const at::Tensor &ql = THPVariable_Unpack(q_like), &kvl = THPVariable_Unpack(kv_like);
     void **io = static_cast<void **>(addr[2]);
-    if (!fits(args[1], ql, &io[0]) || !fits(args[2], kvl, &io[1]) || !fits(args[3], kvl, &io[2]) ||
-        !fits(args[4], ql, &io[3]))
-        Py_RETURN_NONE;
+    bool ok;
+    try {  // no C++ exception may cross into Python's C code: any is a tensor this entry does not take
+        ok = fits(args[1], ql, &io[0]) && fits(args[2], kvl, &io[1]) && fits(args[3], kvl, &io[2]) &&
+             fits(args[4], ql, &io[3]);
+    } catch (...) {
+        ok = false;
+    }
+    if (!ok) Py_RETURN_NONE;
     const auto fn = reinterpret_cast<step_fn>(addr[0]);
     auto *results = static_cast<int64_t *>(addr[3]);
     auto *status = static_cast<int32_t *>(addr[4]);
