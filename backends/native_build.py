@@ -92,12 +92,7 @@ def build(directory: Path | None = None) -> Path:
         raise NativeUnavailable(
             f"no C compiler (set CC, or prebuild into {directory} with `python -m backends.native build`)"
         )
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        # compile to a private folder, then rename: concurrent builders never load a partial file
-        work = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
-    except OSError as exc:
-        raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
+    work = _work_dir(directory)
     try:
         flags = _cflags()
         # one object per source, compiled side by side (16 files: ~4x faster on 4 cores), then linked
@@ -159,11 +154,7 @@ def build_torch_step(directory: Path | None = None) -> Path:
     missing = [str(h) for h in headers if not h.exists()]
     if missing:
         raise NativeUnavailable(f"torch's headers are not installed ({missing[0]} is absent)")
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        work = Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
-    except OSError as exc:
-        raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
+    work = _work_dir(directory)
     try:
         out = work / "module.so"
         _compile([compiler, *flags, "-o", str(out), str(TORCH_STEP), "-ltorch_python", "-ltorch", "-lc10"])
@@ -171,6 +162,16 @@ def build_torch_step(directory: Path | None = None) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _work_dir(directory: Path) -> Path:
+    """A private folder in ``directory`` to compile into, then rename from: concurrent builders
+    never load a partial file. ``NativeUnavailable`` when the cache is not writable."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return Path(tempfile.mkdtemp(prefix=".build-", dir=directory))
+    except OSError as exc:
+        raise NativeUnavailable(f"kernel cache {directory} not writable ({exc.strerror})") from None
 
 
 def _compile(cmd: list[str]) -> list[str]:
