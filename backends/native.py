@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from .key_layout import KeyBlocks
-from .native_build import NativeUnavailable, build, build_torch_step
+from .native_build import NativeUnavailable, build, build_torch_step, torch_step_path
 
 __all__ = [
     "ENC",
@@ -405,23 +405,35 @@ def load() -> Kernel:
         raise NativeUnavailable(f"cannot load the native kernel ({exc})") from None
 
 
-@functools.cache
 def load_torch_step():
-    """The public step's entry with torch tensors (the module built from ``csrc/torch_step.cpp``),
-    built if needed; ``NativeUnavailable`` says why not (no C++ compiler or headers, or
-    ``GQA_TORCH_STEP=0``), and the caches then step through ctypes (the result is cached)."""
+    """The public step's entry with torch tensors: the module built from ``csrc/torch_step.cpp``
+    by ``python -m backends.native build`` (``make install`` and the Dockerfile run it), loaded
+    once. ``NativeUnavailable`` says why not (not built, built for another torch, or
+    ``GQA_TORCH_STEP=0``); the caches then step through ctypes. Never compiles: a first cache
+    must not wait ~12 s for a compiler (a server's first Open would)."""
+    module, reason = _torch_step()
+    if module is None:
+        raise NativeUnavailable(reason)
+    return module
+
+
+@functools.cache
+def _torch_step():
+    """(the module, '') or (None, why not), looked up once per process (``cache_clear`` after a build)."""
     if os.environ.get("GQA_TORCH_STEP", "1") == "0":
-        raise NativeUnavailable("disabled by GQA_TORCH_STEP=0")
+        return None, "disabled by GQA_TORCH_STEP=0"
     import importlib.util  # noqa: PLC0415
 
-    path = build_torch_step()
+    path = torch_step_path()
+    if not path.exists():
+        return None, f"not built ({path.name} absent; `python -m backends.native build` builds it)"
     try:
         spec = importlib.util.spec_from_file_location("_gqa_torch_step", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-    except ImportError as exc:  # dlopen failed, or a module built for another torch
-        raise NativeUnavailable(f"cannot load the torch step module {path.name} ({exc})") from None
-    return module
+    except ImportError as exc:  # dlopen failed
+        return None, f"cannot load the torch step module {path.name} ({exc})"
+    return module, ""
 
 
 def available() -> tuple[bool, str]:
@@ -446,6 +458,7 @@ def _main(argv: list[str]) -> int:
     print(f"{path} (on this CPU at head_dim 128: {', '.join(kernel.isas(128))})")
     try:  # the optional C++ entry of the public step, beside it (ctypes serves without it)
         print(build_torch_step(path.parent))
+        _torch_step.cache_clear()
     except NativeUnavailable as exc:
         print(f"backends.native: no torch step module, the public step goes through ctypes ({exc})", file=sys.stderr)
     return 0

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-__all__ = ["CSRC", "NativeUnavailable", "build", "build_torch_step", "cache_dir", "sources"]
+__all__ = ["CSRC", "NativeUnavailable", "build", "build_torch_step", "cache_dir", "sources", "torch_step_path"]
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-aliasing")
@@ -136,6 +136,12 @@ def _torch_step_inputs() -> tuple[Path, tuple[str, ...], str]:
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     key.update(" ".join(flags).encode() + torch.__version__.encode() + suffix.encode())
     return root, flags, f"_gqa_torch_step-{key.hexdigest()[:16]}{suffix}"
+
+
+def torch_step_path(directory: Path | None = None) -> Path:
+    """Where ``build_torch_step`` puts (or has put) the module for this source and this torch."""
+    directory = Path(directory) if directory is not None else cache_dir()
+    return directory / _torch_step_inputs()[2]
 
 
 def build_torch_step(directory: Path | None = None) -> Path:
