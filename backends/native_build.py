@@ -110,7 +110,7 @@ def build(directory: Path | None = None) -> Path:
 
 # The public step's optional entry with torch tensors (csrc/torch_step.cpp, the Python module
 # _gqa_torch_step): C++ against torch's and Python's headers, linked to torch's libraries, so
-# named by torch's version and Python's ABI as well as its source. ~10 s to compile, once.
+# named by torch's version and Python's ABI as well as its source. ~12 s to compile, once.
 TORCH_STEP = CSRC / "torch_step.cpp"
 CXXFLAGS = ("-O2", "-fPIC", "-shared", "-std=c++17", "-w")
 
@@ -156,10 +156,9 @@ def build_torch_step(directory: Path | None = None) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise NativeUnavailable("no C++ compiler for the torch step module (set CXX)")
-    headers = [root / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"]
-    missing = [str(h) for h in headers if not h.exists()]
-    if missing:
-        raise NativeUnavailable(f"torch's headers are not installed ({missing[0]} is absent)")
+    header = root / "include" / "torch" / "csrc" / "autograd" / "python_variable.h"
+    if not header.exists():
+        raise NativeUnavailable(f"torch's headers are not installed ({header} is absent)")
     work = _work_dir(directory)
     try:
         out = work / "module.so"

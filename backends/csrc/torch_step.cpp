@@ -34,7 +34,7 @@ using step_fn = int32_t (*)(void *const *caches, int64_t n, const void *const *i
                             int32_t isa);
 
 constexpr Py_ssize_t kAddrs = 5;   // gqa_step, descriptor pointer array, io, results, status
-constexpr int64_t kResults = 7;    // the result columns a public step returns (native.RESULT_COLUMNS_ALL)
+constexpr int64_t kResults = 7;    // the result columns a public step asks for: the first 7 of native.RESULT_COLUMNS_ALL
 
 // Whether o is a plain CPU tensor (strided, with storage), contiguous, of like's dtype and
 // shape; its data pointer to *at. Asks nothing that throws for another kind of tensor (a
