@@ -35,10 +35,9 @@ AVX512 static inline __attribute__((always_inline)) void scores_int8_finish(
 /* Scores of `gt` (<= TILE_G, a constant after inlining) query heads against one block of up to
  * 64 positions: 4 x gt accumulators of 16 positions, one key channel row at a time. */
 AVX512 static inline __attribute__((always_inline)) void scores_avx512(
-    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int ng,
-    const int prefetch, float *out) {
-    /* kb: the block's keys, channel lines kline elements apart; kn: the next block's (knline) */
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
+    int64_t c, const float *ks, int64_t nt, const int gt, const int ng, drip_t *dr, float *out) {
+    /* kb: the block's keys, channel lines kline elements apart; dr: the next block's drip (or NULL) */
     /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
     const int64_t dq = dk + no, el = enc_size(enc);
     __m512 acc[TILE_G][4];
@@ -50,11 +49,8 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     if (kpack(enc) == 1) {
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + j * kline * el;
-            /* the next block's line of this channel (see the header), when the item reads it */
-            if (prefetch) {
-                const char *next = kn + j * knline * el;
-                for (int64_t x = 0; x < knline * el; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-            }
+            /* a slot of the next block's drip (gqa_avx512.h) */
+            if (dr) drip(dr, 1);
             __m512 kf[4];
             for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
             for (int g = 0; g < gt; g++) {
@@ -65,10 +61,7 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + l * kline * 2;
-            if (prefetch) {
-                const char *next = kn + l * knline * 2;
-                for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-            }
+            if (dr) drip(dr, 1);
             __m512i kw[4];
             for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
             for (int r = 0; r < 2; r++) {
@@ -107,20 +100,16 @@ AVX512 static inline __attribute__((always_inline)) __m256 fma8(__m256 a, __m256
 
 /* The channel loop of scores8_avx512: a0 gets the even channels, a1 the odd ones. */
 AVX512 static inline __attribute__((always_inline)) void scores8_loop(
-    const int enc, const float *q, int64_t dq, int64_t dk, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, __mmask8 m8, const int gt, const int prefetch, __m256 *a0, __m256 *a1) {
+    const int enc, const float *q, int64_t dq, int64_t dk, const char *kb, int64_t kline, __mmask8 m8, const int gt,
+    __m256 *a0, __m256 *a1) {
     const int64_t el = enc_size(enc);
     const float *qg[TILE_G];
     for (int g = 0; g < gt; g++) qg[g] = q + g * dq;
     if (kpack(enc) == 1) {
-        const int64_t step = kline * el, nstep = knline * el;
+        const int64_t step = kline * el;
         int64_t j = 0;
         for (; j + 2 <= dk; j += 2) {
             const char *row = kb + j * step;
-            if (prefetch) {
-                const char *next = kn + j * nstep;
-                for (int64_t x = 0; x < 2 * nstep; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-            }
             const __m256 k0 = widen8(enc, row, m8), k1 = widen8(enc, row + step, m8);
             for (int g = 0; g < gt; g++) {
                 a0[g] = fma8(_mm256_set1_ps(qg[g][j]), k0, a0[g]);
@@ -128,8 +117,6 @@ AVX512 static inline __attribute__((always_inline)) void scores8_loop(
             }
         }
         if (j < dk) {
-            if (prefetch)
-                for (int64_t x = 0; x < nstep; x += 64) _mm_prefetch(kn + j * nstep + x, _MM_HINT_T1);
             const __m256 k0 = widen8(enc, kb + j * step, m8);
             for (int g = 0; g < gt; g++) a0[g] = fma8(_mm256_set1_ps(qg[g][j]), k0, a0[g]);
         }
@@ -140,8 +127,6 @@ AVX512 static inline __attribute__((always_inline)) void scores8_loop(
     const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     int64_t l = 0;
     for (; 2 * l + 2 <= dk; l++) {
-        if (prefetch)
-            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
         const __m256i w = _mm256_maskz_loadu_epi32(m8, kb + l * kline * 2);
         const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), k1 = _mm256_castsi256_ps(_mm256_and_si256(w, high));
         for (int g = 0; g < gt; g++) {
@@ -150,8 +135,6 @@ AVX512 static inline __attribute__((always_inline)) void scores8_loop(
         }
     }
     if (2 * l < dk) {
-        if (prefetch)
-            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(kn + l * knline * 2 + x, _MM_HINT_T1);
         const __m256i w = _mm256_maskz_loadu_epi32(m8, kb + l * kline * 2);
         const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
         for (int g = 0; g < gt; g++) a0[g] = fma8(_mm256_set1_ps(qg[g][2 * l]), k0, a0[g]);
@@ -164,14 +147,12 @@ AVX512 static inline __attribute__((always_inline)) void scores8_loop(
  * multiply-adds' latency does not bound a loop of one per head and channel (docs/design.md,
  * "Short blocks"). The same sums for a block whichever call or thread computes it. */
 AVX512 static inline __attribute__((always_inline)) void scores8_avx512(
-    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, const uint16_t *kob, int64_t c, const float *ks, int64_t nt, const int gt, const int prefetch,
-    float *out) {
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
+    int64_t c, const float *ks, int64_t nt, const int gt, float *out) {
     const __mmask8 m8 = (__mmask8)((1u << nt) - 1);
     __m256 a0[TILE_G], a1[TILE_G];
     for (int g = 0; g < gt; g++) a0[g] = a1[g] = _mm256_setzero_ps();
-    if (prefetch) scores8_loop(enc, q, dk + no, dk, kb, kline, kn, knline, m8, gt, 1, a0, a1);
-    else scores8_loop(enc, q, dk + no, dk, kb, kline, kn, knline, m8, gt, 0, a0, a1);
+    scores8_loop(enc, q, dk + no, dk, kb, kline, m8, gt, a0, a1);
     __m512 acc[TILE_G][4];
     __mmask16 mask[4] = {lanes16(nt, 0), 0, 0, 0};
     for (int g = 0; g < gt; g++) {
@@ -184,21 +165,20 @@ AVX512 static inline __attribute__((always_inline)) void scores8_avx512(
 /* Scores, online softmax and the weighted sum of the values for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
-    const char *kb, int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs,
-    int64_t nt, state_t *st) {
+    const char *kb, int64_t kline, const char *vb, const float *ks, const float *vs,
+    int64_t nt, state_t *st, drip_t *pf) {
     const int64_t d = cc->d, dq = cc->dk + cc->no;
     float *p = st->p;
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
-    const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
-    if (nt <= 8)
-        scores8_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, pf, p);
+    if (nt <= 8) /* its key rows are the drip's from the softmax on (kslots 0) */
+        scores8_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, p);
     else if (nt <= 16)
-        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 1, pf, p);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 1, pf, p);
     else
-        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, kn, knline, ko, cc->c, ks, nt, gt, 4, pf, p);
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
+        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 4, pf, p);
+    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     /* a dense head's only block: its rows finished here (st->out) */
     void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL;
     pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
@@ -211,14 +191,21 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     const char *kb, *kn, *vb;
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    drip_t drips, *pf = NULL;
+    if (st->prefetch) {
+        const int64_t kp = kpack(enc), krows = (cc->dk + kp - 1) / kp;
+        pf = &drips;
+        *pf = drip_next(enc, cc, key_width(cc) / kp, kn, knline, vb, phys, nt, drip_slots_float(cc, nt <= 8 ? 0 : krows, nt));
+    }
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, pf); break;
+            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
         }
     }
+    if (pf) drip_rest(pf);
 }
 
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {

@@ -48,8 +48,8 @@ static void split_query_bf16(const gqa_cache_t *cc, int64_t h, const float *qf, 
 /* bfloat16 scores with vdpbf16ps: a word of 2 key channels of a position against the same 2
  * channels of a query piece, every piece into the same float32 accumulators. */
 AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
-    const uint16_t *qb, const int pieces, float mul, int64_t kp, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, int64_t nt, const int gt, const int ng, const int prefetch, float *out) {
+    const uint16_t *qb, const int pieces, float mul, int64_t kp, const char *kb, int64_t kline, int64_t nt,
+    const int gt, const int ng, drip_t *dr, float *out) {
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) {
@@ -58,10 +58,7 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
     }
     for (int64_t l = 0; 2 * l < kp; l++) {
         const char *row = kb + l * kline * 2;
-        if (prefetch) {
-            const char *next = kn + l * knline * 2;
-            for (int64_t x = 0; x < knline * 2; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-        }
+        if (dr) drip(dr, 1);
         __m512i kw[4];
         for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
         for (int g = 0; g < gt; g++)
@@ -81,22 +78,21 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
 
 /* tile_avx512 for bfloat16 with its scores by vdpbf16ps (the query split once per work item). */
 AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
-    const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *kn,
-    int64_t knline, const char *vb, const float *vs, int64_t nt, state_t *st) {
+    const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *vb,
+    const float *vs, int64_t nt, state_t *st, drip_t *pf) {
     const int64_t d = cc->d, kp = key_width(cc);
     float *p = st->p;
     const uint16_t *qb = st->qb + g0 * BPIECES * kp;
-    const int pf = g0 == 0 && st->prefetch;
     /* the pieces and the groups of 16 positions as constants: the accumulators stay in registers */
     if (st->qpieces == 1) {
-        if (nt <= 16) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
-        else scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
+        if (nt <= 16) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        else scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
     } else {
-        if (nt <= 16) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, kn, knline, nt, gt, 1, pf, p);
-        else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, kn, knline, nt, gt, 4, pf, p);
+        if (nt <= 16) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
     }
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
+    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     void *out = st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL; /* as tile_avx512 */
     pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
 }
@@ -112,14 +108,21 @@ AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     const char *kb, *kn, *vb;
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    const int64_t krows = key_width(cc) / 2;
+    drip_t drips, *pf = NULL;
+    if (st->prefetch) {
+        pf = &drips;
+        *pf = drip_next(enc, cc, krows, kn, knline, vb, phys, nt, drip_slots_float(cc, krows, nt));
+    }
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_dot(enc, cc, g0, 4, kb, kline, kn, knline, vb, vs, nt, st); break;
-            case 3: tile_dot(enc, cc, g0, 3, kb, kline, kn, knline, vb, vs, nt, st); break;
-            case 2: tile_dot(enc, cc, g0, 2, kb, kline, kn, knline, vb, vs, nt, st); break;
-            default: tile_dot(enc, cc, g0, 1, kb, kline, kn, knline, vb, vs, nt, st); break;
+            case 4: tile_dot(enc, cc, g0, 4, kb, kline, vb, vs, nt, st, pf); break;
+            case 3: tile_dot(enc, cc, g0, 3, kb, kline, vb, vs, nt, st, pf); break;
+            case 2: tile_dot(enc, cc, g0, 2, kb, kline, vb, vs, nt, st, pf); break;
+            default: tile_dot(enc, cc, g0, 1, kb, kline, vb, vs, nt, st, pf); break;
         }
     }
+    if (pf) drip_rest(pf);
 }
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
                                            int64_t nt, state_t *st) {

@@ -252,8 +252,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     const char *vn = vb + PREFETCH_BLOCKS * TILE_T * d;
     if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 1, pf, vn, p);
     else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 2, pf, vn, p);
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d);
+    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
+    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     int16_t wq[TILE_G * TILE_T];
     float scale[TILE_G];
     weights_int16(p, nt, gt, wq, scale);

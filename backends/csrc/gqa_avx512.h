@@ -79,25 +79,87 @@ AVX512 static inline __attribute__((always_inline)) void store_finished16(const 
     else _mm256_mask_storeu_epi16((uint16_t *)row + x, m, narrow16(enc, f));
 }
 
+#ifndef DRIP_SOFTMAX
+#define DRIP_SOFTMAX 4 /* a head's softmax, in drip slots (a key row or a value row each one) */
+#endif
+
+/* The next block's lines, asked for a few at a time through the whole of this block: its key
+ * rows, then its value rows, `per` lines a slot. A slot is a key row of the scores, a head's
+ * softmax (DRIP_SOFTMAX slots) or a value row of one pass of the value sum, so the requests keep
+ * pace with the block's arithmetic. Asked for only by the loops that read the same kind of rows
+ * (the next keys from the scores, the next values from the first pass), they stopped through
+ * the softmax and the later passes, and the core's fill buffers sat idle: the cold step took the
+ * sum of its arithmetic and its memory time (docs/design.md, "The next block, asked for a few
+ * lines at a time"). */
+typedef struct {
+    const char *at, *end; /* the range being asked for */
+    const char *v, *vend; /* the value rows, after the keys */
+    int64_t per;          /* lines a slot */
+} drip_t;
+
+AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t slots) {
+    for (int64_t n = c->per * slots; n > 0; n--) {
+        if (c->at >= c->end) {
+            if (c->v >= c->vend) return;
+            c->at = c->v;
+            c->end = c->vend;
+            c->v = c->vend;
+        }
+        _mm_prefetch(c->at, _MM_HINT_T1);
+        c->at += 64;
+    }
+}
+
+/* What the slots left of the block's lines (rounding), asked for at once. */
+AVX512 static inline __attribute__((always_inline)) void drip_rest(drip_t *c) {
+    c->per = 1;
+    drip(c, (c->end - c->at + 63) / 64 + (c->vend - c->v + 63) / 64);
+}
+
+/* Passes of pv_block_avx512 over a block's value rows for gt query heads. */
+static inline int64_t pv_passes(int64_t d, int64_t gt) { return d == 128 ? (gt + 1) / 2 : d / 64 + (d % 64) / 16; }
+
+/* The drip of the block after [phys, phys + nt) of a head, over `slots`: its key rows (krows
+ * of knline elements from kn), then its value rows (after this block's nt from vb, a block's
+ * worth or up to the ring's end). */
+static inline drip_t drip_next(const int enc, const gqa_cache_t *cc, int64_t krows, const char *kn, int64_t knline,
+                               const char *vb, int64_t phys, int64_t nt, int64_t slots) {
+    const int64_t el = enc_size(enc), d = cc->d, next = phys + nt;
+    const int64_t vrows = cc->c - next < TILE_T ? cc->c - next : TILE_T;
+    const char *v = vb + nt * d * el;
+    const int64_t kbytes = krows * knline * el, vbytes = vrows * d * el;
+    const int64_t lines = (kbytes + 63) / 64 + (vbytes + 63) / 64;
+    return (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines};
+}
+
+/* A float block's drip slots over its tiles: kslots key rows each (0 where its scores do not
+ * drip), each head's softmax, each pass of the value sum over the nt rows. */
+static inline int64_t drip_slots_float(const gqa_cache_t *cc, int64_t kslots, int64_t nt) {
+    int64_t slots = 0;
+    for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
+        slots += kslots + gt * DRIP_SOFTMAX + pv_passes(cc->d, gt) * nt;
+    }
+    return slots;
+}
+
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)
  * registers of 16 channels per query head, gt x nv at most 16, all constants after inlining so
- * the accumulators stay in registers. The first pass over a block also prefetches the rows of
- * a later block. out (or NULL): the block is its heads' only one (st->out, a dense cache): the
+ * the accumulators stay in registers. Every row of every pass is a slot of the drip dr
+ * (NULL: none). out (or NULL): the block is its heads' only one (st->out, a dense cache): the
  * sums start at 0 in registers (acc_mem is not read) and end as the heads' output rows (gt rows
  * of d in the stream's dtype from out), finished as finish_rows_avx512 does: the same bits,
  * without clearing, storing and reading the accumulators again. */
 AVX512 static inline __attribute__((always_inline)) void pv_avx512(
     const int enc, float *acc_mem, int64_t d, int64_t j0, const char *vb, const float *p, int64_t nt, const int gt,
-    const int nv, const int prefetch, void *out, const float *l) {
+    const int nv, drip_t *dr, void *out, const float *l) {
     const int64_t el = enc_size(enc);
     __m512 acc[TILE_G][8];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
-        if (j0 == 0 && prefetch) {
-            for (int64_t x = 0; x < d * el; x += 64) _mm_prefetch(row + PREFETCH_BLOCKS * TILE_T * d * el + x, _MM_HINT_T1);
-        }
+        if (dr) drip(dr, 1);
         __m512 vf[8];
         for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
         for (int g = 0; g < gt; g++) {
@@ -124,35 +186,37 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
  * block's rows in order, where four heads at a time fit only half a row's 8 registers each and
  * read every row in two strided halves (docs/design.md, "The value sum over whole rows": 9-14%
  * of a long float32 step). Otherwise 64 channels at a time for all gt heads. The same sums in
- * the same order either way. Only the first pass prefetches the later block's rows. */
+ * the same order either way. */
 AVX512 static inline __attribute__((always_inline)) void pv_block_avx512(
     const int enc, float *acc_mem, int64_t d, const char *vb, const float *p, int64_t nt, const int gt,
-    const int prefetch, void *out, const float *l) {
+    drip_t *dr, void *out, const float *l) {
     if (d == 128) {
         int g = 0;
         for (; g + 2 <= gt; g += 2)
-            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, prefetch && g == 0,
+            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, dr,
                       out ? (char *)out + g * d * enc_size(enc) : NULL, l + g);
         if (g < gt)
-            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 1, 8, prefetch && g == 0,
+            pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 1, 8, dr,
                       out ? (char *)out + g * d * enc_size(enc) : NULL, l + g);
         return;
     }
     int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 4, prefetch, out, l);
-    for (; j0 < d; j0 += 16) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 1, prefetch, out, l);
+    for (; j0 + 64 <= d; j0 += 64) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 4, dr, out, l);
+    for (; j0 < d; j0 += 16) pv_avx512(enc, acc_mem, d, j0, vb, p, nt, gt, 1, dr, out, l);
 }
 
 /* The shared online-softmax update of one block for `gt` query heads: p[g][t] holds the scores
  * (-inf past nt) and becomes exp(score - m) (times vs[t] when given); the running max m, sum l
  * and accumulators acc (gt x d) are rescaled when the max grows. */
 AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
-    float *p, int64_t nt, const float *vs, int64_t d, const int gt, const int ng, float *ms, float *ls, float *accs) {
+    float *p, int64_t nt, const float *vs, int64_t d, const int gt, const int ng, float *ms, float *ls, float *accs,
+    drip_t *dr) {
     /* ng (a constant): the groups of 16 lanes that can hold a position (1 for nt <= 16); the
      * others are all -inf, weight 0, and add nothing to the sum: skipped, the same bits */
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
     for (int g = 0; g < gt; g++) {
+        if (dr) drip(dr, DRIP_SOFTMAX);
         float *pg = p + g * TILE_T;
         __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(pg), _mm512_loadu_ps(pg + 16)),
                                   _mm512_max_ps(_mm512_loadu_ps(pg + 32), _mm512_loadu_ps(pg + 48)));
