@@ -191,12 +191,10 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     const char *kb, *kn, *vb;
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
-    drip_t drips, *pf = NULL;
-    if (st->prefetch) {
-        const int64_t kp = kpack(enc), krows = (cc->dk + kp - 1) / kp;
-        pf = &drips;
-        *pf = drip_next(enc, cc, key_width(cc) / kp, kn, knline, vb, phys, nt, drip_slots_float(cc, nt <= 8 ? 0 : krows, nt));
-    }
+    const int64_t kp = kpack(enc);
+    drip_t room;
+    drip_t *pf = drip_next(enc, cc, st, key_width(cc) / kp, kn, knline, vb, phys, nt,
+                           nt <= 8 ? 0 : (cc->dk + kp - 1) / kp, &room);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;

@@ -108,12 +108,9 @@ AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     const char *kb, *kn, *vb;
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
-    const int64_t krows = key_width(cc) / 2;
-    drip_t drips, *pf = NULL;
-    if (st->prefetch) {
-        pf = &drips;
-        *pf = drip_next(enc, cc, krows, kn, knline, vb, phys, nt, drip_slots_float(cc, krows, nt));
-    }
+    const int64_t krows = key_width(cc) / 2; /* each a slot of the scores loop */
+    drip_t room;
+    drip_t *pf = drip_next(enc, cc, st, krows, kn, knline, vb, phys, nt, krows, &room);
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_dot(enc, cc, g0, 4, kb, kline, vb, vs, nt, st, pf); break;

@@ -113,34 +113,33 @@ AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t
 /* What the slots left of the block's lines (rounding), asked for at once. */
 AVX512 static inline __attribute__((always_inline)) void drip_rest(drip_t *c) {
     c->per = 1;
-    drip(c, (c->end - c->at + 63) / 64 + (c->vend - c->v + 63) / 64);
+    drip(c, INT64_MAX); /* returns once both ranges are asked for */
 }
 
 /* Passes of pv_block_avx512 over a block's value rows for gt query heads. */
 static inline int64_t pv_passes(int64_t d, int64_t gt) { return d == 128 ? (gt + 1) / 2 : d / 64 + (d % 64) / 16; }
 
-/* The drip of the block after [phys, phys + nt) of a head, over `slots`: its key rows (krows
- * of knline elements from kn), then its value rows (after this block's nt from vb, a block's
- * worth or up to the ring's end). */
-static inline drip_t drip_next(const int enc, const gqa_cache_t *cc, int64_t krows, const char *kn, int64_t knline,
-                               const char *vb, int64_t phys, int64_t nt, int64_t slots) {
+/* The drip of the block after [phys, phys + nt) of a head, in *room, when the item reads that
+ * block (st->prefetch; else NULL): its key rows (krows of knline elements from kn), then its
+ * value rows (after this block's nt from vb, a block's worth or up to the ring's end), spread
+ * over this block's slots in every tile: kslots key rows (0 where the scores do not drip), each
+ * head's softmax, each pass of the value sum over the nt rows. */
+static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const state_t *st, int64_t krows,
+                                const char *kn, int64_t knline, const char *vb, int64_t phys, int64_t nt,
+                                int64_t kslots, drip_t *room) {
+    if (!st->prefetch) return NULL;
     const int64_t el = enc_size(enc), d = cc->d, next = phys + nt;
     const int64_t vrows = cc->c - next < TILE_T ? cc->c - next : TILE_T;
     const char *v = vb + nt * d * el;
     const int64_t kbytes = krows * knline * el, vbytes = vrows * d * el;
     const int64_t lines = (kbytes + 63) / 64 + (vbytes + 63) / 64;
-    return (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines};
-}
-
-/* A float block's drip slots over its tiles: kslots key rows each (0 where its scores do not
- * drip), each head's softmax, each pass of the value sum over the nt rows. */
-static inline int64_t drip_slots_float(const gqa_cache_t *cc, int64_t kslots, int64_t nt) {
     int64_t slots = 0;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
-        slots += kslots + gt * DRIP_SOFTMAX + pv_passes(cc->d, gt) * nt;
+        slots += kslots + gt * DRIP_SOFTMAX + pv_passes(d, gt) * nt;
     }
-    return slots;
+    *room = (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines};
+    return room;
 }
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)

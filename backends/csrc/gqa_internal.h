@@ -50,8 +50,8 @@
  * AVX-512) and portable C
  * (the specification the fast paths are tested against). The library builds with no -march
  * flag. The vector blocks prefetch the next block as they go (its key block is one contiguous
- * run, its value rows another; AVX-512's float blocks a few lines at every step of the block,
- * gqa_avx512.h's drip).
+ * run, its value rows another; the AVX-512 blocks but the VNNI int8 one a few lines at every
+ * step of the block, gqa_avx512.h's drip).
  * docs/design.md ("The C kernel") has the measurements behind these choices.
  *
  * Threads: a pool created once (gqa_set_threads sizes it; started on first use, restarted after
