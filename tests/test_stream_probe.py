@@ -21,7 +21,11 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.mark.skipif(_why_not() is not None, reason=str(_why_not()))
+WHY_NOT = _why_not()
+needs_the_probe = pytest.mark.skipif(WHY_NOT is not None, reason=str(WHY_NOT))
+
+
+@needs_the_probe
 def test_the_probe_reports_every_pattern():
     out = stream_probe.run(threads=2, mib=1, evict_mib=4, repeats=2)
     rates = dict(re.findall(r"^(\S+)\s+([0-9.]+) GB/s per core .*2 cores at once, 2 passes\)$", out, re.M))
@@ -29,9 +33,8 @@ def test_the_probe_reports_every_pattern():
     assert all(float(r) > 0 for r in rates.values()), out
 
 
+@needs_the_probe
 def test_bad_arguments_are_refused():
-    if _why_not() is not None:
-        pytest.skip(str(_why_not()))
     with pytest.raises(subprocess.CalledProcessError) as err:
         stream_probe.run(threads=0, mib=1, evict_mib=4, repeats=1)
     assert "bad arguments" in err.value.stderr, err.value
