@@ -149,7 +149,7 @@ def _step_native(kernel, members: list, steps: Sequence[BatchStep], results: lis
         st = status[j]
         if st == 0:
             r = res[7 * j : 7 * j + 7]
-            results[i] = StepOutcome(out, r[0], r[1], r[2], r[3], r[4], cache.row_bytes, 0, r[6])
+            results[i] = StepOutcome(out, r[0], r[1], r[2], r[3], r[4], cache._step_bytes, 0, r[6])
         elif st == -errno.EAGAIN:  # this cache's step takes the Python path now
             _step_python(cache, steps[i], results, i)
         else:
