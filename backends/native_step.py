@@ -10,6 +10,7 @@ inherits this class; nothing else does.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import os
 
@@ -19,6 +20,10 @@ from .contract import StepOutcome
 from .errors import CacheFullError, InputValueError
 
 __all__ = ["NativeStep", "OUTPUT_SLAB_BYTES"]
+
+# StepOutcome's fields' slot descriptors, in order: the C++ entry sets them on a StepOutcome it
+# allocates (a dataclass __init__ cost ~6 us of a cold step's Python)
+OUTCOME_FIELDS = tuple(StepOutcome.__dict__[f.name] for f in dataclasses.fields(StepOutcome))
 
 # A step's output is a new tensor the caller keeps. One torch.empty_like per step cost ~55 us of
 # a cold step's Python (a model's step: the dispatcher's code and data evicted since the
@@ -76,35 +81,47 @@ class NativeStep:
         self._wake = (kernel.prewake, at) if kernel.may_use_pool(at) else None
         s = self.spec
         self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
-        # the C++ entry (native.load_torch_step), when it is built: its function, its context
-        # (gqa_step's address, then those of the arrays above, and tensors of the step's
-        # dtype and shapes) and the kernel it was made for
+        # the C++ entry (native.load_torch_step), when it is built: the whole public step in one
+        # call (step_public: the pool's alert, the output row, gqa_step and the StepOutcome), its
+        # context, and the kernel it was made for. The context: step()'s (gqa_step's address,
+        # then those of the arrays above, and tensors of the step's dtype and shapes), the
+        # prewake's address (0: none) and the descriptor's, this cache's list of output rows,
+        # StepOutcome and its fields' slot descriptors, and bytes_written.
         self._fast = None
+        if self._outputs is None:
+            self._outputs = []  # refilled in place (new_slab): the entry's context holds the list
         try:
             step_at = ctypes.cast(kernel.step, ctypes.c_void_p).value  # a stand-in's is no C function
+            wake_at = ctypes.cast(kernel.prewake, ctypes.c_void_p).value if self._wake is not None else 0
             module = native.load_torch_step()
         except (native.NativeUnavailable, ctypes.ArgumentError):
             return
         kv_like = torch.empty((s.batch_size, s.num_kv_heads, s.head_dim), dtype=s.dtype)
-        self._fast = (module.step, (step_at, *self._one[1:8:2], self._out_like, kv_like), kernel)
+        ctx = (step_at, *self._one[1:8:2], self._out_like, kv_like)
+        pctx = (ctx, wake_at or 0, at, self._outputs, StepOutcome, OUTCOME_FIELDS, self._step_bytes)
+        self._fast = (module.step_public, pctx, kernel)
 
-    def _step_native(self, query, new_key, new_value, out=None) -> StepOutcome | None:
+    def _step_native(self, query, new_key, new_value) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path
         (``python_below``: the int8 cache's calibration)."""
-        wake = self._wake
-        if wake is not None:
-            wake[0](wake[1])
-        if out is None:
-            out = self.next_output()
-        rc = None
         fast = self._fast
         if fast is not None and self._native is fast[2]:  # a test's stand-in kernel goes through ctypes
-            rc = fast[0](fast[1], query, new_key, new_value, out)
-            if type(rc) is tuple:  # stepped
-                return StepOutcome(out, rc[0], rc[1], rc[2], rc[3], rc[4], self._step_bytes, 0, rc[6])
+            rc = fast[0](fast[1], query, new_key, new_value)
+            if rc is NotImplemented:  # the output rows used up (the pool alerted): a new slab, and again
+                self.new_slab()
+                rc = fast[0](fast[1], query, new_key, new_value)
+            if type(rc) is StepOutcome:
+                return rc
+        else:
+            wake = self._wake
+            if wake is not None:
+                wake[0](wake[1])
+            rc = None
         _, addrs, io, io_at, res, res_at, status, status_at, _ = self._one
+        out = None
         if rc is None:  # no C++ entry, or a tensor it does not take: the checks here, then ctypes
             self.check_native_inputs(query, new_key, new_value)
+            out = self.next_output()
             fn = self._native.step  # looked up per step: a test's stand-in kernel takes effect
             q, k, v = query.contiguous(), new_key.contiguous(), new_value.contiguous()
             io[0] = q.data_ptr()
@@ -128,11 +145,19 @@ class NativeStep:
         a slab of them (``OUTPUT_SLAB_BYTES``)."""
         outputs = self._outputs
         if not outputs:
-            like = self._out_like
-            n = max(1, OUTPUT_SLAB_BYTES // (like.numel() * like.element_size()))
-            outputs = self._outputs = list(torch.empty((n, *like.shape), dtype=like.dtype).unbind(0))
-            outputs.reverse()  # handed out in memory order
+            outputs = self.new_slab()
         return outputs.pop()
+
+    def new_slab(self) -> list:
+        """The cache's list of output rows (the next one last) filled with a new slab's, in place:
+        the C++ entry's context holds the list."""
+        like = self._out_like
+        n = max(1, OUTPUT_SLAB_BYTES // (like.numel() * like.element_size()))
+        rows = torch.empty((n, *like.shape), dtype=like.dtype).unbind(0)
+        if self._outputs is None:
+            self._outputs = []
+        self._outputs[:] = rows[::-1]  # handed out in memory order
+        return self._outputs
 
     def check_native_inputs(self, query, new_key, new_value) -> None:
         """The checks of ``check_tensors`` that ``gqa_step`` does not make itself (here: all of

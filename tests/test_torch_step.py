@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends import native, native_build
-from backends.contract import CacheSpec
+from backends import native, native_build, native_step
+from backends.contract import CacheSpec, StepOutcome
 from backends.cpu import DenseCache
 from backends.errors import CacheFullError, InputTypeError, InputValueError
 from backends.int8 import Int8Backend
@@ -41,10 +41,19 @@ def _cache(backend: str, dtype: torch.dtype, policy: EvictionPolicy):
 
 
 def _spy(cache) -> list:
-    """Wraps the cache's C++ entry: each call's return value is appended to the list."""
+    """Wraps the cache's C++ entry: each call's return value is appended to the list, except
+    NotImplemented (the entry's word that the cache's output rows are used up: the step then
+    makes a new slab and calls again)."""
     fn, ctx, kernel = cache._fast
     seen: list = []
-    cache._fast = (lambda *a: seen.append(fn(*a)) or seen[-1], ctx, kernel)
+
+    def spy(*args):
+        rc = fn(*args)
+        if rc is not NotImplemented:
+            seen.append(rc)
+        return rc
+
+    cache._fast = (spy, ctx, kernel)
     return seen
 
 
@@ -69,7 +78,32 @@ def test_the_cpp_entry_steps_as_the_ctypes_path_does(backend, dtype, policy):
         a, b = fast.step(q, k, v), slow.step(q, k, v)
         assert torch.equal(a.output, b.output)
         assert dataclasses.replace(a, output=None) == dataclasses.replace(b, output=None)
-    assert sum(type(r) is tuple for r in seen) >= 30 - 16  # int8's calibration steps are Python's
+    assert sum(type(r) is StepOutcome for r in seen) >= 30 - 16  # int8's calibration steps are Python's
+
+
+def test_the_entry_takes_output_rows_off_the_caches_slab_and_asks_for_more(monkeypatch):
+    """Each step's output is the next row of the cache's slab, taken by the entry; when the rows
+    are used up it answers NotImplemented having done nothing but alert the pool, and the step
+    makes a new slab and calls again. Over several slabs of 3 rows every output is a distinct
+    tensor, equal to the ctypes path's."""
+    monkeypatch.setattr(native_step, "OUTPUT_SLAB_BYTES", 3 * HQ * D * 4)
+    fast, slow = _cache("cpu", torch.float32, POLICIES["sink"]), _cache("cpu", torch.float32, POLICIES["sink"])
+    slow._fast = None
+    fn, ctx, kernel = fast._fast
+    answers: list = []
+    fast._fast = (lambda *a: answers.append(fn(*a)) or answers[-1], ctx, kernel)
+    outputs = []
+    for q, k, v in _inputs(torch.Generator().manual_seed(11), torch.float32, 10):
+        a, b = fast.step(q, k, v), slow.step(q, k, v)
+        assert torch.equal(a.output, b.output) and a.tokens_seen == b.tokens_seen
+        outputs.append(a.output)
+    assert answers.count(NotImplemented) == 4  # before steps 1, 4, 7 and 10
+    assert sum(type(r) is StepOutcome for r in answers) == 10
+    assert len({o.data_ptr() for o in outputs}) == 10 and len(fast._outputs) == 2
+    held = outputs[0].clone()
+    for q, k, v in _inputs(torch.Generator().manual_seed(12), torch.float32, 4):
+        fast.step(q, k, v)
+    assert torch.equal(outputs[0], held)  # a handed-out row is never written again
 
 
 def test_tensors_the_entry_does_not_take_go_through_the_checks():
@@ -94,7 +128,7 @@ def test_tensors_the_entry_does_not_take_go_through_the_checks():
     out = cache.step(q.clone().as_subclass(Sub), k, v).output
     assert seen[-1] is None and torch.equal(out, twin.step(q, k, v).output)
     out = cache.step(torch.nn.Parameter(q.clone(), requires_grad=False), k, v).output  # torch's own
-    assert type(seen[-1]) is tuple and torch.equal(out, twin.step(q, k, v).output)
+    assert type(seen[-1]) is StepOutcome and torch.equal(out, twin.step(q, k, v).output)
     before = cache.tokens_seen, cache.export()
     with pytest.raises(InputTypeError, match="query: dtype"):
         cache.step(q.double(), k.double(), v.double())
@@ -107,7 +141,7 @@ def test_tensors_the_entry_does_not_take_go_through_the_checks():
         cache.step(sparse, k, v)
     assert seen[-1] is None and cache.tokens_seen == before[0]
     out = cache.step(q, k, v).output  # and the next plain step is the entry's again
-    assert type(seen[-1]) is tuple and torch.equal(out, twin.step(q, k, v).output)
+    assert type(seen[-1]) is StepOutcome and torch.equal(out, twin.step(q, k, v).output)
 
 
 def test_a_row_the_kernel_refuses_is_reported_as_on_the_ctypes_path():
@@ -168,6 +202,14 @@ def test_the_entry_refuses_a_malformed_context():
         step((1, 2, 3, 4, 5, "q", "kv"), q, q, q, q)
     with pytest.raises(ValueError, match="null address"):
         step((0, 2, 3, 4, 5, q, q), q, q, q, q)
+    public = native.load_torch_step().step_public
+    ctx = _cache("cpu", torch.float32, POLICIES["strict"])._fast[1]
+    with pytest.raises(TypeError, match="pctx is"):
+        public(ctx[:3], q, q, q)
+    with pytest.raises(TypeError, match="pctx is"):
+        public((*ctx[:3], "rows", *ctx[4:]), q, q, q)
+    with pytest.raises(TypeError, match="descriptor that cannot set"):
+        public((*ctx[:5], (StepOutcome.__init__,) * 9, ctx[6]), q, q, q)
 
 
 def test_torch_step_module_is_built_once_and_cached(tmp_path, monkeypatch):
@@ -184,12 +226,22 @@ def test_torch_step_module_is_built_once_and_cached(tmp_path, monkeypatch):
     assert not list(tmp_path.glob("*.so"))
 
 
+def test_the_entry_alerts_the_pool_where_the_python_path_would():
+    """The entry calls gqa_prewake first (its address in the context) for a cache whose steps
+    can use the pool, as the ctypes path does before its checks; for one too small, nothing."""
+    spec = CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.none(1200))
+    big, small = DenseCache(spec, "native"), _cache("cpu", torch.float32, POLICIES["strict"])
+    prewake = ctypes.cast(big._native.prewake, ctypes.c_void_p).value
+    assert big._wake is not None and big._fast[1][1:3] == (prewake, ctypes.addressof(big._state))
+    assert small._wake is None and small._fast[1][1] == 0
+
+
 def test_the_entry_calls_the_kernel_it_was_made_for():
     """A cache's entry holds gqa_step's own address; a stand-in kernel put on the cache later
     (as the fault tests do) is called through ctypes, not bypassed by the entry."""
     cache = _cache("cpu", torch.float32, POLICIES["strict"])
     kernel = cache._native
-    assert cache._fast[1][0] == ctypes.cast(kernel.step, ctypes.c_void_p).value and cache._fast[2] is kernel
+    assert cache._fast[1][0][0] == ctypes.cast(kernel.step, ctypes.c_void_p).value and cache._fast[2] is kernel
 
     class StandIn:
         def __init__(self, real):

@@ -21,6 +21,17 @@
  *   (its status, in the status array).
  * The GIL is released while gqa_step runs, as ctypes releases it; the tensors stay alive (the
  * caller holds them).
+ *
+ * step_public(pctx, query, new_key, new_value): the whole public step of a cache in this one
+ * call, pctx = (ctx, the prewake's address or 0, the descriptor's address, the cache's list of
+ * output rows, StepOutcome, its nine fields' member descriptors, bytes_written) made once per
+ * cache. It alerts the pool (gqa_prewake), takes the next output row off the list, steps as
+ * step() does and returns the StepOutcome itself (made without running the dataclass's
+ * __init__: each field stored through its slot's descriptor). A cold step's Python around the
+ * call took ~45 us for these three (a ctypes call, a method and a dataclass __init__; docs/
+ * design.md, "The public step in one call"). Returns as step() does, the StepOutcome in place
+ * of the tuple, and NotImplemented (the pool alerted, nothing else done) when the list is
+ * empty: the caller refills it and calls again.
  */
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
@@ -49,43 +60,64 @@ bool fits(PyObject *o, const at::Tensor &like, void **at) {
     return true;
 }
 
-PyObject *step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
-    if (nargs != 5 || !PyTuple_Check(args[0]) || PyTuple_GET_SIZE(args[0]) != kAddrs + 2) {
-        PyErr_SetString(PyExc_TypeError, "step(ctx, query, new_key, new_value, out): ctx is a 7-tuple");
-        return nullptr;
-    }
-    PyObject *ctx = args[0];
+// What run() did with a row.
+enum Ran { kStepped, kCode, kNotTaken, kError };
+
+// The row through gqa_step when every tensor fits: kStepped (the results at *results),
+// kCode (*code: gqa_step's nonzero return, or 0 with the row refused in the status array),
+// kNotTaken (nothing called), or kError (a malformed ctx: a Python error set).
+Ran run(PyObject *ctx, PyObject *query, PyObject *new_key, PyObject *new_value, PyObject *out,
+        const int64_t **results, int32_t *code) {
     void *addr[kAddrs];
     for (Py_ssize_t i = 0; i < kAddrs; i++) {
         addr[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ctx, i));
         if (!addr[i]) {
             if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "step: a null address in ctx");
-            return nullptr;
+            return kError;
         }
     }
     PyObject *q_like = PyTuple_GET_ITEM(ctx, kAddrs), *kv_like = PyTuple_GET_ITEM(ctx, kAddrs + 1);
     if (!THPVariable_Check(q_like) || !THPVariable_Check(kv_like)) {
         PyErr_SetString(PyExc_TypeError, "step: ctx's last two items are tensors");
-        return nullptr;
+        return kError;
     }
     const at::Tensor &ql = THPVariable_Unpack(q_like), &kvl = THPVariable_Unpack(kv_like);
     void **io = static_cast<void **>(addr[2]);
     bool ok;
     try {  // no C++ exception may cross into Python's C code: any is a tensor this entry does not take
-        ok = fits(args[1], ql, &io[0]) && fits(args[2], kvl, &io[1]) && fits(args[3], kvl, &io[2]) &&
-             fits(args[4], ql, &io[3]);
+        ok = fits(query, ql, &io[0]) && fits(new_key, kvl, &io[1]) && fits(new_value, kvl, &io[2]) &&
+             fits(out, ql, &io[3]);
     } catch (...) {
         ok = false;
     }
-    if (!ok) Py_RETURN_NONE;
+    if (!ok) return kNotTaken;
     const auto fn = reinterpret_cast<step_fn>(addr[0]);
-    auto *results = static_cast<int64_t *>(addr[3]);
+    auto *res = static_cast<int64_t *>(addr[3]);
     auto *status = static_cast<int32_t *>(addr[4]);
     int32_t rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = fn(static_cast<void *const *>(addr[1]), 1, io, nullptr, nullptr, results, kResults, status, 0, 0);
+    rc = fn(static_cast<void *const *>(addr[1]), 1, io, nullptr, nullptr, res, kResults, status, 0, 0);
     Py_END_ALLOW_THREADS
-    if (rc || *status) return PyLong_FromLong(rc);
+    *code = rc;
+    *results = res;
+    return rc || *status ? kCode : kStepped;
+}
+
+bool is_ctx(PyObject *ctx) { return PyTuple_Check(ctx) && PyTuple_GET_SIZE(ctx) == kAddrs + 2; }
+
+PyObject *step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 5 || !is_ctx(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "step(ctx, query, new_key, new_value, out): ctx is a 7-tuple");
+        return nullptr;
+    }
+    const int64_t *results;
+    int32_t code;
+    switch (run(args[0], args[1], args[2], args[3], args[4], &results, &code)) {
+        case kError: return nullptr;
+        case kNotTaken: Py_RETURN_NONE;
+        case kCode: return PyLong_FromLong(code);
+        case kStepped: break;
+    }
     PyObject *out = PyTuple_New(kResults);
     if (!out) return nullptr;
     for (int64_t i = 0; i < kResults; i++) {
@@ -99,9 +131,81 @@ PyObject *step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return out;
 }
 
+constexpr Py_ssize_t kFields = 9;  // StepOutcome's fields, in order
+
+// The StepOutcome of a stepped row: `cls` allocated and each field set through its member
+// descriptor (fields), from the output row, the results and bytes_written. nullptr: an error set.
+PyObject *outcome(PyObject *cls, PyObject *fields, PyObject *out, const int64_t *r, PyObject *bytes) {
+    PyTypeObject *type = reinterpret_cast<PyTypeObject *>(cls);
+    PyObject *o = type->tp_alloc(type, 0);
+    if (!o) return nullptr;
+    PyObject *values[kFields] = {out, nullptr, nullptr, nullptr, nullptr, nullptr, bytes, nullptr, nullptr};
+    const int64_t numbers[kFields] = {0, r[0], r[1], r[2], r[3], r[4], 0, 0, r[6]};
+    for (Py_ssize_t i = 0; i < kFields; i++) {
+        PyObject *v = values[i];
+        if (v) Py_INCREF(v);
+        else v = PyLong_FromLongLong(numbers[i]);
+        PyObject *d = PyTuple_GET_ITEM(fields, i);
+        const int rc = v ? Py_TYPE(d)->tp_descr_set(d, o, v) : -1;
+        Py_XDECREF(v);
+        if (rc) {
+            Py_DECREF(o);
+            return nullptr;
+        }
+    }
+    return o;
+}
+
+PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    constexpr Py_ssize_t kItems = 7;
+    PyObject *p = nargs == 4 ? args[0] : nullptr;
+    if (!p || !PyTuple_Check(p) || PyTuple_GET_SIZE(p) != kItems || !is_ctx(PyTuple_GET_ITEM(p, 0)) ||
+        !PyList_Check(PyTuple_GET_ITEM(p, 3)) ||
+        !PyType_Check(PyTuple_GET_ITEM(p, 4)) || !PyTuple_Check(PyTuple_GET_ITEM(p, 5)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(p, 5)) != kFields || !PyLong_Check(PyTuple_GET_ITEM(p, 6))) {
+        PyErr_SetString(PyExc_TypeError,
+                        "step_public(pctx, query, new_key, new_value): pctx is (ctx, prewake, descriptor, outputs "
+                        "list, StepOutcome, its 9 field descriptors, bytes_written)");
+        return nullptr;
+    }
+    PyObject *fields = PyTuple_GET_ITEM(p, 5);
+    for (Py_ssize_t i = 0; i < kFields; i++)
+        if (!Py_TYPE(PyTuple_GET_ITEM(fields, i))->tp_descr_set) {
+            PyErr_SetString(PyExc_TypeError, "step_public: a field descriptor that cannot set");
+            return nullptr;
+        }
+    void *wake = PyLong_AsVoidPtr(PyTuple_GET_ITEM(p, 1));
+    const void *desc = wake ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(p, 2)) : nullptr;
+    if (PyErr_Occurred()) return nullptr;
+    if (wake && desc) reinterpret_cast<void (*)(const void *)>(wake)(desc);  // first: the workers' wake-up overlaps the rest
+    PyObject *outputs = PyTuple_GET_ITEM(p, 3);
+    const Py_ssize_t left = PyList_GET_SIZE(outputs);
+    if (!left) Py_RETURN_NOTIMPLEMENTED;
+    PyObject *out = PyList_GET_ITEM(outputs, left - 1);
+    Py_INCREF(out);  // held while stepped: the list lets go of it below
+    const int64_t *results;
+    int32_t code;
+    const Ran ran = run(PyTuple_GET_ITEM(p, 0), args[1], args[2], args[3], out, &results, &code);
+    if (ran == kError || ran == kNotTaken) {  // the row stays the list's next
+        Py_DECREF(out);
+        if (ran == kError) return nullptr;
+        Py_RETURN_NONE;
+    }
+    if (PySequence_DelItem(outputs, left - 1)) {  // the row is this step's now, stepped or refused
+        Py_DECREF(out);
+        return nullptr;
+    }
+    PyObject *o = ran == kCode ? PyLong_FromLong(code)
+                               : outcome(PyTuple_GET_ITEM(p, 4), fields, out, results, PyTuple_GET_ITEM(p, 6));
+    Py_DECREF(out);
+    return o;
+}
+
 PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step)), METH_FASTCALL,
      "step(ctx, query, new_key, new_value, out): one public step through gqa_step (see the source)"},
+    {"step_public", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step_public)), METH_FASTCALL,
+     "step_public(pctx, query, new_key, new_value): the public step and its StepOutcome in one call (see the source)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gqa_torch_step", "The public step's entry with torch tensors.", -1,
