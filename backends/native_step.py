@@ -40,7 +40,7 @@ class NativeStep:
     _native = None
     _fast = None  # the C++ entry's (function, context, kernel), or None: ctypes alone
     _step_bytes = 0  # row_bytes, read once: a step's bytes_written
-    _outputs: list | None = None  # the current slab's rows not handed out yet, last first
+    _outputs: list | None = None  # the current slab's rows not handed out yet, last first (_attach_native's list)
 
     def _attach_native(self, kernel, desc) -> None:
         """Makes ``desc`` (a ``native.CacheDesc`` with storage and shape filled in) this cache's
@@ -154,8 +154,6 @@ class NativeStep:
         like = self._out_like
         n = max(1, OUTPUT_SLAB_BYTES // (like.numel() * like.element_size()))
         rows = torch.empty((n, *like.shape), dtype=like.dtype).unbind(0)
-        if self._outputs is None:
-            self._outputs = []
         self._outputs[:] = rows[::-1]  # handed out in memory order
         return self._outputs
 
