@@ -25,11 +25,13 @@ __all__ = ["NativeStep", "OUTPUT_SLAB_BYTES"]
 # allocates (a dataclass __init__ cost ~6 us of a cold step's Python)
 OUTCOME_FIELDS = tuple(StepOutcome.__dict__[f.name] for f in dataclasses.fields(StepOutcome))
 
-# A step's output is a new tensor the caller keeps. One torch.empty_like per step cost ~55 us of
-# a cold step's Python (a model's step: the dispatcher's code and data evicted since the
-# layer's last one); instead a slab of outputs is made at once, up to this many bytes, and each
-# step takes its next row (one unbind for the slab): still distinct memory per step, but a row
-# keeps its whole slab alive while the caller holds it (docs/design.md, "A step's output").
+# A step's output is a tensor the caller keeps. The C++ entry makes it itself, or writes again
+# into the one the cache's last step returned once the caller has let go of it
+# (csrc/torch_step.cpp). The ctypes path, where one torch.empty_like per step cost ~55 us of a
+# cold step's Python (a model's step: the dispatcher's code and data evicted since the layer's
+# last one), makes a slab of outputs at once instead, up to this many bytes, and each step takes
+# its next row (one unbind for the slab): still distinct memory per step, but a row keeps its
+# whole slab alive while the caller holds it (docs/design.md, "A step's output").
 OUTPUT_SLAB_BYTES = 64 << 10
 
 
@@ -40,7 +42,7 @@ class NativeStep:
     _native = None
     _fast = None  # the C++ entry's (function, context, kernel), or None: ctypes alone
     _step_bytes = 0  # row_bytes, read once: a step's bytes_written
-    _outputs: list | None = None  # the current slab's rows not handed out yet, last first (_attach_native's list)
+    _outputs: list | None = None  # the ctypes path's: the current slab's rows not handed out yet, last first
 
     def _attach_native(self, kernel, desc) -> None:
         """Makes ``desc`` (a ``native.CacheDesc`` with storage and shape filled in) this cache's
@@ -82,14 +84,13 @@ class NativeStep:
         s = self.spec
         self._out_like = torch.empty((s.batch_size, s.num_query_heads, s.head_dim), dtype=s.dtype)
         # the C++ entry (native.load_torch_step), when it is built: the whole public step in one
-        # call (step_public: the pool's alert, the output row, gqa_step and the StepOutcome), its
-        # context, and the kernel it was made for. The context: step()'s (gqa_step's address,
-        # then those of the arrays above, and tensors of the step's dtype and shapes), the
-        # prewake's address (0: none) and the descriptor's, this cache's list of output rows,
-        # StepOutcome and its fields' slot descriptors, and bytes_written.
+        # call (step_public: the pool's alert, the output tensor, gqa_step and the StepOutcome),
+        # its context, and the kernel it was made for. The context: step()'s (gqa_step's
+        # address, then those of the arrays above, and tensors of the step's dtype and shapes),
+        # the prewake's address (0: none) and the descriptor's, this cache's output holder (the
+        # tensor its last step made, written again once the caller lets go of it), StepOutcome
+        # and its fields' slot descriptors, and bytes_written.
         self._fast = None
-        if self._outputs is None:
-            self._outputs = []  # refilled in place (new_slab): the entry's context holds the list
         try:
             step_at = ctypes.cast(kernel.step, ctypes.c_void_p).value  # a stand-in's is no C function
             wake_at = ctypes.cast(kernel.prewake, ctypes.c_void_p).value if self._wake is not None else 0
@@ -98,7 +99,7 @@ class NativeStep:
             return
         kv_like = torch.empty((s.batch_size, s.num_kv_heads, s.head_dim), dtype=s.dtype)
         ctx = (step_at, *self._one[1:8:2], self._out_like, kv_like)
-        pctx = (ctx, wake_at or 0, at, self._outputs, StepOutcome, OUTCOME_FIELDS, self._step_bytes)
+        pctx = (ctx, wake_at or 0, at, [None], StepOutcome, OUTCOME_FIELDS, self._step_bytes)
         self._fast = (module.step_public, pctx, kernel)
 
     def _step_native(self, query, new_key, new_value) -> StepOutcome | None:
@@ -107,9 +108,6 @@ class NativeStep:
         fast = self._fast
         if fast is not None and self._native is fast[2]:  # a test's stand-in kernel goes through ctypes
             rc = fast[0](fast[1], query, new_key, new_value)
-            if rc is NotImplemented:  # the output rows used up (the pool alerted): a new slab, and again
-                self.new_slab()
-                rc = fast[0](fast[1], query, new_key, new_value)
             if type(rc) is StepOutcome:
                 return rc
         else:
@@ -149,12 +147,11 @@ class NativeStep:
         return outputs.pop()
 
     def new_slab(self) -> list:
-        """The cache's list of output rows (the next one last) filled with a new slab's, in place:
-        the C++ entry's context holds the list."""
+        """A new slab's output rows, the cache's list of them from now on (the next one last)."""
         like = self._out_like
         n = max(1, OUTPUT_SLAB_BYTES // (like.numel() * like.element_size()))
         rows = torch.empty((n, *like.shape), dtype=like.dtype).unbind(0)
-        self._outputs[:] = rows[::-1]  # handed out in memory order
+        self._outputs = list(rows[::-1])  # handed out in memory order
         return self._outputs
 
     def check_native_inputs(self, query, new_key, new_value) -> None:

@@ -259,9 +259,10 @@ def test_capabilities_refuse_with_every_reason():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_each_steps_output_is_its_own_and_later_steps_leave_it(dtype):
-    """Outputs come from slabs of several (``native_step.OUTPUT_SLAB_BYTES``): across more steps
-    than a slab holds, every output kept is its step's, at its own address, whatever came after;
-    the public step and ``step_many`` alike."""
+    """Outputs come from slabs of several (``native_step.OUTPUT_SLAB_BYTES``; ``step_many``) or
+    are written again once the caller lets go of them (the public step's C++ entry): across more
+    steps than a slab holds, every output kept is its step's, at its own address, whatever came
+    after; the public step and ``step_many`` alike."""
     from backends import batch
     from backends.native_step import OUTPUT_SLAB_BYTES
 

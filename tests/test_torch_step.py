@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
 
-from backends import native, native_build, native_step
+from backends import native, native_build
 from backends.contract import CacheSpec, StepOutcome
 from backends.cpu import DenseCache
 from backends.errors import CacheFullError, InputTypeError, InputValueError
@@ -41,17 +42,13 @@ def _cache(backend: str, dtype: torch.dtype, policy: EvictionPolicy):
 
 
 def _spy(cache) -> list:
-    """Wraps the cache's C++ entry: each call's return value is appended to the list, except
-    NotImplemented (the entry's word that the cache's output rows are used up: the step then
-    makes a new slab and calls again)."""
+    """Wraps the cache's C++ entry: each call's return value is appended to the list."""
     fn, ctx, kernel = cache._fast
     seen: list = []
 
     def spy(*args):
-        rc = fn(*args)
-        if rc is not NotImplemented:
-            seen.append(rc)
-        return rc
+        seen.append(fn(*args))
+        return seen[-1]
 
     cache._fast = (spy, ctx, kernel)
     return seen
@@ -81,29 +78,61 @@ def test_the_cpp_entry_steps_as_the_ctypes_path_does(backend, dtype, policy):
     assert sum(type(r) is StepOutcome for r in seen) >= 30 - 16  # int8's calibration steps are Python's
 
 
-def test_the_entry_takes_output_rows_off_the_caches_slab_and_asks_for_more(monkeypatch):
-    """Each step's output is the next row of the cache's slab, taken by the entry; when the rows
-    are used up it answers NotImplemented having done nothing but alert the pool, and the step
-    makes a new slab and calls again. Over several slabs of 3 rows every output is a distinct
-    tensor, equal to the ctypes path's."""
-    monkeypatch.setattr(native_step, "OUTPUT_SLAB_BYTES", 3 * HQ * D * 4)
-    fast, slow = _cache("cpu", torch.float32, POLICIES["sink"]), _cache("cpu", torch.float32, POLICIES["sink"])
+def _twins(policy: str = "sink"):
+    """A cache with the C++ entry and its ctypes twin, and step(): one step of both on the next
+    random inputs, returning the entry's output after checking it against the twin's."""
+    fast, slow = _cache("cpu", torch.float32, POLICIES[policy]), _cache("cpu", torch.float32, POLICIES[policy])
     slow._fast = None
-    fn, ctx, kernel = fast._fast
-    answers: list = []
-    fast._fast = (lambda *a: answers.append(fn(*a)) or answers[-1], ctx, kernel)
-    outputs = []
-    for q, k, v in _inputs(torch.Generator().manual_seed(11), torch.float32, 10):
+    steps = iter(_inputs(torch.Generator().manual_seed(11), torch.float32, 40))
+
+    def step():
+        q, k, v = next(steps)
         a, b = fast.step(q, k, v), slow.step(q, k, v)
         assert torch.equal(a.output, b.output) and a.tokens_seen == b.tokens_seen
-        outputs.append(a.output)
-    assert answers.count(NotImplemented) == 4  # before steps 1, 4, 7 and 10
-    assert sum(type(r) is StepOutcome for r in answers) == 10
-    assert len({o.data_ptr() for o in outputs}) == 10 and len(fast._outputs) == 2
-    held = outputs[0].clone()
-    for q, k, v in _inputs(torch.Generator().manual_seed(12), torch.float32, 4):
-        fast.step(q, k, v)
-    assert torch.equal(outputs[0], held)  # a handed-out row is never written again
+        return a.output
+
+    return fast, step
+
+
+def test_an_output_the_caller_let_go_of_is_written_again_and_one_it_holds_never_is():
+    """A step's output is a tensor of its own. Once the caller drops it (with the outcome), the
+    cache's next step writes into the same tensor again; the outputs the caller keeps are each
+    its own and later steps leave them as they were."""
+    _, step = _twins()
+    first = step().data_ptr()  # dropped at once
+    assert [step().data_ptr() for _ in range(3)] == [first] * 3
+    kept = [step() for _ in range(4)]
+    assert len({t.data_ptr() for t in kept}) == 4 and kept[0].data_ptr() == first
+    copies = [t.clone() for t in kept]
+    for _ in range(5):
+        assert step().data_ptr() not in {t.data_ptr() for t in kept}
+    assert all(torch.equal(t, c) for t, c in zip(kept, copies))
+
+
+@pytest.mark.parametrize("hold", ["view", "numpy", "weak reference", "gradient"])
+def test_an_output_still_referred_to_is_not_written_again(hold):
+    """The caller drops an output but keeps a view of it, a numpy array on it or a weak
+    reference to it, or made it require a gradient: the next step makes a new tensor. A view or
+    an array keeps the old memory, which no later step writes."""
+    _, step = _twins()
+    out = step()
+    at, before = out.data_ptr(), out.detach().clone()
+    if hold == "view":
+        kept = out[0, 1:]
+    elif hold == "numpy":
+        kept = out.numpy()
+    elif hold == "weak reference":
+        kept = weakref.ref(out)
+    else:
+        out.requires_grad_()
+    del out
+    assert step().data_ptr() != at
+    if hold in ("view", "numpy"):
+        for _ in range(3):
+            assert step().data_ptr() != at
+        assert torch.equal(torch.as_tensor(kept), before[0, 1:] if hold == "view" else before)
+    elif hold == "weak reference":
+        assert kept() is None  # the cache let go of it when it made the new one
 
 
 def test_tensors_the_entry_does_not_take_go_through_the_checks():
@@ -208,6 +237,8 @@ def test_the_entry_refuses_a_malformed_context():
         public(ctx[:3], q, q, q)
     with pytest.raises(TypeError, match="pctx is"):
         public((*ctx[:3], "rows", *ctx[4:]), q, q, q)
+    with pytest.raises(TypeError, match="pctx is"):
+        public((*ctx[:3], [], *ctx[4:]), q, q, q)
     with pytest.raises(TypeError, match="descriptor that cannot set"):
         public((*ctx[:5], (StepOutcome.__init__,) * 9, ctx[6]), q, q, q)
 

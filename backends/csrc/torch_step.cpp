@@ -23,17 +23,25 @@
  * caller holds them).
  *
  * step_public(pctx, query, new_key, new_value): the whole public step of a cache in this one
- * call, pctx = (ctx, the prewake's address or 0, the descriptor's address, the cache's list of
- * output rows, StepOutcome, its nine fields' member descriptors, bytes_written) made once per
- * cache. It alerts the pool (gqa_prewake), takes the next output row off the list, steps as
- * step() does and returns the StepOutcome itself (made without running the dataclass's
- * __init__: each field stored through its slot's descriptor). A cold step's Python around the
- * call took ~45 us for these three (a ctypes call, a method and a dataclass __init__; docs/
- * design.md, "The public step in one call"). Returns as step() does, the StepOutcome in place
- * of the tuple, and NotImplemented (the pool alerted, nothing else done) when the list is
- * empty: the caller refills it and calls again.
+ * call, pctx = (ctx, the prewake's address or 0, the descriptor's address, the cache's output
+ * holder, StepOutcome, its nine fields' member descriptors, bytes_written) made once per cache.
+ * It alerts the pool (gqa_prewake), takes the step's output tensor (below), steps as step()
+ * does and returns the StepOutcome itself (made without running the dataclass's __init__: each
+ * field stored through its slot's descriptor). A cold step's Python around the call took ~45 us
+ * for these three (a ctypes call, a method and a dataclass __init__; docs/design.md, "The public
+ * step in one call"). Returns as step() does, the StepOutcome in place of the tuple.
+ *
+ * The output: the holder (a one-item list) keeps the tensor the cache's last step made. When
+ * the caller has let go of it (the holder's reference is the only one to the tensor and to its
+ * memory: no view, no weak reference, no autograd), this step writes into it again; otherwise
+ * the step makes a new one, which the holder keeps instead. So a caller that consumes each
+ * output before the next step (a model's layer) gets the same memory back without an
+ * allocation, and an output it keeps is never written again. A new tensor per step cost ~10 us
+ * of a cold step, and a slab of them made by torch's Python API ~140 us every few steps
+ * (docs/design.md, "A step's output tensor, reused").
  */
 #include <Python.h>
+#include <ATen/EmptyTensor.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
@@ -156,16 +164,48 @@ PyObject *outcome(PyObject *cls, PyObject *fields, PyObject *out, const int64_t 
     return o;
 }
 
+// The deleter of the memory new_output allocates (nullptr before the first): a tensor whose
+// memory another allocator made (shared memory, say) is not reused.
+c10::DeleterFnPtr our_deleter = nullptr;
+
+// Whether o, the holder's tensor, is free to be written again: the holder's reference is the
+// only one (no weak reference either), nothing else holds its TensorImpl or its storage (a
+// view, a DLPack export), it needs no gradient, and it still fits like's dtype and shape, alone
+// in memory of ours.
+bool let_go(PyObject *o, const at::Tensor &like) {
+    if (Py_REFCNT(o) != 1 || !THPVariable_CheckExact(o)) return false;
+    const Py_ssize_t weak = Py_TYPE(o)->tp_weaklistoffset;
+    if (weak <= 0 || *reinterpret_cast<PyObject **>(reinterpret_cast<char *>(o) + weak)) return false;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    void *data;
+    if (!fits(o, like, &data) || t.use_count() != 1 || t.requires_grad() || t.storage_offset() != 0) return false;
+    const c10::Storage &storage = t.storage();
+    return storage.use_count() == 1 && storage.nbytes() == t.nbytes() && our_deleter &&
+           storage.data_ptr().get_deleter() == our_deleter;
+}
+
+// A new tensor of like's dtype and shape (nullptr: a Python error set).
+PyObject *new_output(const at::Tensor &like) {
+    try {
+        at::Tensor t = at::detail::empty_cpu(like.sizes(), like.scalar_type());
+        our_deleter = t.storage().data_ptr().get_deleter();
+        return THPVariable_Wrap(std::move(t));
+    } catch (const std::exception &e) {
+        PyErr_Format(PyExc_MemoryError, "step: cannot allocate the output (%s)", e.what());
+        return nullptr;
+    }
+}
+
 PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     constexpr Py_ssize_t kItems = 7;
     PyObject *p = nargs == 4 ? args[0] : nullptr;
     if (!p || !PyTuple_Check(p) || PyTuple_GET_SIZE(p) != kItems || !is_ctx(PyTuple_GET_ITEM(p, 0)) ||
-        !PyList_Check(PyTuple_GET_ITEM(p, 3)) ||
+        !PyList_Check(PyTuple_GET_ITEM(p, 3)) || PyList_GET_SIZE(PyTuple_GET_ITEM(p, 3)) != 1 ||
         !PyType_Check(PyTuple_GET_ITEM(p, 4)) || !PyTuple_Check(PyTuple_GET_ITEM(p, 5)) ||
         PyTuple_GET_SIZE(PyTuple_GET_ITEM(p, 5)) != kFields || !PyLong_Check(PyTuple_GET_ITEM(p, 6))) {
         PyErr_SetString(PyExc_TypeError,
-                        "step_public(pctx, query, new_key, new_value): pctx is (ctx, prewake, descriptor, outputs "
-                        "list, StepOutcome, its 9 field descriptors, bytes_written)");
+                        "step_public(pctx, query, new_key, new_value): pctx is (ctx, prewake, descriptor, output "
+                        "holder (a 1-item list), StepOutcome, its 9 field descriptors, bytes_written)");
         return nullptr;
     }
     PyObject *fields = PyTuple_GET_ITEM(p, 5);
@@ -178,25 +218,26 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     const void *desc = wake ? PyLong_AsVoidPtr(PyTuple_GET_ITEM(p, 2)) : nullptr;
     if (PyErr_Occurred()) return nullptr;
     if (wake && desc) reinterpret_cast<void (*)(const void *)>(wake)(desc);  // first: the workers' wake-up overlaps the rest
-    PyObject *outputs = PyTuple_GET_ITEM(p, 3);
-    const Py_ssize_t left = PyList_GET_SIZE(outputs);
-    if (!left) Py_RETURN_NOTIMPLEMENTED;
-    PyObject *out = PyList_GET_ITEM(outputs, left - 1);
-    Py_INCREF(out);  // held while stepped: the list lets go of it below
-    const int64_t *results;
-    int32_t code;
-    const Ran ran = run(PyTuple_GET_ITEM(p, 0), args[1], args[2], args[3], out, &results, &code);
-    if (ran == kError || ran == kNotTaken) {  // the row stays the list's next
-        Py_DECREF(out);
-        if (ran == kError) return nullptr;
-        Py_RETURN_NONE;
-    }
-    if (PySequence_DelItem(outputs, left - 1)) {  // the row is this step's now, stepped or refused
-        Py_DECREF(out);
+    PyObject *ctx = PyTuple_GET_ITEM(p, 0), *holder = PyTuple_GET_ITEM(p, 3);
+    PyObject *q_like = PyTuple_GET_ITEM(ctx, kAddrs);
+    if (!THPVariable_Check(q_like)) {
+        PyErr_SetString(PyExc_TypeError, "step: ctx's last two items are tensors");
         return nullptr;
     }
-    PyObject *o = ran == kCode ? PyLong_FromLong(code)
-                               : outcome(PyTuple_GET_ITEM(p, 4), fields, out, results, PyTuple_GET_ITEM(p, 6));
+    const at::Tensor &like = THPVariable_Unpack(q_like);
+    PyObject *out = PyList_GET_ITEM(holder, 0);
+    if (!let_go(out, like)) {
+        out = new_output(like);
+        if (!out || PyList_SetItem(holder, 0, out)) return nullptr;  // the holder's now; its last one let go
+    }
+    Py_INCREF(out);  // held while stepped: a tensor not taken or a refused row stays the holder's
+    const int64_t *results;
+    int32_t code;
+    const Ran ran = run(ctx, args[1], args[2], args[3], out, &results, &code);
+    PyObject *o = ran == kError      ? nullptr
+                  : ran == kNotTaken ? Py_NewRef(Py_None)
+                  : ran == kCode     ? PyLong_FromLong(code)
+                                     : outcome(PyTuple_GET_ITEM(p, 4), fields, out, results, PyTuple_GET_ITEM(p, 6));
     Py_DECREF(out);
     return o;
 }
