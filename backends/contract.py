@@ -87,7 +87,9 @@ class CacheSpec:
 class StepOutcome:
     """What one step did: the output and the cache's bookkeeping after it. A record the step
     hands over and never touches again (not frozen: a frozen dataclass's ``__init__`` is a
-    measurable part of a native step at S=1, docs/design.md)."""
+    measurable part of a native step at S=1, docs/design.md). The output is the caller's: a
+    later step of the cache may write into its memory again only once nothing refers to it any
+    more (backends/csrc/torch_step.cpp)."""
 
     output: torch.Tensor  # (B, Hq, D) in the spec's dtype
     tokens_seen: int  # T after the step
