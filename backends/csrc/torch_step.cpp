@@ -226,11 +226,17 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
     const at::Tensor &like = THPVariable_Unpack(q_like);
     PyObject *out = PyList_GET_ITEM(holder, 0);
-    if (!let_go(out, like)) {
+    if (let_go(out, like)) {
+        Py_INCREF(out);  // ours while stepped, and the holder's
+    } else {
         out = new_output(like);
-        if (!out || PyList_SetItem(holder, 0, out)) return nullptr;  // the holder's now; its last one let go
+        if (!out) return nullptr;
+        Py_INCREF(out);  // ours while stepped (the holder's last one, let go below, may run a weakref callback)
+        if (PyList_SetItem(holder, 0, out)) {  // and the holder's: a tensor not taken or a refused row stays there
+            Py_DECREF(out);
+            return nullptr;
+        }
     }
-    Py_INCREF(out);  // held while stepped: a tensor not taken or a refused row stays the holder's
     const int64_t *results;
     int32_t code;
     const Ran ran = run(ctx, args[1], args[2], args[3], out, &results, &code);
