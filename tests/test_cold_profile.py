@@ -66,3 +66,18 @@ def test_the_probe_profiles_cold_steps_end_to_end():
     # a step of 600 positions x 8 heads is parallel (the kernel pool's two threads) and its time
     # is the compiled kernel's
     assert "gqa_decode" in out
+
+
+@pytest.mark.slow
+def test_the_probe_profiles_cold_plane_calls_end_to_end():
+    """``--plane N``: cold ``CacheSet.step`` calls of N short caches, their samples the kernel's."""
+    why = _perf_can_sample()
+    if why:
+        pytest.skip(why)
+    args = "--plane 8 --steps 6 --evict-bytes 4194304".split()
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bench.cold_profile", *args], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "8 short caches in CacheSet.step: 6 cold calls" in done.stdout
+    assert "the caller" in done.stdout and "gqa_decode" in done.stdout

@@ -1,7 +1,7 @@
 """A probe, not a target: where a cold public step's time goes, by thread and by function.
 
     .venv/bin/python -m tests.bench.cold_profile [--backend cpu|int8] [--dtype float32]
-        [--length 2048] [--steps 150] [--top 25]
+        [--length 2048] [--steps 150] [--top 25] [--plane N]
 
 A performance note must say where the time of a failing line goes. A sampling profile of a
 benchmark is mostly the benchmark itself: the eviction between two cold calls takes ~25 ms and
@@ -9,7 +9,9 @@ the step below 1 ms. This probe keeps only the samples taken while a step ran. I
 record`` (cpu-clock samples on the monotonic clock, every thread of the process) over a child
 process. The child creates one cache (B=1, Hq=32, Hkv=8, D=128, policy none, prefilled to
 ``--length``) and makes ``--steps`` public ``cache.step`` calls, each after ``common.Evictor``
-as in ``make bench``. Each call's start and end on that clock go to a file. Then ``perf
+as in ``make bench``. With ``--plane N`` it times ``--steps`` cold ``CacheSet.step`` calls of
+N short caches instead (issue #23's plane: ``bench_step_many``'s short case, lengths 1 to 16,
+int8's past its calibration), rolled back before each. Each call's start and end on that clock go to a file. Then ``perf
 script`` gives every sample's thread, time, function and library. Those inside a step are
 counted, by thread (the caller, and the kernel pool's workers), by library and by function.
 The step's own median time is printed beside them. It is inflated by the sampling, so compare
@@ -103,6 +105,9 @@ def _child(args) -> None:
 
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
+    if args.plane:
+        _plane_child(args, dtype, gen, Evictor)
+        return
     s = args.length
     keys = torch.randn(1, HKV, s + 1, D, generator=gen).to(dtype)
     values = torch.randn(1, HKV, s + 1, D, generator=gen).to(dtype)
@@ -126,6 +131,29 @@ def _child(args) -> None:
         f.writelines(f"{a:.9f} {b:.9f}\n" for a, b in rows)
 
 
+def _plane_child(args, dtype, gen, evictor) -> None:
+    """The profiled process of ``--plane N``: cold ``CacheSet.step`` calls of N short caches."""
+    from . import bench_step_many  # noqa: PLC0415 (imports torch and the backends)
+
+    cfg = dict(bench_step_many.MODES["default"], caches=args.plane)
+    lengths = bench_step_many._lengths("short", cfg, gen, args.backend)
+    batch = bench_step_many._Batch(args.backend, dtype, lengths, 2, gen)
+    batch.reset()
+    batch.plane()  # the code loaded
+    evict = evictor(nbytes=args.evict_bytes)
+    clock = time.CLOCK_MONOTONIC
+    rows = []
+    for _ in range(args.steps):
+        batch.reset()
+        evict()
+        start = time.clock_gettime(clock)
+        batch.plane()
+        rows.append((start, time.clock_gettime(clock)))
+    with open(args.windows, "w") as f:
+        f.write(f"{os.getpid()}\n")
+        f.writelines(f"{a:.9f} {b:.9f}\n" for a, b in rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.bench.cold_profile", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", default="cpu", choices=("cpu", "int8"))
@@ -134,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=150, help="cold steps sampled")
     parser.add_argument("--top", type=int, default=25, help="rows of the library and function tables")
     parser.add_argument("--frequency", type=int, default=10000, help="samples per second per thread")
+    parser.add_argument("--plane", type=int, default=0, metavar="N", help="profile CacheSet.step of N short caches")
     parser.add_argument("--evict-bytes", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--child", metavar="WINDOWS", dest="windows", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -148,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         data, windows = os.path.join(tmp, "perf.data"), os.path.join(tmp, "windows.txt")
         child = [sys.executable, "-m", "tests.bench.cold_profile", "--child", windows]
         child += ["--backend", args.backend, "--dtype", args.dtype, "--length", str(args.length)]
-        child += ["--steps", str(args.steps)]
+        child += ["--steps", str(args.steps), "--plane", str(args.plane)]
         if args.evict_bytes is not None:
             child += ["--evict-bytes", str(args.evict_bytes)]
         record = [perf, "record", "-q", "-k", "CLOCK_MONOTONIC", "-e", "cpu-clock", "-F", str(args.frequency)]
@@ -164,10 +193,12 @@ def main(argv: list[str] | None = None) -> int:
         )
     profile = windowed(script.stdout.splitlines(), spans)
     step_us = statistics.median(b - a for a, b in spans) * 1e6
-    print(
-        f"{args.backend} {args.dtype}, S={args.length}: {len(spans)} cold public steps, median {step_us:.0f} us "
-        f"while sampled at {args.frequency}/s"
+    what = (
+        f"{args.plane} short caches in CacheSet.step: {len(spans)} cold calls"
+        if args.plane
+        else f"S={args.length}: {len(spans)} cold public steps"
     )
+    print(f"{args.backend} {args.dtype}, {what}, median {step_us:.0f} us while sampled at {args.frequency}/s")
     print(report(profile, caller, args.top))
     return 0
 
