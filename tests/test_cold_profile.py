@@ -47,20 +47,21 @@ def _perf_can_sample() -> str | None:
     return None if probe.returncode == 0 else f"perf cannot sample here: {probe.stderr.strip()[-200:]}"
 
 
-@pytest.mark.slow
-def test_the_probe_profiles_cold_steps_end_to_end():
+def _probe(args: str) -> str:
+    """The probe's output for ``args`` (the test skipped where perf cannot sample)."""
     why = _perf_can_sample()
     if why:
         pytest.skip(why)
-    args = "--length 600 --steps 8 --evict-bytes 4194304".split()
     done = subprocess.run(
-        [sys.executable, "-m", "tests.bench.cold_profile", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-m", "tests.bench.cold_profile", *args.split()], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr
-    out = done.stdout
+    return done.stdout
+
+
+@pytest.mark.slow
+def test_the_probe_profiles_cold_steps_end_to_end():
+    out = _probe("--length 600 --steps 8 --evict-bytes 4194304")
     assert "8 cold public steps" in out
     assert "the caller" in out
     # a step of 600 positions x 8 heads is parallel (the kernel pool's two threads) and its time
@@ -71,13 +72,6 @@ def test_the_probe_profiles_cold_steps_end_to_end():
 @pytest.mark.slow
 def test_the_probe_profiles_cold_plane_calls_end_to_end():
     """``--plane N``: cold ``CacheSet.step`` calls of N short caches, their samples the kernel's."""
-    why = _perf_can_sample()
-    if why:
-        pytest.skip(why)
-    args = "--plane 8 --steps 6 --evict-bytes 4194304".split()
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.bench.cold_profile", *args], capture_output=True, text=True, timeout=300
-    )
-    assert done.returncode == 0, done.stderr
-    assert "8 short caches in CacheSet.step: 6 cold calls" in done.stdout
-    assert "the caller" in done.stdout and "gqa_decode" in done.stdout
+    out = _probe("--plane 8 --steps 6 --evict-bytes 4194304")
+    assert "8 short caches in CacheSet.step: 6 cold calls" in out
+    assert "the caller" in out and "gqa_decode" in out

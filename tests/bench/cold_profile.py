@@ -11,8 +11,8 @@ process. The child creates one cache (B=1, Hq=32, Hkv=8, D=128, policy none, pre
 ``--length``) and makes ``--steps`` public ``cache.step`` calls, each after ``common.Evictor``
 as in ``make bench``. With ``--plane N`` it times ``--steps`` cold ``CacheSet.step`` calls of
 N short caches instead (issue #23's plane: ``bench_step_many``'s short case, lengths 1 to 16,
-int8's past its calibration), rolled back before each. Each call's start and end on that clock go to a file. Then ``perf
-script`` gives every sample's thread, time, function and library. Those inside a step are
+int8's past its calibration), rolled back after each. Each call's start and end on that clock
+go to a file. Then ``perf script`` gives every sample's thread, time, function and library. Those inside a step are
 counted, by thread (the caller, and the kernel pool's workers), by library and by function.
 The step's own median time is printed beside them. It is inflated by the sampling, so compare
 shares, not times, with ``make bench``.
@@ -94,20 +94,39 @@ def report(profile: Profile, caller: int, top: int) -> str:
 
 
 def _child(args) -> None:
-    """The profiled process: cold public steps, each one's window appended to args.windows."""
+    """The profiled process: cold calls (public steps, or ``--plane``'s), each one's window
+    appended to args.windows."""
     import torch  # noqa: PLC0415 (the parent needs neither torch nor the backends)
-
-    from backends.contract import CacheSpec  # noqa: PLC0415
-    from backends.policy import EvictionPolicy  # noqa: PLC0415
-    from backends.registry import get_backend  # noqa: PLC0415
 
     from .common import Evictor  # noqa: PLC0415
 
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
-    if args.plane:
-        _plane_child(args, dtype, gen, Evictor)
-        return
+    call, undo = _plane_call(args, dtype, gen) if args.plane else _step_call(args, dtype, gen)
+    call()  # the pool started, the code loaded
+    undo()
+    evict = Evictor(nbytes=args.evict_bytes)
+    clock = time.CLOCK_MONOTONIC
+    rows = []
+    for _ in range(args.steps):
+        evict()
+        start = time.clock_gettime(clock)
+        call()
+        rows.append((start, time.clock_gettime(clock)))
+        undo()
+    with open(args.windows, "w") as f:
+        f.write(f"{os.getpid()}\n")
+        f.writelines(f"{a:.9f} {b:.9f}\n" for a, b in rows)
+
+
+def _step_call(args, dtype, gen):
+    """One cache prefilled to ``--length``: its public step, and the rollback that undoes it."""
+    import torch  # noqa: PLC0415
+
+    from backends.contract import CacheSpec  # noqa: PLC0415
+    from backends.policy import EvictionPolicy  # noqa: PLC0415
+    from backends.registry import get_backend  # noqa: PLC0415
+
     s = args.length
     keys = torch.randn(1, HKV, s + 1, D, generator=gen).to(dtype)
     values = torch.randn(1, HKV, s + 1, D, generator=gen).to(dtype)
@@ -115,43 +134,19 @@ def _child(args) -> None:
     cache = get_backend(args.backend).create_cache(CacheSpec(1, HQ, HKV, D, dtype, EvictionPolicy.none(s + 8)))
     cache.prefill(keys[:, :, :s], values[:, :, :s])
     new_key, new_value = keys[:, :, s].clone(), values[:, :, s].clone()
-    cache.step(query, new_key, new_value)  # the pool started, the code loaded
-    cache.rollback(1)
-    evict = Evictor(nbytes=args.evict_bytes)
-    clock = time.CLOCK_MONOTONIC
-    rows = []
-    for _ in range(args.steps):
-        evict()
-        start = time.clock_gettime(clock)
-        cache.step(query, new_key, new_value)
-        rows.append((start, time.clock_gettime(clock)))
-        cache.rollback(1)
-    with open(args.windows, "w") as f:
-        f.write(f"{os.getpid()}\n")
-        f.writelines(f"{a:.9f} {b:.9f}\n" for a, b in rows)
+    return (lambda: cache.step(query, new_key, new_value)), (lambda: cache.rollback(1))
 
 
-def _plane_child(args, dtype, gen, evictor) -> None:
-    """The profiled process of ``--plane N``: cold ``CacheSet.step`` calls of N short caches."""
+def _plane_call(args, dtype, gen):
+    """``--plane N`` short caches in a ``CacheSet`` (``bench_step_many``'s short case): one
+    ``CacheSet.step`` of them all, and the rollback to their lengths."""
     from . import bench_step_many  # noqa: PLC0415 (imports torch and the backends)
 
     cfg = dict(bench_step_many.MODES["default"], caches=args.plane)
-    lengths = bench_step_many._lengths("short", cfg, gen, args.backend)
-    batch = bench_step_many._Batch(args.backend, dtype, lengths, 2, gen)
-    batch.reset()
-    batch.plane()  # the code loaded
-    evict = evictor(nbytes=args.evict_bytes)
-    clock = time.CLOCK_MONOTONIC
-    rows = []
-    for _ in range(args.steps):
-        batch.reset()
-        evict()
-        start = time.clock_gettime(clock)
-        batch.plane()
-        rows.append((start, time.clock_gettime(clock)))
-    with open(args.windows, "w") as f:
-        f.write(f"{os.getpid()}\n")
-        f.writelines(f"{a:.9f} {b:.9f}\n" for a, b in rows)
+    batch = bench_step_many._Batch(
+        args.backend, dtype, bench_step_many._lengths("short", cfg, gen, args.backend), 2, gen
+    )
+    return batch.plane, batch.reset
 
 
 def main(argv: list[str] | None = None) -> int:
