@@ -71,11 +71,24 @@ bool fits(PyObject *o, const at::Tensor &like, void **at) {
 // What run() did with a row.
 enum Ran { kStepped, kCode, kNotTaken, kError };
 
-// The row through gqa_step when every tensor fits: kStepped (the results at *results),
-// kCode (*code: gqa_step's nonzero return, or 0 with the row refused in the status array),
-// kNotTaken (nothing called), or kError (a malformed ctx: a Python error set).
-Ran run(PyObject *ctx, PyObject *query, PyObject *new_key, PyObject *new_value, PyObject *out,
-        const int64_t **results, int32_t *code) {
+// ctx's last two items, the tensors a query (and output) and a new key (and value) must match:
+// false with a TypeError set when they are not tensors.
+bool likes(PyObject *ctx, const at::Tensor **ql, const at::Tensor **kvl) {
+    PyObject *q_like = PyTuple_GET_ITEM(ctx, kAddrs), *kv_like = PyTuple_GET_ITEM(ctx, kAddrs + 1);
+    if (!THPVariable_Check(q_like) || !THPVariable_Check(kv_like)) {
+        PyErr_SetString(PyExc_TypeError, "step: ctx's last two items are tensors");
+        return false;
+    }
+    *ql = &THPVariable_Unpack(q_like);
+    *kvl = &THPVariable_Unpack(kv_like);
+    return true;
+}
+
+// The row through gqa_step when every tensor fits ql / kvl (likes()): kStepped (the results at
+// *results), kCode (*code: gqa_step's nonzero return, or 0 with the row refused in the status
+// array), kNotTaken (nothing called), or kError (a null address in ctx: a Python error set).
+Ran run(PyObject *ctx, const at::Tensor &ql, const at::Tensor &kvl, PyObject *query, PyObject *new_key,
+        PyObject *new_value, PyObject *out, const int64_t **results, int32_t *code) {
     void *addr[kAddrs];
     for (Py_ssize_t i = 0; i < kAddrs; i++) {
         addr[i] = PyLong_AsVoidPtr(PyTuple_GET_ITEM(ctx, i));
@@ -84,12 +97,6 @@ Ran run(PyObject *ctx, PyObject *query, PyObject *new_key, PyObject *new_value, 
             return kError;
         }
     }
-    PyObject *q_like = PyTuple_GET_ITEM(ctx, kAddrs), *kv_like = PyTuple_GET_ITEM(ctx, kAddrs + 1);
-    if (!THPVariable_Check(q_like) || !THPVariable_Check(kv_like)) {
-        PyErr_SetString(PyExc_TypeError, "step: ctx's last two items are tensors");
-        return kError;
-    }
-    const at::Tensor &ql = THPVariable_Unpack(q_like), &kvl = THPVariable_Unpack(kv_like);
     void **io = static_cast<void **>(addr[2]);
     bool ok;
     try {  // no C++ exception may cross into Python's C code: any is a tensor this entry does not take
@@ -118,9 +125,11 @@ PyObject *step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "step(ctx, query, new_key, new_value, out): ctx is a 7-tuple");
         return nullptr;
     }
+    const at::Tensor *ql, *kvl;
+    if (!likes(args[0], &ql, &kvl)) return nullptr;
     const int64_t *results;
     int32_t code;
-    switch (run(args[0], args[1], args[2], args[3], args[4], &results, &code)) {
+    switch (run(args[0], *ql, *kvl, args[1], args[2], args[3], args[4], &results, &code)) {
         case kError: return nullptr;
         case kNotTaken: Py_RETURN_NONE;
         case kCode: return PyLong_FromLong(code);
@@ -219,17 +228,13 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (PyErr_Occurred()) return nullptr;
     if (wake && desc) reinterpret_cast<void (*)(const void *)>(wake)(desc);  // first: the workers' wake-up overlaps the rest
     PyObject *ctx = PyTuple_GET_ITEM(p, 0), *holder = PyTuple_GET_ITEM(p, 3);
-    PyObject *q_like = PyTuple_GET_ITEM(ctx, kAddrs);
-    if (!THPVariable_Check(q_like)) {
-        PyErr_SetString(PyExc_TypeError, "step: ctx's last two items are tensors");
-        return nullptr;
-    }
-    const at::Tensor &like = THPVariable_Unpack(q_like);
+    const at::Tensor *ql, *kvl;
+    if (!likes(ctx, &ql, &kvl)) return nullptr;
     PyObject *out = PyList_GET_ITEM(holder, 0);
-    if (let_go(out, like)) {
+    if (let_go(out, *ql)) {
         Py_INCREF(out);  // ours while stepped, and the holder's
     } else {
-        out = new_output(like);
+        out = new_output(*ql);
         if (!out) return nullptr;
         Py_INCREF(out);  // ours while stepped (the holder's last one, let go below, may run a weakref callback)
         if (PyList_SetItem(holder, 0, out)) {  // and the holder's: a tensor not taken or a refused row stays there
@@ -239,7 +244,7 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     }
     const int64_t *results;
     int32_t code;
-    const Ran ran = run(ctx, args[1], args[2], args[3], out, &results, &code);
+    const Ran ran = run(ctx, *ql, *kvl, args[1], args[2], args[3], out, &results, &code);
     PyObject *o = ran == kError      ? nullptr
                   : ran == kNotTaken ? Py_NewRef(Py_None)
                   : ran == kCode     ? PyLong_FromLong(code)
