@@ -49,3 +49,29 @@ def test_the_step_rate_probe_measures_each_dtype(dtype, monkeypatch):
     )
     assert m, line
     assert all(float(x) > 0 for x in m.group(2, 3, 4, 5)), line
+
+
+def test_the_int8_hot_step_leaves_the_cache_as_it_was_and_notes_only_past_the_target():
+    """bench_int8's note under a failed step/floor line: the hot step (stepped and rolled back)
+    leaves the cache's length as it was, and the note is printed only when the hot step alone
+    is past the target."""
+    import torch
+
+    from backends.contract import CacheSpec
+    from backends.policy import EvictionPolicy
+    from backends.registry import get_backend
+    from tests.bench.bench_int8 import arithmetic_note, hot_seconds
+
+    gen = torch.Generator().manual_seed(0)
+    cache = get_backend("int8").create_cache(CacheSpec(1, 4, 2, 16, torch.float32, EvictionPolicy.none(64)))
+    cache.prefill(torch.randn(1, 2, 40, 16, generator=gen), torch.randn(1, 2, 40, 16, generator=gen))
+    q, k, v = (
+        torch.randn(1, 4, 16, generator=gen),
+        torch.randn(1, 2, 16, generator=gen),
+        torch.randn(1, 2, 16, generator=gen),
+    )
+    assert hot_seconds(cache, q, k, v, calls=3, warmup=1) > 0
+    assert cache.tokens_seen == 40
+    assert arithmetic_note(1.4e-3, [1e-3, 2e-3, 0.9e-3], 1.5) == []
+    (line,) = arithmetic_note(1.6e-3, [1e-3, 2e-3, 0.9e-3], 1.5)
+    assert "1.6x the floor" in line and "past 1.5x" in line

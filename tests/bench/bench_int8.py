@@ -12,6 +12,12 @@ round after round; figures are the median [p10-p90] of the per-round figures):
   (``row_bytes`` per position: codes, float16 key channels, scales), a sum over them viewed as
   float32 words with the same threads (``common.floor_reader``).
 
+Under a failed step/floor line whose cache fits in three quarters of the last-level cache, the
+same step is timed hot (stepped and rolled back, the cache's bytes already in L3): when that alone
+is past the target, a line says so: then no memory access pattern can meet it on this machine,
+only less arithmetic per byte can (the int8 block is bound by its integer products where a CPU
+runs few of them a cycle: docs/design.md).
+
 Accuracy, untimed, on N(0, 1) data and on data with 4 key and value channels 20x larger
 ("outliers"): the first step's output relative L2 error, and the KL divergence of the attention
 weights recomputed in float64 from the keys the cache stores (``export``), both against float64
@@ -23,6 +29,8 @@ on the original data; bfloat16 beside it as a reference.
 from __future__ import annotations
 
 import functools
+import statistics
+import time
 
 import numpy as np
 import torch
@@ -39,6 +47,7 @@ from .common import (
     cold_rounds,
     floor_reader,
     fmt_spread,
+    llc_bytes,
     per_round_ratio,
     spread,
     table,
@@ -57,9 +66,13 @@ SPEEDUP_TARGET, SPEEDUP_LENGTHS = 2.5, (8192, 32768)
 MODES = {
     # budget_s: seconds after which a length stops at 3 rounds (a loaded machine must not
     # stretch `make bench`)
-    "smoke": dict(lengths=(600,), rounds=2, long_rounds=2, budget_s=1.0, evict_bytes=1 << 20),
-    "default": dict(lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, budget_s=4.0, evict_bytes=None),
-    "long": dict(lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, budget_s=60.0, evict_bytes=None),
+    "smoke": dict(lengths=(600,), rounds=2, long_rounds=2, budget_s=1.0, evict_bytes=1 << 20, hot_calls=3),
+    "default": dict(
+        lengths=(512, 2048, 8192, 32768), rounds=15, long_rounds=9, budget_s=4.0, evict_bytes=None, hot_calls=40
+    ),
+    "long": dict(
+        lengths=(512, 2048, 8192, 32768), rounds=41, long_rounds=25, budget_s=60.0, evict_bytes=None, hot_calls=100
+    ),
 }
 
 
@@ -113,6 +126,34 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
     return rows, caches
 
 
+def hot_seconds(cache, q, k, v, *, calls: int, warmup: int = 5) -> float:
+    """The median public step of ``cache`` hot: each step rolled back (untimed), so that every
+    call steps the same length with the cache's bytes in the last-level cache."""
+    times = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        cache.step(q, k, v)
+        t1 = time.perf_counter()
+        cache.rollback(1)
+        if i >= warmup:
+            times.append(t1 - t0)
+    return statistics.median(times)
+
+
+def arithmetic_note(hot_s: float, floor_s: list[float], target: float) -> list[str]:
+    """A line under a failed step/floor verdict when the step hot (its cache in the last-level
+    cache: no DRAM to wait for) already takes more than ``target`` times the cold floor (the
+    median of ``floor_s``): then no cold step of this kernel meets the target on this machine,
+    whatever its memory access, and the step's arithmetic is what to change."""
+    reach = hot_s / statistics.median(floor_s)
+    if reach <= target:
+        return []
+    return [
+        f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: past "
+        f"{target:g}x before any memory is read, on this machine"
+    ]
+
+
 def run(report) -> None:
     cfg = MODES[bench_mode()]
     evict = Evictor(nbytes=cfg["evict_bytes"])
@@ -159,6 +200,10 @@ def run(report) -> None:
         )
         if s in FLOOR_TARGET_LENGTHS:
             verdicts.append(verdict_spread(f"int8 S={s} step/floor", over, FLOOR_TARGET))
+            if verdicts[-1].startswith("FAIL") and floor_bytes <= llc_bytes() * 3 // 4:
+                hot = hot_seconds(int8, q, nk, nv, calls=cfg["hot_calls"])
+                report.add(kind="hot_step", S=s, int8_s=hot)
+                verdicts.extend(arithmetic_note(hot, t["floor"], FLOOR_TARGET))
         if s in SPEEDUP_LENGTHS:
             verdicts.append(
                 verdict_spread(f"int8 S={s} float32/int8 (speedup)", speedup, SPEEDUP_TARGET, at_most=False)
