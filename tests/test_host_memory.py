@@ -44,6 +44,21 @@ def test_a_long_dense_cache_lies_on_huge_pages():
     assert huge >= host_memory.HUGE_PAGE >> 10, f"{huge} KiB of the cache's 64 MiB in huge pages"
 
 
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
+)
+def test_the_benchmarks_floor_reads_memory_on_the_caches_pages():
+    """`make bench`'s read floor lies on 2 MiB pages as a long cache's storage does: on 4 KiB
+    pages it read slower than the caches' own bytes (docs/design.md)."""
+    from tests.bench.common import floor_buffer
+
+    words = floor_buffer(64 << 20)
+    assert words.dtype == torch.float32 and words.numel() == 16 << 20 and bool((words == 1).all())
+    lo, hi = words.data_ptr(), words.data_ptr() + words.nbytes
+    huge = sum(kb for start, end, kb in _vmas() if start < hi and lo < end)
+    assert huge >= host_memory.HUGE_PAGE >> 10, f"{huge} KiB of the floor's 64 MiB in huge pages"
+
+
 def _vmas():
     """(start, end, AnonHugePages KiB) of each mapping of this process."""
     start = end = None

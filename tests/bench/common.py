@@ -20,6 +20,7 @@ import grpc
 import numpy as np
 import torch
 
+from backends import host_memory
 from tests.metrics_load import free_port
 
 RESULTS_DIR = pathlib.Path(os.environ.get("GQA_BENCH_DIR", "bench-results"))
@@ -371,12 +372,21 @@ def verdict_spread(what: str, values: list[float], target: float, *, at_most: bo
     return f"{verdict(what, m, target, at_most=at_most)}  [p10-p90 {lo:.3g}-{hi:.3g}, {len(values)} rounds]"
 
 
+def floor_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of float32 ones on the pages a cache's storage gets (``backends.host_memory``:
+    2 MiB where the system allows). On 4 KiB pages (a plain ``torch.ones``) the same read ran
+    8-60% slower here than the caches' bytes can be read, by an amount that changed from one
+    buffer to the next: a floor below the machine's speed, which flattered every step measured
+    against it (docs/design.md, "The floor on the caches' pages")."""
+    return host_memory.zeros((max(1, nbytes // 4),), torch.float32).fill_(1.0)
+
+
 def floor_reader(nbytes: int) -> Callable[[], object]:
-    """The memory floor: one read of ``nbytes`` bytes, a sum over them viewed as float32 words
-    with torch's threads. Reading a buffer of the same size rather than the implementation's
-    own storage keeps the floor independent of any cache's private layout: after an eviction
-    both come from DRAM."""
-    words = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
+    """The memory floor: one read of ``nbytes`` bytes (a ``floor_buffer``), a sum over them with
+    torch's threads. Reading a buffer of the same size rather than the implementation's own
+    storage keeps the floor independent of any cache's private layout: after an eviction both
+    come from DRAM."""
+    words = floor_buffer(nbytes)
     return lambda: words.sum()
 
 
