@@ -91,6 +91,32 @@ def test_single_run_matches_oracle(isa, d, g, dtype):
         assert_close_to_oracle(out, ref, dtype, what=f"S={s}")
 
 
+@pytest.mark.parametrize(
+    "isa", [pytest.param(i, marks=pytest.mark.skipif(i not in KERNEL.isas(128), reason="not here")) for i in ISAS]
+)
+@pytest.mark.parametrize("d,g", [(64, 3), (128, 4), (128, 5)], ids=["D64-G3", "D128-G4", "D128-G5"])
+def test_bfloat16_outputs_are_the_exact_attention_rounded(isa, d, g):
+    """Every path sums in float32 (avx512dot's value sum by vdpbf16ps on weights in two bfloat16
+    pieces, as its scores' query): the bfloat16 output is the float64 attention rounded to
+    bfloat16 in all but the elements float32's error puts across a rounding boundary (0.1% here).
+    The dtype's tolerance cannot see a weight rounded to one bfloat16 piece (40% of the elements
+    then round differently), nor any other loss of precision short of a bfloat16 step."""
+    for s in (97, 513, 4096):
+        cache, keys, values, rnd = _stream(torch.bfloat16, d, g, EvictionPolicy.none(s), s - 1, isa, seed=s + g)
+        q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
+        out = cache.step(q, k, v).output
+        ref = attention_ref(
+            q.double(),
+            torch.cat([keys, k[:, :, None]], 2).double(),
+            torch.cat([values, v[:, :, None]], 2).double(),
+            HKV * g,
+            HKV,
+        )
+        rounded = torch.as_tensor(ref, dtype=torch.float64).to(torch.bfloat16)
+        same = float((out == rounded).double().mean())
+        assert same >= 0.99, f"S={s}: {same:.4f} of the elements as the exact attention rounds them"
+
+
 POLICY_SHAPES = {
     "strict-wrapped": (EvictionPolicy.strict(150), 200),  # a window that wraps: two runs
     "greedy-wrapped": (EvictionPolicy.greedy(100, 170), 260),

@@ -1,7 +1,11 @@
 /*
  * The bfloat16 block with BF16 dot products (ISA_AVX512_DOT: AVX-512 BF16): keys hold two
  * channels of a position per 32-bit word, vdpbf16ps's operand, multiplied with the query split
- * into bfloat16 pieces once per work item. Values widened as in block_avx512.c.
+ * into bfloat16 pieces once per work item. The value sum by vdpbf16ps too: two value rows
+ * interleaved channel by channel against the block's softmax weights split into two bfloat16
+ * pieces (16 of float32's 24 bits, as the query), where a head has more than one block; the
+ * widening and FMAs of block_avx512.c otherwise. On a CPU that issues one 512-bit operation of
+ * any kind a cycle or less, the widening cost as much as the products.
  */
 #include "gqa_avx512.h"
 
@@ -12,6 +16,10 @@
 #ifndef BF16_WIDEN_MAX_T
 #define BF16_WIDEN_MAX_T 8
 #endif
+
+/* Widths the value sum by vdpbf16ps takes, in groups of 32 channels: two query heads' sums of a
+ * whole row then fill 2 x 2 x PV_DP_MAX_NC of the 32 registers. */
+#define PV_DP_MAX_NC 4
 
 #if GQA_X86_64
 /* bfloat16 with BF16 dot products: the query of one head as bfloat16 pieces per channel,
@@ -76,6 +84,65 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
                              _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), mask[i], _mm512_mul_ps(acc[g][i], m)));
 }
 
+/* A block's weights p (gt x TILE_T, valid below nt) as two bfloat16 pieces each, hi then what
+ * hi left (16 of float32's 24 bits), 0 from nt on: wb[(g * 2 + piece) * TILE_T + t]. The word
+ * at an even t is then the pair (t, t + 1) that vdpbf16ps multiplies with two value rows. */
+AVX512DOT static inline __attribute__((always_inline)) void weights_bf16(const float *p, int64_t nt, const int gt,
+                                                                          uint16_t *wb) {
+    for (int g = 0; g < gt; g++)
+        for (int i = 0; i < 4; i++) {
+            const __m512 x = _mm512_maskz_loadu_ps(lanes16(nt, i), p + g * TILE_T + 16 * i);
+            const __m256bh hi = _mm512_cvtneps_pbh(x);
+            const __m512 back = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)hi), 16));
+            const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(x, back));
+            _mm256_storeu_si256((__m256i *)(wb + (g * 2) * TILE_T + 16 * i), (__m256i)hi);
+            _mm256_storeu_si256((__m256i *)(wb + (g * 2 + 1) * TILE_T + 16 * i), (__m256i)lo);
+        }
+}
+
+/* acc[g][c] += sum_t p[g][t] value[t][c] for a block, two query heads (gh: 1 or 2) over whole
+ * rows of d = 32 nc channels (nc <= 4): value rows t and t + 1 interleaved channel by channel
+ * (a row past nt: zeros), one vdpbf16ps a piece a head a 16 channels; each row a slot of the
+ * drip. The sums start at 0 and are added to acc_mem at the end. */
+AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc_mem, int64_t d, const char *vb,
+                                                                       const uint16_t *wb, int64_t nt, const int gh,
+                                                                       const int nc, drip_t *dr) {
+    __m512 acc[2][8];
+    for (int g = 0; g < gh; g++)
+        for (int i = 0; i < 2 * nc; i++) acc[g][i] = _mm512_setzero_ps();
+    for (int64_t t = 0; t < nt; t += 2) {
+        const char *r0 = vb + t * d * 2, *r1 = r0 + d * 2;
+        const int two = t + 1 < nt;
+        if (dr) drip(dr, two ? 2 : 1);
+        __m512 w[2][2];
+        for (int g = 0; g < gh; g++)
+            for (int k = 0; k < 2; k++) {
+                int32_t word;
+                memcpy(&word, wb + (g * 2 + k) * TILE_T + t, 4);
+                w[g][k] = _mm512_castsi512_ps(_mm512_set1_epi32(word));
+            }
+        for (int c = 0; c < nc; c++) {
+            const __m512i x = _mm512_loadu_si512(r0 + 64 * c);
+            const __m512i y = two ? _mm512_loadu_si512(r1 + 64 * c) : _mm512_setzero_si512();
+            const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
+            for (int g = 0; g < gh; g++)
+                for (int k = 0; k < 2; k++) {
+                    acc[g][2 * c] = _mm512_dpbf16_ps(acc[g][2 * c], lo, (__m512bh)w[g][k]);
+                    acc[g][2 * c + 1] = _mm512_dpbf16_ps(acc[g][2 * c + 1], hi, (__m512bh)w[g][k]);
+                }
+        }
+    }
+    /* lanes back in channel order: lo holds 0-3, 8-11, 16-19, 24-27 of its 32, hi the others */
+    const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+    const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+    for (int g = 0; g < gh; g++)
+        for (int c = 0; c < nc; c++) {
+            float *at = acc_mem + g * d + 32 * c;
+            _mm512_storeu_ps(at, _mm512_add_ps(_mm512_loadu_ps(at), _mm512_permutex2var_ps(acc[g][2 * c], first, acc[g][2 * c + 1])));
+            _mm512_storeu_ps(at + 16, _mm512_add_ps(_mm512_loadu_ps(at + 16), _mm512_permutex2var_ps(acc[g][2 * c], second, acc[g][2 * c + 1])));
+        }
+}
+
 /* tile_avx512 for bfloat16 with its scores by vdpbf16ps (the query split once per work item). */
 AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *vb,
@@ -94,7 +161,23 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     void *out = st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL; /* as tile_avx512 */
-    pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
+    if (out || d % 32 || d > 32 * PV_DP_MAX_NC) { /* a head's only block (finished in registers), other widths */
+        pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);
+        return;
+    }
+    uint16_t wb[TILE_G * 2 * TILE_T];
+    weights_bf16(p, nt, gt, wb);
+    for (int g = 0; g < gt; g += 2) {
+        float *acc = st->acc + (g0 + g) * d;
+        const uint16_t *w = wb + g * 2 * TILE_T;
+        const int two = g + 1 < gt;
+        switch (d / 32) { /* constants: the accumulators stay in registers */
+            case 4: two ? pv_dpbf16(acc, d, vb, w, nt, 2, 4, pf) : pv_dpbf16(acc, d, vb, w, nt, 1, 4, pf); break;
+            case 3: two ? pv_dpbf16(acc, d, vb, w, nt, 2, 3, pf) : pv_dpbf16(acc, d, vb, w, nt, 1, 3, pf); break;
+            case 2: two ? pv_dpbf16(acc, d, vb, w, nt, 2, 2, pf) : pv_dpbf16(acc, d, vb, w, nt, 1, 2, pf); break;
+            default: two ? pv_dpbf16(acc, d, vb, w, nt, 2, 1, pf) : pv_dpbf16(acc, d, vb, w, nt, 1, 1, pf); break;
+        }
+    }
 }
 
 AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
