@@ -71,23 +71,30 @@ def _stream(dtype, d, g, policy, prefill, isa, seed):
     return cache, keys, values, rnd
 
 
+def _full_step(dtype, d, g, s, isa, seed):
+    """A cache of policy none holding s - 1 random rows stepped once more: the output and the
+    float64 oracle over all s rows."""
+    cache, keys, values, rnd = _stream(dtype, d, g, EvictionPolicy.none(s), s - 1, isa, seed=seed)
+    q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
+    out = cache.step(q, k, v).output
+    ref = attention_ref(
+        q.double(),
+        torch.cat([keys, k[:, :, None]], 2).double(),
+        torch.cat([values, v[:, :, None]], 2).double(),
+        HKV * g,
+        HKV,
+    )
+    return out, ref
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
 @pytest.mark.parametrize("isa,d,g", list(_params()))
 def test_single_run_matches_oracle(isa, d, g, dtype):
     """Policy none: one run from row 0; S (the attended count) around blocks and splits."""
     lengths = [1, 64, 97, 513] + ([4096] if d in (64, 128) else [])
     for s in lengths:
-        cache, keys, values, rnd = _stream(dtype, d, g, EvictionPolicy.none(s), s - 1, isa, seed=s + d)
-        q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
-        out = cache.step(q, k, v).output
+        out, ref = _full_step(dtype, d, g, s, isa, seed=s + d)
         assert out.dtype == dtype and out.shape == (1, HKV * g, d)
-        ref = attention_ref(
-            q.double(),
-            torch.cat([keys, k[:, :, None]], 2).double(),
-            torch.cat([values, v[:, :, None]], 2).double(),
-            HKV * g,
-            HKV,
-        )
         assert_close_to_oracle(out, ref, dtype, what=f"S={s}")
 
 
@@ -102,16 +109,7 @@ def test_bfloat16_outputs_are_the_exact_attention_rounded(isa, d, g):
     The dtype's tolerance cannot see a weight rounded to one bfloat16 piece (40% of the elements
     then round differently), nor any other loss of precision short of a bfloat16 step."""
     for s in (97, 513, 4096):
-        cache, keys, values, rnd = _stream(torch.bfloat16, d, g, EvictionPolicy.none(s), s - 1, isa, seed=s + g)
-        q, k, v = rnd(1, HKV * g, d), rnd(1, HKV, d), rnd(1, HKV, d)
-        out = cache.step(q, k, v).output
-        ref = attention_ref(
-            q.double(),
-            torch.cat([keys, k[:, :, None]], 2).double(),
-            torch.cat([values, v[:, :, None]], 2).double(),
-            HKV * g,
-            HKV,
-        )
+        out, ref = _full_step(torch.bfloat16, d, g, s, isa, seed=s + g)
         rounded = torch.as_tensor(ref, dtype=torch.float64).to(torch.bfloat16)
         same = float((out == rounded).double().mean())
         assert same >= 0.99, f"S={s}: {same:.4f} of the elements as the exact attention rounds them"
