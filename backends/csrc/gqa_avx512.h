@@ -117,7 +117,9 @@ AVX512 static inline __attribute__((always_inline)) void drip_rest(drip_t *c) {
 }
 
 /* Passes of pv_block_avx512 over a block's value rows for gt query heads. */
-static inline int64_t pv_passes(int64_t d, int64_t gt) { return d == 128 ? (gt + 1) / 2 : d / 64 + (d % 64) / 16; }
+static inline int64_t pv_passes(int enc, int64_t d, int64_t gt) {
+    return d == 128 && enc != ENC_F16 ? (gt + 1) / 2 : d / 64 + (d % 64) / 16;
+}
 
 /* The drip of the block after [phys, phys + nt) of a head, in *room, when the item reads that
  * block (st->prefetch; else NULL): its key rows (krows of knline elements from kn), then its
@@ -136,7 +138,7 @@ static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const stat
     int64_t slots = 0;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
-        slots += kslots + gt * DRIP_SOFTMAX + pv_passes(d, gt) * nt;
+        slots += kslots + gt * DRIP_SOFTMAX + pv_passes(enc, d, gt) * nt;
     }
     *room = (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines};
     return room;
@@ -184,12 +186,15 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
  * (the common head width) the query heads go two at a time over whole rows: each pass reads the
  * block's rows in order, where four heads at a time fit only half a row's 8 registers each and
  * read every row in two strided halves (docs/design.md, "The value sum over whole rows": 9-14%
- * of a long float32 step). Otherwise 64 channels at a time for all gt heads. The same sums in
- * the same order either way. */
+ * of a long float32 step). Otherwise, and for float16 at any width, 64 channels at a time for
+ * all gt heads: float16's rows are then widened once for all the heads, not once per pair, which
+ * on a CPU that issues few 512-bit operations a cycle outweighs the strided halves (bfloat16,
+ * whose widening is two operations, measured the other way; docs/design.md, twenty-seventh
+ * session). The same sums in the same order either way. */
 AVX512 static inline __attribute__((always_inline)) void pv_block_avx512(
     const int enc, float *acc_mem, int64_t d, const char *vb, const float *p, int64_t nt, const int gt,
     drip_t *dr, void *out, const float *l) {
-    if (d == 128) {
+    if (d == 128 && enc != ENC_F16) {
         int g = 0;
         for (; g + 2 <= gt; g += 2)
             pv_avx512(enc, acc_mem + g * d, d, 0, vb, p + g * TILE_T, nt, 2, 8, dr,
