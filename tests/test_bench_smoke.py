@@ -75,3 +75,29 @@ def test_the_int8_hot_step_leaves_the_cache_as_it_was_and_notes_only_past_the_ta
     assert arithmetic_note(1.4e-3, [1e-3, 2e-3, 0.9e-3], 1.5) == []
     (line,) = arithmetic_note(1.6e-3, [1e-3, 2e-3, 0.9e-3], 1.5)
     assert "1.6x the floor" in line and "past 1.5x" in line
+
+
+def test_torch_threads_are_woken_until_a_wake_op_runs_at_full_speed():
+    """`wake_torch_threads` repeats its op while it takes a slow time (a worker queued behind the
+    caller), returns at the first fast one, and gives up after its last try."""
+    from tests.bench import common
+
+    def clocked(durations):
+        """An op and a clock: each op call advances the clock by the next duration."""
+        now, calls = [0.0], []
+
+        def op():
+            now[0] += durations[len(calls)]
+            calls.append(1)
+
+        return op, (lambda: now[0]), calls
+
+    slow, fast = 10 * common._TORCH_WAKE_SLOW_S, common._TORCH_WAKE_SLOW_S / 10
+    op, clock, calls = clocked([slow, slow, fast, fast])
+    assert common.wake_torch_threads(op, clock) == 3
+    assert len(calls) == 3
+    op, clock, calls = clocked([fast])
+    assert common.wake_torch_threads(op, clock) == 1
+    op, clock, calls = clocked([slow] * (common._TORCH_WAKE_TRIES + 2))
+    assert common.wake_torch_threads(op, clock) == common._TORCH_WAKE_TRIES
+    assert len(calls) == common._TORCH_WAKE_TRIES
