@@ -197,6 +197,9 @@ class Kernel:
         self._lib = lib
         # a test build's failure injection (csrc/test_hooks.c); the production library has none
         self.test_hooks = hasattr(lib, "gqa_test_hooks")
+        if self.test_hooks:  # pool.c's order, recorded (tests/test_dense_kernel.py)
+            lib.gqa_test_pool_order.argtypes = [i64, i32, i64, p, p]
+            lib.gqa_test_pool_order.restype = i32
         self._run = lib.gqa_run
         self._run_ptrs = lib.gqa_run_ptrs
         self.step = lib.gqa_step

@@ -501,6 +501,39 @@ def test_set_threads_sizes_the_pool(pool_size):
         native.set_threads(0)
 
 
+def _pool_order(n: int, threads: int) -> tuple[list[int], list[int]]:
+    """One pool call of n items (each a 50 us wait) on up to `threads` threads: each item's
+    thread and its place in that thread's run (csrc/test_hooks.c's gqa_test_pool_order)."""
+    tid, seq = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+    assert KERNEL._lib.gqa_test_pool_order(n, threads, 50_000, tid, seq) == 0
+    return list(tid), list(seq)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_pool_hands_out_items_from_both_ends(pool_size, threads):
+    """pool.c: the caller takes items ascending from the front, each worker descending from the
+    back, every item exactly once; attend.c prefetches a thread's next item by that order. A
+    worker joins when it wakes, so a call is repeated until one has (at most 20 calls)."""
+    pool_size(threads)
+    n, joined = 48, False
+    for _ in range(20):
+        tid, seq = _pool_order(n, threads)
+        assert all(0 <= t < threads for t in tid), tid
+        runs = {t: sorted((s, item) for item, (tt, s) in enumerate(zip(tid, seq)) if tt == t) for t in set(tid)}
+        for t, run in runs.items():
+            assert [s for s, _ in run] == list(range(len(run))), (t, run)  # each place once
+        front = [item for _, item in runs[0]] if 0 in runs else []
+        assert front == list(range(len(front))), front  # the caller: 0, 1, 2, ... ascending
+        for t in set(runs) - {0}:
+            items = [item for _, item in runs[t]]
+            assert items == sorted(items, reverse=True), (t, items)  # a worker: descending
+            assert min(items) >= len(front), (t, items)  # from the back
+        joined = len(runs) > 1
+        if joined or threads == 1:
+            break
+    assert joined or threads == 1, "no worker took an item in 20 calls"
+
+
 def test_torch_fallback_when_the_library_is_unavailable(monkeypatch, caplog):
     def unavailable():
         raise native.NativeUnavailable("no C compiler (faked)")

@@ -82,13 +82,45 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
 }
 
+/* The first block of work item j, when j is an item of a several-split cache (else 0): its
+ * cache, head, ring row and positions. */
+static int item_first_block(const call_t *call, int64_t j, int64_t *ci, int64_t *hh, int64_t *phys, int64_t *nt) {
+    if (j < 0 || j >= call->item_off[call->ncaches]) return 0;
+    const int64_t i = find_cache(call->item_off, call->ncaches, j), nsplit = call->nsplit[i];
+    if (nsplit <= 1) return 0;
+    const gqa_cache_t *cc = &call->caches[i];
+    const int64_t spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi, local = j - call->item_off[i];
+    const int64_t l0 = local % per_head * spi * SPLIT_T;
+    int64_t base = 0;
+    for (int64_t r = 0; r < cc->nruns; r++) {
+        const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
+        if (l0 < base + (b - a)) {
+            const int64_t at = a + (l0 - base), to_grid = TILE_T - at % TILE_T, left = b - at;
+            *ci = i;
+            *hh = local / per_head;
+            *phys = at;
+            *nt = left < to_grid ? left : to_grid;
+            return 1;
+        }
+        base += b - a;
+    }
+    return 0;
+}
+
+/* How the first block of a split was asked for already: not (CONT_NONE), by the block before it
+ * in the same item (CONT_SPLIT, when it lies in the same run), or by this thread's previous item
+ * (CONT_ITEM: item_first_block's, whatever its run). */
+enum { CONT_NONE = 0, CONT_SPLIT = 1, CONT_ITEM = 2 };
+
 /* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block; the
  * item reads on to logical position `end` (>= l1): the split's last block prefetches the next
- * split's first one when that lies in the same run, and `continued` says the block before this
- * split's first one was this item's (so it prefetched it). The item that completes a head's
- * splits merges them (in split order, whoever runs it), while its partials are still in cache. */
+ * split's first one when that lies in the same run, and the item's last block prefetches the
+ * first block of work item `next` (>= 0: this thread's next item, by pool.c's order), so that
+ * the thread's next item starts on lines already on their way. `continued`: CONT_*. The item that
+ * completes a head's splits merges them (in split order, whoever runs it), while its partials
+ * are still in cache. */
 static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int64_t end, int continued,
-                        int tid) {
+                        int tid, int64_t next) {
     const gqa_cache_t *cc = &call->caches[i];
     const int64_t nsplit = call->nsplit[i], local = h * nsplit + split, s = call->s[i];
     const int64_t l0 = split * SPLIT_T, l1 = l0 + SPLIT_T < s ? l0 + SPLIT_T : s;
@@ -130,8 +162,15 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             const int64_t to_grid = TILE_T - (a + (x - base)) % TILE_T;
             nt = hi - x < to_grid ? hi - x : to_grid;
             /* later blocks: prefetched by the block before (the previous split's last one too) */
-            if (x == lo && !(continued && lo == l0 && l0 > base)) prefetch_block(cc, h, a + (x - base), nt, 3);
+            const int asked = lo == l0 && (continued == CONT_ITEM || (continued == CONT_SPLIT && l0 > base));
+            if (x == lo && !asked) prefetch_block(cc, h, a + (x - base), nt, 3);
             st.prefetch = x + nt < reach;
+            if (next >= 0 && x + nt >= reach) { /* the item's last block: the next item's first on its way */
+                int64_t ni, nh, nphys, nnt;
+                if (item_first_block(call, next, &ni, &nh, &nphys, &nnt))
+                    prefetch_block(&call->caches[ni], nh, nphys, nnt, 2);
+                next = -1;
+            }
             block(cc, qf, h, a + (x - base), nt, &st);
         }
         base += b - a;
@@ -163,7 +202,13 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
         const int64_t spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi, h = local / per_head;
         const int64_t sp0 = local % per_head * spi, sp1 = sp0 + spi < nsplit ? sp0 + spi : nsplit;
         const int64_t end = sp1 * SPLIT_T < call->s[i] ? sp1 * SPLIT_T : call->s[i];
-        for (int64_t sp = sp0; sp < sp1; sp++) attend_head(call, i, h, sp, end, sp > sp0, tid);
+        /* this thread's next item, by pool.c's order: the caller's ascend, the workers' descend */
+        const int64_t next = tid == 0 ? item + 1 : item - 1;
+        int64_t *ahead = &call->ahead[tid * AHEAD_STRIDE];
+        const int first = *ahead == item ? CONT_ITEM : CONT_NONE;
+        for (int64_t sp = sp0; sp < sp1; sp++)
+            attend_head(call, i, h, sp, end, sp > sp0 ? CONT_SPLIT : first, tid, sp + 1 == sp1 ? next : -1);
+        *ahead = next;
         return;
     }
     gqa_cache_t *cc = &call->caches[i];
@@ -178,7 +223,7 @@ GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
          * heads are each a few KiB apart in memory, each a fresh start for the hardware's
          * prefetcher (a cold step of many short caches otherwise waits on every head's first lines) */
         if (h + 1 < h1) prefetch_block(cc, h + 1, a, first < to_grid ? first : to_grid, 2);
-        attend_head(call, i, h, 0, call->s[i], 0, tid);
+        attend_head(call, i, h, 0, call->s[i], 0, tid, -1);
     }
 }
 

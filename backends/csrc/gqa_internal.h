@@ -348,7 +348,10 @@ typedef struct {
     char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
     float *wbuf;            /* per thread: int8_write's room, wfloats floats each (thread 0's also the caller's) */
     int64_t wfloats;
+    int64_t *ahead; /* per thread (AHEAD_STRIDE apart): the item whose first block its last item
+                       prefetched (attend.c), -1: none */
 } call_t;
+#define AHEAD_STRIDE (64 / (int)sizeof(int64_t))
 
 /* Who writes a cache's step row: the caller before the items (DEFER_NONE), the item that reads
  * the row, head by head (DEFER_HEAD: dense caches), or the cache's only item, before its heads

@@ -27,6 +27,13 @@
  * spent ~290 us of CPU per 64-sequence message in the worker's wait, and served 14% more
  * messages a second once that wait yielded (docs/design.md, "Waits that yield").
  *
+ * Items are taken from both ends: the caller ascending from the front, the workers descending
+ * from the back, meeting wherever the work divides. A thread's next item is then the one beside
+ * its last unless the other end has reached it (the call is ending), so an item can fetch the
+ * first block of the next one while it computes its own last (attend.c): a long cache's items
+ * are a head's consecutive splits, and each thread reads one stream through them instead of
+ * starting a fresh one at every item (docs/design.md, "Items from both ends").
+ *
  * One call has the workers at a time. A call that finds them taken runs its items on its own
  * thread: waiting for the pool would leave that thread idle while the other call's threads
  * hold every CPU, and a server's compute threads stepping side by side lost ~5% of their
@@ -52,7 +59,8 @@ static struct {
     task_fn fn;
     void *ctx;
     int64_t nitems;
-    atomic_ullong next; /* (gen mod 2^32) << 32 | the next item of that call */
+    atomic_ullong next; /* (gen mod 2^32) << 32 | the items of that call claimed so far */
+    atomic_llong front, back; /* the next item from the front; one past the next from the back */
     atomic_llong completed; /* items of the current call done: the workers add under m (their
                                last one signals `done`), the caller adds and spins without it */
     int want;
@@ -62,7 +70,10 @@ static struct {
 } pool = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .m = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
-/* Runs items of the call of generation `gen` while it has some left; returns how many. */
+/* Runs items of the call of generation `gen` while it has some left; returns how many. A claim
+ * (one more of the call's items, while its generation holds) is the right to take one item: the
+ * caller's from the front, the workers' from the back. Claims never exceed the items, so the
+ * two ends never take the same one. */
 static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, uint64_t gen, int tid) {
     const unsigned long long tag = (unsigned long long)(uint32_t)gen << 32;
     unsigned long long at = atomic_load(&pool.next);
@@ -70,7 +81,8 @@ static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, uint64_t gen, in
     for (;;) {
         if ((at & ~0xFFFFFFFFull) != tag || (int64_t)(at & 0xFFFFFFFFull) >= nitems) break;
         if (!atomic_compare_exchange_weak(&pool.next, &at, at + 1)) continue; /* at reloaded */
-        fn(ctx, (int64_t)(at & 0xFFFFFFFFull), tid);
+        const int64_t item = tid == 0 ? atomic_fetch_add(&pool.front, 1) : atomic_fetch_sub(&pool.back, 1) - 1;
+        fn(ctx, item, tid);
         ran++;
         at = atomic_load(&pool.next);
     }
@@ -233,6 +245,8 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     pool.nitems = nitems;
     pool.want = want;
     atomic_store(&pool.completed, 0);
+    atomic_store(&pool.front, 0);
+    atomic_store(&pool.back, nitems);
     const uint64_t gen = ++pool.gen;
     atomic_store(&pool.next, (unsigned long long)(uint32_t)gen << 32);
     atomic_store_explicit(&pool.published, gen, memory_order_release);

@@ -114,7 +114,7 @@ static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *siz
 static int call_memory(call_t *call, const call_size_t *size, int threads) {
     call->scratch_floats = (size->scratch + 15) / 16 * 16;
     call->wfloats = (size->wneed + 15) / 16 * 16;
-    const size_t bytes = 4 * 64 + (size_t)size->parts * sizeof(float) +
+    const size_t bytes = 5 * 64 + (size_t)threads * 64 + (size_t)size->parts * sizeof(float) +
                          (size_t)(threads * call->scratch_floats) * sizeof(float) +
                          (size_t)(threads * call->wfloats) * sizeof(float) + (size_t)size->heads * sizeof(atomic_int);
     char *at = arena_get(ARENA_CALL, bytes);
@@ -123,6 +123,8 @@ static int call_memory(call_t *call, const call_size_t *size, int threads) {
     call->scratch = carve(&at, (size_t)(threads * call->scratch_floats) * sizeof(float));
     call->wbuf = carve(&at, (size_t)(threads * call->wfloats) * sizeof(float));
     call->done = carve(&at, (size_t)size->heads * sizeof(atomic_int));
+    call->ahead = carve(&at, (size_t)threads * 64); /* a cache line each: written by its thread alone */
+    for (int x = 0; x < threads; x++) call->ahead[x * AHEAD_STRIDE] = -1;
     for (int64_t x = 0; x < size->heads; x++) atomic_init(&call->done[x], 0);
     return 0;
 }

@@ -5,6 +5,8 @@
  */
 #include "gqa_internal.h"
 
+#include <time.h>
+
 #ifdef GQA_TEST_HOOKS
 /* Whether this library has the hooks (native.py's Kernel.test_hooks; absent from production). */
 int gqa_test_hooks(void) { return 1; }
@@ -25,6 +27,37 @@ GQA_INTERNAL int injected_failure(gqa_cache_t *cc, float *wbuf) {
     }
     if (!cc->status) cc->status = -EIO;
     return 1;
+}
+
+/* pool.c's order, recorded: one pool_run of `nitems` items on up to `threads` threads, each item
+ * a ~spin_ns busy wait (long enough for a woken worker to join); item x's thread in tid[x] and
+ * its place among that thread's items (0, 1, ...) in seq[x]. */
+typedef struct {
+    int64_t *tid, *seq, spin_ns;
+    int64_t ran[MAX_THREADS * AHEAD_STRIDE]; /* per thread, a cache line apart */
+} order_t;
+
+static void record_item(void *ctx, int64_t item, int tid) {
+    order_t *o = ctx;
+    o->tid[item] = tid;
+    o->seq[item] = o->ran[tid * AHEAD_STRIDE]++;
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    do clock_gettime(CLOCK_MONOTONIC, &t);
+    while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < o->spin_ns);
+}
+
+int gqa_test_pool_order(int64_t nitems, int threads, int64_t spin_ns, int64_t *tid, int64_t *seq) {
+    if (threads < 1 || threads > MAX_THREADS || nitems < 0) return -EINVAL;
+    order_t *o = calloc(1, sizeof *o);
+    if (!o) return -ENOMEM;
+    o->tid = tid;
+    o->seq = seq;
+    o->spin_ns = spin_ns;
+    for (int64_t x = 0; x < nitems; x++) tid[x] = seq[x] = -1;
+    pool_run(record_item, o, nitems, threads);
+    free(o);
+    return 0;
 }
 #else
 typedef int gqa_no_test_hooks; /* ISO C wants a translation unit to declare something */
