@@ -1,8 +1,15 @@
 /*
  * The thread pool: created once, sized by gqa_set_threads, started on first use and again
  * after a fork (the workers do not survive one), the calling thread working as thread 0.
- * Items are taken from one counter, so which thread runs which item varies from call to call;
+ * Items are claimed from one counter, so which thread runs which item varies from call to call;
  * nothing a thread computes depends on it.
+ *
+ * Items are taken from both ends: the caller ascending from the front, the workers descending
+ * from the back, meeting wherever the work divides. A thread's next item is then the one beside
+ * its last unless the other end has reached it (the call is ending), so an item can fetch the
+ * first block of the next one while it computes its own last (attend.c): a long cache's items
+ * are a head's consecutive splits, and each thread reads one stream through them instead of
+ * starting a fresh one at every item (docs/design.md, "Items from both ends").
  *
  * A call ends when its items are done, not when every worker has answered: the caller starts on
  * the items at once, and a worker that wakes late (a sleeping thread takes 20 us to milliseconds
@@ -26,13 +33,6 @@
  * items) yield the CPU every few microseconds: a Batch server whose clients share its two cores
  * spent ~290 us of CPU per 64-sequence message in the worker's wait, and served 14% more
  * messages a second once that wait yielded (docs/design.md, "Waits that yield").
- *
- * Items are taken from both ends: the caller ascending from the front, the workers descending
- * from the back, meeting wherever the work divides. A thread's next item is then the one beside
- * its last unless the other end has reached it (the call is ending), so an item can fetch the
- * first block of the next one while it computes its own last (attend.c): a long cache's items
- * are a head's consecutive splits, and each thread reads one stream through them instead of
- * starting a fresh one at every item (docs/design.md, "Items from both ends").
  *
  * One call has the workers at a time. A call that finds them taken runs its items on its own
  * thread: waiting for the pool would leave that thread idle while the other call's threads
