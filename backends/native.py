@@ -200,6 +200,13 @@ class Kernel:
         if self.test_hooks:  # pool.c's order, recorded (tests/test_dense_kernel.py)
             lib.gqa_test_pool_order.argtypes = [i64, i32, i64, p, p]
             lib.gqa_test_pool_order.restype = i32
+        # a stamps build's time stamps of a step's parts (csrc/stamps.c, tests/bench/stamp_profile.py)
+        self.stamps = hasattr(lib, "gqa_stamps")
+        if self.stamps:
+            lib.gqa_stamps.argtypes = [ctypes.POINTER(p)]
+            lib.gqa_stamps.restype = ctypes.c_longlong
+            lib.gqa_stamps_reset.argtypes = []
+            lib.gqa_stamps_reset.restype = None
         self._run = lib.gqa_run
         self._run_ptrs = lib.gqa_run_ptrs
         self.step = lib.gqa_step

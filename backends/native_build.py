@@ -34,6 +34,9 @@ TEST_HOOKS_FLAGS = ("-DGQA_TEST_HOOKS",)
 # process loading it needs the ASan runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)).
 # -g1: line tables for the reports' stack traces, without -g's variable info (which took the
 # AVX2 blocks' file from ~26 s to ~48 s to compile).
+# GQA_KERNEL_STAMPS=1 (tests/bench/stamp_profile.py only): the library with time stamps of a
+# step's parts (csrc/stamps.c), under its own name; with the test hooks too when they are set.
+STAMPS_FLAGS = ("-DGQA_STAMPS",)
 SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1")
 
 
@@ -45,9 +48,8 @@ def sources() -> list[Path]:
 def _cflags() -> tuple[str, ...]:
     if os.environ.get("GQA_KERNEL_SANITIZE") == "1":
         return ("-O1",) + CFLAGS[1:] + TEST_HOOKS_FLAGS + SANITIZE_FLAGS
-    if os.environ.get("GQA_KERNEL_TEST_HOOKS") == "1":
-        return CFLAGS + TEST_HOOKS_FLAGS
-    return CFLAGS
+    flags = CFLAGS + (TEST_HOOKS_FLAGS if os.environ.get("GQA_KERNEL_TEST_HOOKS") == "1" else ())
+    return flags + (STAMPS_FLAGS if os.environ.get("GQA_KERNEL_STAMPS") == "1" else ())
 
 
 LIBS = ("-lm",)
@@ -74,6 +76,7 @@ def _library_name() -> str:
     key.update(" ".join(flags + LIBS).encode())
     key.update(f"{sys.platform}-{platform.machine()}".encode())
     kind = "-sanitize" if SANITIZE_FLAGS[0] in flags else "-testhooks" if TEST_HOOKS_FLAGS[0] in flags else ""
+    kind += "-stamps" if STAMPS_FLAGS[0] in flags else ""
     return f"gqa_decode{kind}-{key.hexdigest()[:16]}.so"
 
 

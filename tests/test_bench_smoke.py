@@ -101,3 +101,61 @@ def test_torch_threads_are_woken_until_a_wake_op_runs_at_full_speed():
     op, clock, calls = clocked([slow] * (common._TORCH_WAKE_TRIES + 2))
     assert common.wake_torch_threads(op, clock) == common._TORCH_WAKE_TRIES
     assert len(calls) == common._TORCH_WAKE_TRIES
+
+
+def test_stamp_profile_parts_from_stamps():
+    """`stamp_profile.parts`: a step's parts from its stamps, in us (two threads, the worker
+    joining 5 us into the items and ending 3 us before the caller)."""
+    from tests.bench import stamp_profile as sp
+
+    us = 1000
+    stamps = [
+        (0, 0, -1, -1, sp.STEP),
+        (2 * us, 0, -1, -1, sp.WRITES),
+        (3 * us, 0, -1, -1, sp.ITEMS),
+        (3 * us, 0, 0, -1, sp.ITEM),
+        (4 * us, 0, 0, 0, sp.BLOCK),
+        (6 * us, 0, 0, 1, sp.BLOCK),
+        (7 * us, 0, 0, -1, sp.ITEM_END),
+        (8 * us, 1, 1, -1, sp.ITEM),
+        (8 * us, 1, 1, 0, sp.BLOCK),
+        (12 * us, 1, 1, -1, sp.ITEM_END),
+        (15 * us, 0, -1, -1, sp.ITEMS_END),
+        (16 * us, 0, -1, -1, sp.STEP_END),
+    ]
+    got = sp.parts(stamps[::-1], wall_us=20.0)  # any order
+    assert got["outside gqa_step"] == 4.0
+    assert (got["plan"], got["row writes before the items"], got["items"]) == (2.0, 1.0, 12.0)
+    assert got["thread 0: first item, after the items' start"] == 0.0
+    assert got["thread 1: first item, after the items' start"] == 5.0
+    assert got["thread 0: items"] == got["thread 1: items"] == 1
+    assert got["thread 0: a block, first in its item"] == 2.0
+    assert got["thread 0: a block, later in its item"] == 1.0
+    assert got["thread 1: a block, first in its item"] == 4.0
+    assert got["tail (one thread's end to the other's)"] == 5.0
+    assert sp.parts(stamps[3:], wall_us=20.0) == {}  # a step that did not reach the kernel
+
+
+@pytest.mark.slow
+def test_stamp_profile_runs_on_its_own_build(tmp_path):
+    """`python -m tests.bench.stamp_profile` builds the stamped library under its own name and
+    prints every part, cold and hot; the library the tests load has no stamps."""
+    import os
+    import subprocess
+    import sys
+
+    from backends import native
+
+    assert not native.load().stamps
+    env = dict(os.environ)
+    env.pop("GQA_KERNEL_STAMPS", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.bench.stamp_profile", "--length", "600", "--steps", "3", "--gap", "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    for part in ("public step", "outside gqa_step", "plan", "items", "thread 0: items"):
+        assert re.search(rf"^{re.escape(part)}\s+[0-9.]+\s+[0-9.]+$", done.stdout, re.M), (part, done.stdout)

@@ -286,6 +286,7 @@ def test_the_production_library_has_no_test_hooks(monkeypatch):
     monkeypatch.delenv("GQA_KERNEL_SANITIZE", raising=False)
     production = native.Kernel(native.build())  # make install's build, in the shared cache
     assert "testhooks" not in production.path.name and not production.test_hooks
+    assert not production.stamps and not native.load().stamps  # stamps: tests/bench/stamp_profile.py's build only
     monkeypatch.setattr(native, "load", lambda: production)
     cache = DenseCache(CacheSpec(1, 2, 1, 16, torch.float32, EvictionPolicy.none(4)), "native")
     assert cache._native is production

@@ -171,6 +171,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
                     prefetch_block(&call->caches[ni], nh, nphys, nnt, 2);
                 next = -1;
             }
+            STAMP(tid, (int32_t)(split * 1000 + (x - l0) / TILE_T), STAMP_BLOCK);
             block(cc, qf, h, a + (x - base), nt, &st);
         }
         base += b - a;
@@ -194,7 +195,16 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
  * own partial, as if alone); of a one-split cache, `hpi` consecutive heads (a short cache's heads
  * in one item: its set-up, the item's lookup, paid once for all of them). Which splits or heads
  * share an item changes no output. */
+static void attend_item_(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
+    STAMP_SET_ITEM(item);
+    STAMP(tid, -1, STAMP_ITEM);
+    attend_item_(ctx, item, tid);
+    STAMP(tid, -1, STAMP_ITEM_END);
+    STAMP_SET_ITEM(-1);
+}
+
+static void attend_item_(void *ctx, int64_t item, int tid) {
     const call_t *call = ctx;
     const int64_t i = find_cache(call->item_off, call->ncaches, item);
     const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];

@@ -404,6 +404,23 @@ GQA_INTERNAL void *arena_get(int which, size_t bytes);
 GQA_INTERNAL void arena_trim(int which);
 GQA_INTERNAL void *carve(char **at, size_t n);
 
+/* stamps.c: a stamps build's time stamps (ns on CLOCK_MONOTONIC), of these kinds */
+enum { STAMP_ITEM = 0, STAMP_BLOCK = 1, STAMP_ITEM_END = 2, STAMP_WRITES = 10, STAMP_ITEMS = 11,
+       STAMP_ITEMS_END = 12, STAMP_STEP = 20, STAMP_STEP_END = 21 };
+typedef struct {
+    int64_t ns;
+    int32_t tid, item, block, kind; /* item -1: none; block: split * 1000 + block in the split */
+} gqa_stamp_t;
+#ifdef GQA_STAMPS
+extern __thread int32_t gqa_stamp_item; /* the work item the thread runs (-1: none) */
+GQA_INTERNAL void stamp_at(int tid, int32_t block, int32_t kind);
+#define STAMP(tid, block, kind) stamp_at(tid, block, kind)
+#define STAMP_SET_ITEM(item) (gqa_stamp_item = (int32_t)(item))
+#else
+#define STAMP(tid, block, kind) ((void)0)
+#define STAMP_SET_ITEM(item) ((void)0)
+#endif
+
 /* attend.c: one work item of a call (task_fn) */
 GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid);
 

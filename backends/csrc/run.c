@@ -173,8 +173,11 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     rc = call_memory(&call, &size, threads);
     if (rc) return rc;
     /* from here on a cache fails alone (its status; its output then is not stored) */
+    STAMP(0, -1, STAMP_WRITES);
     for (int64_t i = 0; i < ncaches; i++) write_before(&call, i);
+    STAMP(0, -1, STAMP_ITEMS);
     pool_run(attend_item, &call, size.items, threads); /* and the merges */
+    STAMP(0, -1, STAMP_ITEMS_END);
     arena_trim(ARENA_CALL);
     arena_trim(ARENA_CACHES);
     return 0;

@@ -18,6 +18,7 @@ int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const
              const int64_t *stride, int64_t *results, int64_t rcols, int32_t *status, int threads, int isa) {
     if (n < 0 || rcols < 0 || (!io && (!base || !stride))) return -EINVAL;
     if (n == 0) return 0;
+    STAMP(0, -1, STAMP_STEP);
     gqa_cache_t *work = arena_get(ARENA_DESCS, (size_t)n * (sizeof *work + sizeof(int64_t)));
     if (!work) return -ENOMEM;
     int64_t *row_of = (int64_t *)(work + n);
@@ -68,5 +69,6 @@ int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const
         else caches[i]->t++;
     }
     arena_trim(ARENA_DESCS);
+    STAMP(0, -1, STAMP_STEP_END);
     return 0;
 }
