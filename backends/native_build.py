@@ -34,10 +34,10 @@ TEST_HOOKS_FLAGS = ("-DGQA_TEST_HOOKS",)
 # process loading it needs the ASan runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)).
 # -g1: line tables for the reports' stack traces, without -g's variable info (which took the
 # AVX2 blocks' file from ~26 s to ~48 s to compile).
+SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1")
 # GQA_KERNEL_STAMPS=1 (tests/bench/stamp_profile.py only): the library with time stamps of a
 # step's parts (csrc/stamps.c), under its own name; with the test hooks too when they are set.
 STAMPS_FLAGS = ("-DGQA_STAMPS",)
-SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1")
 
 
 def sources() -> list[Path]:

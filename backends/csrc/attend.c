@@ -82,22 +82,32 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
 }
 
+/* Of cache i with several splits, its work item `local` (counted from the cache's first): the
+ * head and the splits [*sp0, *sp1) it reads. */
+static void item_splits(const call_t *call, int64_t i, int64_t local, int64_t *h, int64_t *sp0, int64_t *sp1) {
+    const int64_t nsplit = call->nsplit[i], spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi;
+    *h = local / per_head;
+    *sp0 = local % per_head * spi;
+    *sp1 = *sp0 + spi < nsplit ? *sp0 + spi : nsplit;
+}
+
 /* The first block of work item j, when j is an item of a several-split cache (else 0): its
  * cache, head, ring row and positions. */
 static int item_first_block(const call_t *call, int64_t j, int64_t *ci, int64_t *hh, int64_t *phys, int64_t *nt) {
     if (j < 0 || j >= call->item_off[call->ncaches]) return 0;
-    const int64_t i = find_cache(call->item_off, call->ncaches, j), nsplit = call->nsplit[i];
-    if (nsplit <= 1) return 0;
+    const int64_t i = find_cache(call->item_off, call->ncaches, j);
+    if (call->nsplit[i] <= 1) return 0;
     const gqa_cache_t *cc = &call->caches[i];
-    const int64_t spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi, local = j - call->item_off[i];
-    const int64_t l0 = local % per_head * spi * SPLIT_T;
+    int64_t h, sp0, sp1;
+    item_splits(call, i, j - call->item_off[i], &h, &sp0, &sp1);
+    const int64_t l0 = sp0 * SPLIT_T;
     int64_t base = 0;
     for (int64_t r = 0; r < cc->nruns; r++) {
         const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
         if (l0 < base + (b - a)) {
             const int64_t at = a + (l0 - base), to_grid = TILE_T - at % TILE_T, left = b - at;
             *ci = i;
-            *hh = local / per_head;
+            *hh = h;
             *phys = at;
             *nt = left < to_grid ? left : to_grid;
             return 1;
@@ -209,8 +219,8 @@ static void attend_item_(void *ctx, int64_t item, int tid) {
     const int64_t i = find_cache(call->item_off, call->ncaches, item);
     const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
     if (nsplit > 1) {
-        const int64_t spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi, h = local / per_head;
-        const int64_t sp0 = local % per_head * spi, sp1 = sp0 + spi < nsplit ? sp0 + spi : nsplit;
+        int64_t h, sp0, sp1;
+        item_splits(call, i, local, &h, &sp0, &sp1);
         const int64_t end = sp1 * SPLIT_T < call->s[i] ? sp1 * SPLIT_T : call->s[i];
         /* this thread's next item, by pool.c's order: the caller's ascend, the workers' descend */
         const int64_t next = tid == 0 ? item + 1 : item - 1;

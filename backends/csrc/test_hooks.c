@@ -5,9 +5,9 @@
  */
 #include "gqa_internal.h"
 
+#ifdef GQA_TEST_HOOKS
 #include <time.h>
 
-#ifdef GQA_TEST_HOOKS
 /* Whether this library has the hooks (native.py's Kernel.test_hooks; absent from production). */
 int gqa_test_hooks(void) { return 1; }
 

@@ -342,9 +342,9 @@ def cold_rounds(
     No call is slowed by another's threads. The functions named in ``on_torch_threads`` run on
     torch's intra-op threads, whose workers spin for milliseconds after each parallel op: such a
     call starts with them awake (small parallel ops after the eviction, untimed, until one runs
-    at full speed: ``wake_torch_threads``; torch at its best, as in a run of its own ops), and any other call's eviction starts at least
-    ``TORCH_SPIN_S`` after a torch call ended, when they have stopped spinning (else the call
-    runs beside them on 2 cores)."""
+    at full speed: ``wake_torch_threads``; torch at its best, as in a run of its own ops), and
+    any other call's eviction starts at least ``TORCH_SPIN_S`` after a torch call ended, when
+    they have stopped spinning (else the call runs beside them on 2 cores)."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
