@@ -97,17 +97,28 @@ typedef struct {
     int64_t per;          /* lines a slot */
 } drip_t;
 
+/* The cursor is kept in registers through the slot's lines and stored once: kept in *c, each
+ * line's prefetch waited on the store of the one before (a slot's lines a chain of store-to-load
+ * forwards), 2-6% of a hot step (docs/design.md, "The drip's cursor in registers"). */
 AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t slots) {
-    for (int64_t n = c->per * slots; n > 0; n--) {
-        if (c->at >= c->end) {
-            if (c->v >= c->vend) return;
-            c->at = c->v;
-            c->end = c->vend;
+    const char *at = c->at, *end = c->end;
+    int64_t n = c->per * slots;
+    if (n <= (end - at) / 64) { /* all of them in the current range: the common case */
+        for (; n > 0; n--, at += 64) _mm_prefetch(at, _MM_HINT_T1);
+        c->at = at;
+        return;
+    }
+    for (; n > 0; n--, at += 64) {
+        if (at >= end) {
+            if (c->v >= c->vend) break;
+            at = c->v;
+            end = c->vend;
             c->v = c->vend;
         }
-        _mm_prefetch(c->at, _MM_HINT_T1);
-        c->at += 64;
+        _mm_prefetch(at, _MM_HINT_T1);
     }
+    c->at = at;
+    c->end = end;
 }
 
 /* What the slots left of the block's lines (rounding), asked for at once. */
