@@ -102,13 +102,7 @@ typedef struct {
  * forwards), 2-6% of a hot step (docs/design.md, "The drip's cursor in registers"). */
 AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t slots) {
     const char *at = c->at, *end = c->end;
-    int64_t n = c->per * slots;
-    if (n <= (end - at) / 64) { /* all of them in the current range: the common case */
-        for (; n > 0; n--, at += 64) _mm_prefetch(at, _MM_HINT_T1);
-        c->at = at;
-        return;
-    }
-    for (; n > 0; n--, at += 64) {
+    for (int64_t n = c->per * slots; n > 0; n--, at += 64) {
         if (at >= end) {
             if (c->v >= c->vend) break;
             at = c->v;
