@@ -104,6 +104,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 /* the AVX-512 code is built on x86-64 whatever the -march (chosen at run time); the intrinsics
  * header, large, only where it is used (gqa_avx512.h) */
@@ -393,6 +394,8 @@ GQA_INTERNAL block_fn choose_block(int enc, int isa);
 /* pool.c: fn(ctx, item, tid) for item in [0, nitems) on up to `threads` threads (tid < threads) */
 typedef void (*task_fn)(void *ctx, int64_t item, int tid);
 GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
+/* ns on CLOCK_MONOTONIC since *t0 (pool.c's spins; test_hooks.c's) */
+GQA_INTERNAL int64_t elapsed_ns(const struct timespec *t0);
 int gqa_threads(void);
 void gqa_prewake(const gqa_cache_t *cc);
 void gqa_prewake_heads(int64_t heads);

@@ -41,7 +41,6 @@
  */
 #define _GNU_SOURCE
 #include <sched.h>
-#include <time.h>
 
 #include "gqa_internal.h"
 
@@ -102,7 +101,7 @@ static void items_done(uint64_t gen, int64_t ran) {
 #define PREWAKE_SPIN_NS 300000
 #endif
 
-static int64_t elapsed_ns(const struct timespec *t0) {
+GQA_INTERNAL int64_t elapsed_ns(const struct timespec *t0) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (t.tv_sec - t0->tv_sec) * 1000000000LL + (t.tv_nsec - t0->tv_nsec);

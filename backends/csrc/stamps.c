@@ -8,8 +8,6 @@
 #include "gqa_internal.h"
 
 #ifdef GQA_STAMPS
-#include <time.h>
-
 #define STAMPS_MAX (1 << 20)
 static gqa_stamp_t buf[STAMPS_MAX];
 static atomic_llong used;

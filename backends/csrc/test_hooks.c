@@ -6,8 +6,6 @@
 #include "gqa_internal.h"
 
 #ifdef GQA_TEST_HOOKS
-#include <time.h>
-
 /* Whether this library has the hooks (native.py's Kernel.test_hooks; absent from production). */
 int gqa_test_hooks(void) { return 1; }
 
@@ -41,10 +39,9 @@ static void record_item(void *ctx, int64_t item, int tid) {
     order_t *o = ctx;
     o->tid[item] = tid;
     o->seq[item] = o->ran[tid * AHEAD_STRIDE]++;
-    struct timespec t0, t;
+    struct timespec t0;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    do clock_gettime(CLOCK_MONOTONIC, &t);
-    while ((t.tv_sec - t0.tv_sec) * 1000000000LL + (t.tv_nsec - t0.tv_nsec) < o->spin_ns);
+    while (elapsed_ns(&t0) < o->spin_ns) continue;
 }
 
 int gqa_test_pool_order(int64_t nitems, int threads, int64_t spin_ns, int64_t *tid, int64_t *seq) {
