@@ -359,3 +359,52 @@ def test_a_batch_message_runs_on_the_loop_beside_another_sessions_work():
         assert asyncio.run(run()) == "a"
     finally:
         engine.stop()
+
+
+def test_a_lone_sessions_slow_message_runs_on_the_loop_and_a_shared_one_on_a_worker():
+    """``Placement.message``: a session's message whose previous one computed past
+    ``INLINE_MESSAGE_S`` runs on the event loop while the session steps alone (no other step
+    placed within ``CONCURRENT_WINDOW_S``, nothing queued or computing): the thread hops would
+    cost it, and nobody waits on the loop. With another session stepping beside it, or with work
+    on the workers, it goes to a worker as before."""
+    import types
+
+    from service.engine.batcher import PendingJob
+
+    engine = Engine(dataclasses.replace(BASE, inline_step_bytes=1 << 20))
+    try:
+
+        async def run():
+            loop = asyncio.get_running_loop()
+            slow = int(placement.INLINE_MESSAGE_S * 1e9) * 5
+            a = types.SimpleNamespace(last_compute_ns=slow)
+            b = types.SimpleNamespace(last_compute_ns=slow)
+            where = []
+
+            def job(owner, received):
+                fn = lambda _s: where.append(threading.get_ident()) or "done"  # noqa: E731
+                return PendingJob(owner, fn, received, loop.create_future())
+
+            here = threading.get_ident()
+            clock = 100.0  # `received` stamps: far from any earlier step
+            first = job(a, clock)
+            assert engine.placement.message(first) and first.result == "done" and where == [here]
+            again = job(a, clock + 0.5)  # alone still: the last step placed was its own
+            assert engine.placement.message(again) and again.result == "done" and where == [here, here]
+
+            other = job(b, clock + 0.5 + placement.CONCURRENT_WINDOW_S / 2)  # b within a's window
+            assert not engine.placement.message(other) and other.result is None
+            assert await other.future == "done" and where[-1] != here
+
+            started, gate = threading.Event(), threading.Event()
+            busy = PendingJob(b, lambda _s: (started.set(), gate.wait(10), "b")[-1], 0.0, loop.create_future())
+            engine.batcher.submit(busy)  # held on a worker
+            assert started.wait(10)
+            late = job(a, clock + 10.0)  # alone by the window, but the workers compute
+            assert not engine.placement.message(late) and late.result is None
+            gate.set()
+            assert await busy.future == "b" and await late.future == "done" and where[-1] != here
+
+        asyncio.run(run())
+    finally:
+        engine.stop()

@@ -16,7 +16,10 @@ CONCURRENT_WINDOW_S = 1e-3
 # than this, whatever other sessions and streams have queued or computing: the two thread hops
 # (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
 # forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it), and the
-# loop is held no longer than this.
+# loop is held no longer than this. A session stepping alone runs there whatever its messages
+# cost: nobody waits on the loop, and the hops cost a served model's long-context message
+# 0.1 ms hot and 0.3 ms after its weights evicted the caches (docs/design.md, "A lone session's
+# long message on the loop").
 INLINE_MESSAGE_S = 2e-3
 # The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
 # --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
@@ -35,35 +38,44 @@ class Placement:
         self._last_at = 0.0
 
     def message(self, job: PendingJob) -> bool:
-        """Places a Batch message; True when it already ran here (``job.result`` is set)."""
+        """Places a Batch message; True when it already ran here (``job.result`` is set): when
+        its session's previous message was fast (beside any other work but its own session's),
+        or when the session steps alone (nothing queued or computing) whatever it costs."""
         sequences = job.stream
-        self._last, self._last_at = sequences, job.received  # Decode's steps see it
+        alone = self._alone(sequences, job.received)  # Decode's steps see this message
         last = sequences.last_compute_ns
-        if (
-            last is not None
-            and last < INLINE_MESSAGE_S * 1e9
-            and self.config.inline_step_bytes
-            and self.batcher.run_message_inline(job)
-        ):
-            return True
+        if self.config.inline_step_bytes:
+            if last is not None and last < INLINE_MESSAGE_S * 1e9 and self.batcher.run_message_inline(job):
+                return True
+            if alone and self.batcher.run_inline(job):
+                return True
         self.batcher.submit(job)
         return False
 
     def step(self, pending: PendingStep) -> bool:
         """Places a Decode step; True when it already ran here (``pending.result`` is set). A
-        small step runs at once when its stream steps alone (no other step queued or computing,
-        no other stream's step within ``CONCURRENT_WINDOW_S``), else in the loop's batch at its
-        next turn (at most ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn); a larger
-        one goes to the workers."""
-        now, stream, cache = pending.received, pending.stream, pending.cache
-        alone = self._last is stream or now - self._last_at > CONCURRENT_WINDOW_S
-        self._last, self._last_at = stream, now
+        step runs at once when its stream steps alone (no other step queued or computing, no
+        other stream's step within ``CONCURRENT_WINDOW_S``), whatever it costs, as a lone Batch
+        session's message does; else a small one in the loop's batch at its next turn (at most
+        ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn), a larger one on the
+        workers."""
+        stream, cache = pending.stream, pending.cache
+        alone = self._alone(stream, pending.received)
         inline = self.config.inline_step_bytes
+        if not inline:
+            self.batcher.submit(pending)
+            return False
+        if alone and self.batcher.run_inline(pending):
+            return True
         cost = (cache.resident_length + 1) * cache.row_bytes
-        if cost < inline:
-            if alone and self.batcher.run_inline(pending):
-                return True
-            if self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
-                return False
+        if cost < inline and self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
+            return False
         self.batcher.submit(pending)
         return False
+
+    def _alone(self, owner: object, now: float) -> bool:
+        """Whether ``owner`` (a stream or a Batch session) steps alone: the last step placed was
+        its own, or no other came within ``CONCURRENT_WINDOW_S``; records this one as the last."""
+        alone = self._last is owner or now - self._last_at > CONCURRENT_WINDOW_S
+        self._last, self._last_at = owner, now
+        return alone
