@@ -80,6 +80,7 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
             for (int64_t x = 0; x < span; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
     for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
+    if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, locality);
 }
 
 /* Of cache i with several splits, its work item `local` (counted from the cache's first): the

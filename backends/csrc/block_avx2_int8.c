@@ -235,6 +235,7 @@ AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *cc, const float *q
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &kline);
     const char *vb = (const char *)cc->v + (h * cc->c + phys) * cc->d;
     block_scales_avx2(cc, h, phys, nt, st);
+    if (st->prefetch) prefetch_int8_side(cc, h, phys + nt, TILE_T, 2); /* the next block's, with its keys */
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_int8(cc, qf, h, phys, g0, 4, kb, kline, vb, nt, st); break;

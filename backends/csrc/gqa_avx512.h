@@ -281,6 +281,7 @@ AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
     }
     *ksp = ks;
     *vsp = vs;
+    if (enc == ENC_INT8 && st->prefetch) prefetch_int8_side(cc, h, phys + nt, TILE_T, 2); /* the next block's */
 }
 
 #endif /* GQA_X86_64 */

@@ -237,6 +237,24 @@ static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, 
     return h * cc->kstride + b0 * key_width(cc) + (phys - b0) * p;
 }
 
+/* int8: asks for the lines of KV head h's scales and float16 outlier channel rows at ring rows
+ * [row, row + n) (locality as __builtin_prefetch's). Six short runs a block beside its key and
+ * value blocks, read where the block's scores and softmax use them: the blocks' own prefetches
+ * did not cover them, and each was a miss of its own (docs/design.md, "int8's side rows"). */
+static inline __attribute__((always_inline)) void prefetch_int8_side(const gqa_cache_t *cc, int64_t h, int64_t row,
+                                                                     int64_t n, const int locality) {
+    n = cc->c - row < n ? cc->c - row : n; /* not past the ring's end */
+    if (n <= 0) return;
+    const int64_t el = cc->flags & FLAG_HALF_SCALES ? 2 : 4, at = (h * cc->scale_stride + row) * el;
+    const char *runs[2] = {(const char *)cc->ks + at, (const char *)cc->vs + at};
+    for (int r = 0; r < 2; r++)
+        for (int64_t x = 0; x < n * el + 63; x += 64) __builtin_prefetch(runs[r] + (x < n * el ? x : n * el - 1), 0, locality);
+    for (int64_t o = 0; o < cc->no; o++) {
+        const char *ko = (const char *)(cc->ko + (h * cc->no + o) * cc->c + row);
+        for (int64_t x = 0; x < n * 2 + 63; x += 64) __builtin_prefetch(ko + (x < n * 2 ? x : n * 2 - 1), 0, locality);
+    }
+}
+
 /* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
 static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
     int64_t line;
