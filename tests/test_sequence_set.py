@@ -108,10 +108,10 @@ def test_a_close_queued_for_a_removed_sequence_does_not_mark_the_slot_s_next_own
     assert plan.refusals == [] and plan.live is None
 
 
-def test_a_lone_session_s_short_messages_run_on_the_event_loop_after_the_first(engine):
-    """Where ``Engine.submit_message`` runs a message: the first of a session on a compute worker
-    (its cost is unknown), later ones of a lone session whose previous one computed briefly on
-    the calling thread (no hop), and any message on a worker while another session steps."""
+def test_a_lone_session_s_messages_run_on_the_event_loop_and_a_shared_one_s_first_on_a_worker(engine):
+    """Where ``Engine.submit_message`` runs a message: a lone session's on the calling thread
+    (no hop; nobody waits on the loop), its first included; the first message of a session
+    while another session steps on a worker (its cost is unknown)."""
     shape = engine.session_shape(
         backend="cpu", dtype="float32", num_query_heads=HQ, num_kv_heads=HKV, head_dim=D, num_layers=1
     )
@@ -135,7 +135,7 @@ def test_a_lone_session_s_short_messages_run_on_the_event_loop_after_the_first(e
         other = await where(sets[1], 1)  # another session within the window: a worker
         return first, alone, other
 
-    assert asyncio.run(main()) == ("worker", "loop", "worker")
+    assert asyncio.run(main()) == ("loop", "loop", "worker")
 
 
 def test_a_repeated_ids_array_is_planned_again_after_the_set_changes(engine):

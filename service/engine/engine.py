@@ -341,8 +341,8 @@ class Engine:
         ``reply(StepResult, queue_seconds)`` computed on the worker (or of the ``ServiceError``
         that refused the whole message); ``out`` (or None) is where the rows go
         (``SequenceSet.run``): the reply's own bytes. Where it computes is
-        ``Placement.message``'s choice: a message of a session whose previous one was fast may
-        run right here."""
+        ``Placement.message``'s choice: a message of a session whose previous one was fast, or
+        of a session stepping alone, may run right here."""
         future = asyncio.get_running_loop().create_future()
 
         def run(started: float):
