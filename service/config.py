@@ -148,9 +148,10 @@ class ServerConfig:
     streams stepping together are computed as one batch at the loop's next turn (at most four
     times this many cache bytes a turn; the rest go to the pool). Longer steps run on the
     compute pool so streams stay responsive. A Batch step message runs on the loop when its
-    session's previous message computed in under 2 ms (beside other sessions' work), or
-    whatever it costs when its session steps alone with nothing queued or computing (nobody
-    waits on the loop then); 0 keeps every step and message on the compute pool."""
+    session's previous message computed in under 2 ms (beside other sessions' work), or in
+    under 100 ms when its session steps alone with nothing queued or computing (nobody waits on
+    the loop then); a lone stream's Decode step likewise, up to 1 GiB of cache read. 0 keeps
+    every step and message on the compute pool."""
 
     workers: int = 0
     """compute threads (0: one per core)

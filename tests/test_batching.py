@@ -405,6 +405,39 @@ def test_a_lone_sessions_slow_message_runs_on_the_loop_and_a_shared_one_on_a_wor
             gate.set()
             assert await busy.future == "b" and await late.future == "done" and where[-1] != here
 
+            a.last_compute_ns = int(placement.ALONE_MESSAGE_S * 1e9) * 2  # alone, but a long one
+            longer = job(a, clock + 20.0)
+            assert not engine.placement.message(longer) and longer.result is None
+            assert await longer.future == "done" and where[-1] != here
+
         asyncio.run(run())
+    finally:
+        engine.stop()
+
+
+@pytest.mark.parametrize("limit, at_once", [(1 << 30, True), (1, False)])
+def test_a_lone_streams_step_past_inline_step_bytes_runs_at_once_below_the_alone_limit(monkeypatch, limit, at_once):
+    """``Placement.step``: a lone Decode stream's step that reads more than --inline-step-bytes
+    runs at once on the loop while it reads under ``ALONE_STEP_BYTES``, else on a worker; both
+    compute the step."""
+    monkeypatch.setattr(placement, "ALONE_STEP_BYTES", limit)
+    engine = Engine(dataclasses.replace(BASE, inline_step_bytes=1))  # every step past it
+    try:
+        config = engine.stream_config(
+            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+            num_layers=1, policy="none", window=0, capacity=16, sink_tokens=0,
+        )  # fmt: skip
+        stream = engine.open(config)
+        g = torch.Generator().manual_seed(6)
+        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+
+        async def run():
+            step = engine.submit_step(stream, 0, *x)
+            done = step.done()
+            return done, await step
+
+        done, report = asyncio.run(run())
+        assert done is at_once
+        assert report.outcome.tokens_seen == 1 and stream.caches[0].tokens_seen == 1
     finally:
         engine.stop()

@@ -16,11 +16,16 @@ CONCURRENT_WINDOW_S = 1e-3
 # than this, whatever other sessions and streams have queued or computing: the two thread hops
 # (the batcher's wake-up, the hand-back through the loop's self-pipe, the GIL passed back and
 # forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it), and the
-# loop is held no longer than this. A session stepping alone runs there whatever its messages
-# cost: nobody waits on the loop, and the hops cost a served model's long-context message
-# 0.1 ms hot and 0.3 ms after its weights evicted the caches (docs/design.md, "A lone session's
-# long message on the loop").
+# loop is held no longer than this.
 INLINE_MESSAGE_S = 2e-3
+# A session or stream stepping alone runs there up to these costs: nobody waits on the loop,
+# and the hops cost a served model's long-context message 0.1 ms hot and 0.3 ms after its
+# weights evicted the caches (docs/design.md, "A lone session's long message on the loop").
+# Past them a hop costs under a percent, and the loop stays free for keepalives, cancellations
+# and new streams: a message whose session's previous one computed this long, a Decode step
+# reading this many cache bytes (about 30 ms at 35 GB/s).
+ALONE_MESSAGE_S = 0.1
+ALONE_STEP_BYTES = 1 << 30
 # The loop's batch of small Decode steps (Batcher.run_soon) reads at most this many times
 # --inline-step-bytes of cache: the loop is held about as long as that many inline steps.
 LOOP_BATCH_STEPS = 4
@@ -40,14 +45,15 @@ class Placement:
     def message(self, job: PendingJob) -> bool:
         """Places a Batch message; True when it already ran here (``job.result`` is set): when
         its session's previous message was fast (beside any other work but its own session's),
-        or when the session steps alone (nothing queued or computing) whatever it costs."""
+        or when the session steps alone (nothing queued or computing) and its previous message
+        computed in under ``ALONE_MESSAGE_S``."""
         sequences = job.stream
         alone = self._alone(sequences, job.received)  # Decode's steps see this message
         last = sequences.last_compute_ns
         if self.config.inline_step_bytes:
             if last is not None and last < INLINE_MESSAGE_S * 1e9 and self.batcher.run_message_inline(job):
                 return True
-            if alone and self.batcher.run_inline(job):
+            if alone and (last is None or last < ALONE_MESSAGE_S * 1e9) and self.batcher.run_inline(job):
                 return True
         self.batcher.submit(job)
         return False
@@ -55,19 +61,19 @@ class Placement:
     def step(self, pending: PendingStep) -> bool:
         """Places a Decode step; True when it already ran here (``pending.result`` is set). A
         step runs at once when its stream steps alone (no other step queued or computing, no
-        other stream's step within ``CONCURRENT_WINDOW_S``), whatever it costs, as a lone Batch
-        session's message does; else a small one in the loop's batch at its next turn (at most
-        ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn), a larger one on the
-        workers."""
+        other stream's step within ``CONCURRENT_WINDOW_S``) and reads under
+        ``ALONE_STEP_BYTES``, as a lone Batch session's message does; else a small one in the
+        loop's batch at its next turn (at most ``LOOP_BATCH_STEPS`` x --inline-step-bytes of
+        cache a turn), a larger one on the workers."""
         stream, cache = pending.stream, pending.cache
         alone = self._alone(stream, pending.received)
         inline = self.config.inline_step_bytes
         if not inline:
             self.batcher.submit(pending)
             return False
-        if alone and self.batcher.run_inline(pending):
-            return True
         cost = (cache.resident_length + 1) * cache.row_bytes
+        if alone and cost < ALONE_STEP_BYTES and self.batcher.run_inline(pending):
+            return True
         if cost < inline and self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
             return False
         self.batcher.submit(pending)
