@@ -18,7 +18,7 @@ CONCURRENT_WINDOW_S = 1e-3
 # forth) cost more server CPU than that (4 sessions of 64 sequences: 16-25% of it), and the
 # loop is held no longer than this.
 INLINE_MESSAGE_S = 2e-3
-# A session or stream stepping alone runs there up to these costs: nobody waits on the loop,
+# A session or stream stepping alone runs on the event loop up to these costs: nobody waits,
 # and the hops cost a served model's long-context message 0.1 ms hot and 0.3 ms after its
 # weights evicted the caches (docs/design.md, "A lone session's long message on the loop").
 # Past them a hop costs under a percent, and the loop stays free for keepalives, cancellations
