@@ -237,6 +237,12 @@ static inline int64_t key_block(const gqa_cache_t *cc, int64_t h, int64_t phys, 
     return h * cc->kstride + b0 * key_width(cc) + (phys - b0) * p;
 }
 
+/* Asks for every 64-byte line of [p, p + bytes) (locality as __builtin_prefetch's). */
+static inline __attribute__((always_inline)) void prefetch_lines(const void *p, int64_t bytes, const int locality) {
+    const uintptr_t end = (uintptr_t)p + (uintptr_t)bytes;
+    for (uintptr_t a = (uintptr_t)p & ~(uintptr_t)63; a < end; a += 64) __builtin_prefetch((const void *)a, 0, locality);
+}
+
 /* int8: asks for the lines of KV head h's scales and float16 outlier channel rows at ring rows
  * [row, row + n) (locality as __builtin_prefetch's). Six short runs a block beside its key and
  * value blocks, read where the block's scores and softmax use them: the blocks' own prefetches
@@ -246,13 +252,9 @@ static inline __attribute__((always_inline)) void prefetch_int8_side(const gqa_c
     n = cc->c - row < n ? cc->c - row : n; /* not past the ring's end */
     if (n <= 0) return;
     const int64_t el = cc->flags & FLAG_HALF_SCALES ? 2 : 4, at = (h * cc->scale_stride + row) * el;
-    const char *runs[2] = {(const char *)cc->ks + at, (const char *)cc->vs + at};
-    for (int r = 0; r < 2; r++)
-        for (int64_t x = 0; x < n * el + 63; x += 64) __builtin_prefetch(runs[r] + (x < n * el ? x : n * el - 1), 0, locality);
-    for (int64_t o = 0; o < cc->no; o++) {
-        const char *ko = (const char *)(cc->ko + (h * cc->no + o) * cc->c + row);
-        for (int64_t x = 0; x < n * 2 + 63; x += 64) __builtin_prefetch(ko + (x < n * 2 ? x : n * 2 - 1), 0, locality);
-    }
+    prefetch_lines((const char *)cc->ks + at, n * el, locality);
+    prefetch_lines((const char *)cc->vs + at, n * el, locality);
+    for (int64_t o = 0; o < cc->no; o++) prefetch_lines(cc->ko + (h * cc->no + o) * cc->c + row, n * 2, locality);
 }
 
 /* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
