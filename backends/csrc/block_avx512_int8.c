@@ -107,11 +107,12 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
 
 /* Scores of `gt` query heads (from g0) against one block to out[g * TILE_T + t] (-inf past nt):
  * the coded channels two lines at a time; nh (a constant): the block's 32-position halves;
- * vn: the next block's values (prefetched with its keys when `prefetch`). */
+ * prefetch: ask for the next block's key lines as it goes (its values are asked for by the
+ * value loop: docs/design.md, "The int8 scores loop without the values' prefetch"). */
 AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
     const gqa_cache_t *cc, const float *qf, const state_t *st, int64_t g0, int64_t h, int64_t phys,
     const char *kb, int64_t kline, const char *kn, int64_t knline, const float *ks, int64_t nt, const int gt,
-    const int nh, const int prefetch, const char *vn, float *out) {
+    const int nh, const int prefetch, float *out) {
     const int64_t dk = cc->dk, no = cc->no, dq = dk + no, words = (dk + 1) / 2;
     const int32_t *qw = (const int32_t *)st->qb + g0 * words;
     const float *qscale = (const float *)((const int16_t *)st->qb + 2 * cc->g * words) + g0;
@@ -124,11 +125,6 @@ AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
         if (prefetch) { /* the next block's two lines (see the header), when the item reads it */
             const char *next = kn + 2 * l * knline;
             for (int64_t x = 0; x < 2 * knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-            /* and a line of its values (the first half of them, over the loop): asked for
-             * now, they arrive while the softmax, which reads no memory, runs; left to the
-             * value loop, the core's fill buffers drained during it (docs/design.md,
-             * "Prefetches across the softmax") */
-            _mm_prefetch(vn + l * 64, _MM_HINT_T1);
         }
         score_pair(acc, qw, words, l, r0, r0 + kline, m32, gt, nh);
     }
@@ -249,9 +245,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     const int64_t d = cc->d;
     float *p = st->p;
     const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
-    const char *vn = vb + PREFETCH_BLOCKS * TILE_T * d;
-    if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 1, pf, vn, p);
-    else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 2, pf, vn, p);
+    if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 1, pf, p);
+    else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 2, pf, p);
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     int16_t wq[TILE_G * TILE_T];
