@@ -74,12 +74,10 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
     const int64_t span = nt * kpack(cc->enc) * el, run = (lines - 1) * line * el + span; /* bytes: a line's, all */
     if ((run + 63) / 64 < lines * ((span + 63) / 64)) /* lines of a short ring: the run, each cache line once */
-        for (int64_t x = 0; x < run; x += 64) __builtin_prefetch(kb + x, 0, locality);
+        prefetch_lines(kb, run, locality);
     else
-        for (int64_t j = 0; j < lines; j++)
-            for (int64_t x = 0; x < span; x += 64) __builtin_prefetch(kb + j * line * el + x, 0, locality);
-    const char *vb = (const char *)cc->v + (h * cc->c + phys) * d * el;
-    for (int64_t x = 0; x < nt * d * el; x += 64) __builtin_prefetch(vb + x, 0, locality);
+        for (int64_t j = 0; j < lines; j++) prefetch_lines(kb + j * line * el, span, locality);
+    prefetch_lines((const char *)cc->v + (h * cc->c + phys) * d * el, nt * d * el, locality);
     if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, locality);
 }
 
