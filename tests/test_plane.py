@@ -364,6 +364,99 @@ def test_cacheset_refuses_tensors_off_its_caches_device():
     assert cset.caches(0)[0].tokens_seen == 0
 
 
+# Windows on either side of a 64-position block and a 512-position split (attend.c's grid), so
+# that a ring wraps, a run starts and a split ends at every kind of boundary.
+_EDGES = (1, 2, 63, 64, 65, 511, 512, 513, 700)
+
+
+@st.composite
+def _boundary_policies(draw) -> EvictionPolicy:
+    kind = draw(st.sampled_from(list(PolicyKind)))
+    window = draw(st.sampled_from(_EDGES))
+    if kind is PolicyKind.NONE:
+        return EvictionPolicy.none(window + draw(st.integers(0, 40)))
+    if kind is PolicyKind.STRICT:
+        return EvictionPolicy.strict(window)
+    if kind is PolicyKind.GREEDY:
+        return EvictionPolicy.greedy(window, window + draw(st.integers(0, 70)))
+    return EvictionPolicy.sink(window + 4, draw(st.integers(0, 4)))
+
+
+_PLANE_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("step"), st.integers(0, 2**16)),  # a step of a random subset, in random order
+        st.tuples(st.just("rollback"), st.integers(0, 2**16)),
+    ),
+    min_size=1,
+    max_size=10,
+)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(
+    encoding=st.sampled_from(ENCODINGS[:5]),
+    caches=st.lists(
+        st.tuples(_boundary_policies(), st.sampled_from((0, 1, 40, 63, 64, 65, 512, 513, 1100))), min_size=1, max_size=5
+    ),
+    ops=_PLANE_OPS,
+)
+def test_cacheset_step_is_the_public_step_at_block_and_split_boundaries(encoding, caches, ops):
+    """Caches whose windows and lengths sit on either side of the kernel's block and split
+    boundaries, stepped in one ``CacheSet.step`` (a random subset, in random order, on one thread
+    and again on two) and their twins by the public step, rolled back alike between steps: every
+    row bit-identical on both thread counts, with the public step's numbers; a refused row
+    refused by both with the same error."""
+    backend, dtype, kernel = encoding
+    gen = torch.Generator().manual_seed(len(caches) * 100 + len(ops))
+    sets, twins = [CacheSet(1), CacheSet(1)], []
+    for policy, length in caches:
+        length = min(length, policy.capacity) if policy.kind is PolicyKind.NONE else length
+        keys, values = (torch.randn(1, HKV, length, D, generator=gen).to(dtype) for _ in range(2))
+        made = [_make(backend, dtype, kernel, policy) for _ in range(3)]
+        for cache in made:
+            if length:
+                cache.prefill(keys, values)
+        sets[0].add([made[0]])
+        sets[1].add([made[1]])
+        twins.append(made[2])
+    n, pool = len(caches), native.threads()
+    try:
+        for op, seed in ops:
+            pick = np.random.default_rng(seed)
+            if op == "rollback":
+                for i, twin in enumerate(twins):
+                    count = int(pick.integers(0, twin.policy.rollback_reach(twin.tokens_seen) + 1))
+                    for cache in (sets[0].caches(i)[0], sets[1].caches(i)[0], twin):
+                        cache.rollback(count)
+                continue
+            slots = pick.permutation(n)[: int(pick.integers(1, n + 1))].astype(np.int64)
+            m = len(slots)
+            q = torch.randn(m, HQ, D, generator=gen).to(dtype)
+            k, v = (torch.randn(m, HKV, D, generator=gen).to(dtype) for _ in range(2))
+            outs, results = [], []
+            for threads, cset in zip((1, 2), sets):
+                native.set_threads(threads)
+                outs.append(torch.full((m, HQ, D), 7.0, dtype=dtype))
+                results.append(cset.step(0, slots, q, k, v, outs[-1]))
+            assert torch.equal(outs[0], outs[1]) and np.array_equal(results[0].fields, results[1].fields)
+            assert sorted(results[0].refused) == sorted(results[1].refused)
+            for i, s in enumerate(slots.tolist()):
+                twin = twins[s]
+                try:
+                    o = twin.step(q[i : i + 1], k[i : i + 1], v[i : i + 1])
+                except Exception as exc:
+                    assert type(results[0].refused.get(i)) is type(exc), (i, exc)
+                    continue
+                assert i not in results[0].refused, results[0].refused[i]
+                assert torch.equal(outs[0][i], o.output[0]), (s, twin.policy, twin.tokens_seen)
+                t = o.tokens_seen
+                want = [t, o.resident, o.first_position, o.last_position, o.evicted_tokens]
+                assert results[0].fields[i].tolist() == want + [twin.policy.rollback_reach(t)]
+    finally:
+        native.set_threads(pool)
+
+
 # -- the C/Python boundary ---------------------------------------------------------------------
 def test_the_library_layout_is_the_mirror():
     kernel = native.load()
