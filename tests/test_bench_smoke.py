@@ -159,3 +159,27 @@ def test_stamp_profile_runs_on_its_own_build(tmp_path):
     assert done.returncode == 0, done.stderr
     for part in ("public step", "outside gqa_step", "plan", "items", "thread 0: items"):
         assert re.search(rf"^{re.escape(part)}\s+[0-9.]+\s+[0-9.]+$", done.stdout, re.M), (part, done.stdout)
+
+
+def test_a_servers_cpu_time_counts_every_thread_of_its_process():
+    """bench_service's CPU a step reads a process's CPU clock: here this process's own, against
+    ``time.process_time``, over a busy loop on two threads, one of which has ended by then."""
+    import os
+    import threading
+    import time
+
+    from tests.bench.bench_service import process_cpu_seconds
+
+    def spin(seconds):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    before, ours = process_cpu_seconds(os.getpid()), time.process_time()
+    worker = threading.Thread(target=spin, args=(0.1,))
+    worker.start()
+    spin(0.1)
+    worker.join()
+    got, want = process_cpu_seconds(os.getpid()) - before, time.process_time() - ours
+    assert want >= 0.2
+    assert abs(got - want) < 0.02 + 0.05 * want, (got, want)

@@ -9,7 +9,10 @@
   each cell's mean batch size.
 
 Clients are grpc.aio streams in this process, each closed-loop (send, wait, send). Reported:
-p50/p99 round trip, steps/s and the mean batch size at 1, 8 and 64 concurrent streams; the
+p50/p99 round trip, steps/s, each server's CPU time a step (all its threads; the clients share
+the machine's cores with the server, so where the cores are the limit, steps/s goes as the
+inverse of the clients' and the server's CPU a step together) and the mean batch size at 1, 8
+and 64 concurrent streams; the
 in-process step time of the CPU backend at the same shape with the server's torch threads; the
 machine's read floor (a sum over as many bytes as the 64-stream S=2048 cell's steps read, with
 as many threads as the server has compute workers).
@@ -199,6 +202,14 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
     )
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time (user and system) of process ``pid`` so far, every thread it ran included, in
+    seconds: Linux's CPU clock of another process (clock_getcpuclockid's id, made as the kernel
+    makes it), nanoseconds, where ``/proc/PID/stat`` counts 10 ms ticks, too coarse for a round
+    of the S=1 cells, and the threads' own counts lose those that ended."""
+    return time.clock_gettime(((~pid) << 3) | 2)
+
+
 async def open_stream(channel, opening: bytes):
     call = channel.stream_stream(METHOD)()  # raw bytes both ways: no client-side protobuf work
     await call.write(opening)
@@ -221,7 +232,10 @@ async def run_steps(
     return len(times)
 
 
-async def drive(address: str, s: int, concurrency: int) -> dict:
+async def drive(address: str, s: int, concurrency: int, pid: int | None = None) -> dict:
+    """One cell's round: ``concurrency`` streams opened (and a warm-up one), then their steps
+    timed; ``server_cpu_us``: the CPU time process ``pid`` (the server) spent a step while they
+    ran (NaN without ``pid``)."""
     opening = open_bytes(s)
     requests = [step_bytes(i) for i in range(8)]
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -233,11 +247,13 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
         latencies: list[float] = []
         computes: list[float] = []
         deadline = time.perf_counter() + TIME_BUDGET_S
+        cpu = process_cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
         counts = await asyncio.gather(
             *(run_steps(call, requests, STEPS[concurrency], latencies, deadline, computes) for call in calls)
         )
         wall = time.perf_counter() - t0
+        cpu = process_cpu_seconds(pid) - cpu if pid else float("nan")
         # each stream's end read before the channel closes (a call left pending at the loop's
         # close printed "Task was destroyed but it is pending!")
         await asyncio.wait_for(asyncio.gather(*(c.code() for c in [warm, *calls])), 30)
@@ -248,6 +264,7 @@ async def drive(address: str, s: int, concurrency: int) -> dict:
         "p50_us": percentile(latencies, 50) * 1e6,
         "p99_us": percentile(latencies, 99) * 1e6,
         "compute_us": percentile(computes, 50) * 1e6,  # the server's reported compute (echo: its fixed one)
+        "server_cpu_us": cpu / sum(counts) * 1e6,
     }
 
 
@@ -315,8 +332,8 @@ def run(report) -> None:
                     per_round = {kind: [] for kind in kinds}
                     for _ in range(rounds):  # in turn, so drift hits every server alike
                         for kind in kinds:
-                            r = loop.run_until_complete(drive(procs[kind][1], s, c))
-                            per_round[kind].append(r)
+                            proc, address = procs[kind]
+                            per_round[kind].append(loop.run_until_complete(drive(address, s, c, proc.pid)))
                     after = batch_counts(tmp)
                     batches = after[0] - before[0]
                     for kind in kinds:
@@ -345,6 +362,7 @@ def run(report) -> None:
                             e["steps_per_s"],
                             v["steps_per_s"],
                             fmt_spread(rate) if rounds > 1 else rate[0],
+                            f"{e['server_cpu_us']:.0f} | {v['server_cpu_us']:.0f}",
                             v["mean_batch"],
                         ]
                     )
@@ -374,6 +392,7 @@ def run(report) -> None:
                 "echo steps/s",
                 "svc steps/s",
                 "svc/echo",
+                "server CPU us/step",
                 "mean batch",
             ],
             rows,
@@ -388,7 +407,8 @@ def run(report) -> None:
         print(
             f"ablation, S=1, {c} stream(s): step computation stubbed out, the service answers "
             f"{stub['steps_per_s'] / e['steps_per_s']:.2f}x the echo server's steps/s at p50 {stub['p50_us']:.0f} us "
-            f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us)"
+            f"(echo {e['p50_us']:.0f} us, service {v['p50_us']:.0f} us); server CPU a step: echo "
+            f"{e['server_cpu_us']:.0f} us, stub {stub['server_cpu_us']:.0f}, service {v['server_cpu_us']:.0f}"
         )
     print(verdict_spread("1 stream S=1 round trip / (echo + compute)", ratios[(1, 1)][0], 1.25))
     print(verdict_spread("64 streams S=1 steps/s / echo's", ratios[(1, 64)][1], 0.7, at_most=False))
