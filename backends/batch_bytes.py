@@ -70,6 +70,15 @@ class ByteBatch(NamedTuple):
 def step_bytes(steps: Sequence[ByteStep]) -> ByteBatch:
     """Runs every step (distinct caches, ``ValueError`` for the whole call otherwise); see the
     module docstring. The GIL is released during the native call."""
+    spans = _spans_entry()
+    if spans is not None:  # the C++ entry: the rows' arguments, the call and their numbers in one
+        done = spans(steps if steps.__class__ is list else list(steps))
+        if done is not None:
+            fields, out, offsets, left = done
+            refused: dict[int, Exception] = {}
+            for i in left:  # refused or handed back by the library, or another kernel's
+                _step_generic(steps[i], out, offsets[i], fields[i], refused, i)
+            return ByteBatch(fields, refused, memoryview(out), offsets)
     n = len(steps)
     if len({id(s.cache) for s in steps}) != n:
         raise ValueError("step_bytes: a cache appears twice in one batch")
@@ -94,6 +103,15 @@ def step_bytes(steps: Sequence[ByteStep]) -> ByteBatch:
     for i in sorted(generic):
         _step_generic(steps[i], out, offsets[i], fields[i], refused, i)
     return ByteBatch(fields, refused, memoryview(out), offsets)
+
+
+def _spans_entry():
+    """The C++ entry's ``step_spans`` (``csrc/torch_step.cpp``): the rows' descriptors, pointers
+    and numbers gathered, ``gqa_step`` called and its numbers read in one call, where this
+    module's Python did it per row (~6 us of a lone Decode step's ~10 in process); None where
+    the module is not built (then the Python below)."""
+    module, _ = native._torch_step()
+    return getattr(module, "step_spans", None)
 
 
 def _query_bytes(cache: LayerCache) -> int:
@@ -183,7 +201,7 @@ def _step_native(steps: Sequence[ByteStep], rows: list[int], base: int, offsets:
     return left
 
 
-def _step_generic(s: ByteStep, out: np.ndarray, at: int, row: list, refused: dict, i: int) -> None:
+def _step_generic(s: ByteStep, out: np.ndarray | bytearray, at: int, row: list, refused: dict, i: int) -> None:
     """Row ``i`` through ``batch.step_many`` (bound at import: a test holding ``step_bytes`` holds
     it once) with tensors viewing its bytes; its numbers into
     ``row``, its output into ``out[at:]``, or its exception into ``refused``."""
@@ -199,6 +217,6 @@ def _step_generic(s: ByteStep, out: np.ndarray, at: int, row: list, refused: dic
         refused[i] = o
         return
     output = o.output.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-    out[at : at + len(output)] = output
+    memoryview(out)[at : at + len(output)] = output  # out: numpy's array, or the C++ entry's bytearray
     t = o.tokens_seen
     row[:] = (t, o.resident, o.first_position, o.last_position, o.evicted_tokens, s.cache.policy.rollback_reach(t))

@@ -41,6 +41,9 @@ class NativeStep:
 
     _native = None
     _fast = None  # the C++ entry's (function, context, kernel), or None: ctypes alone
+    # what the C++ entry's step_spans reads of this cache (batch_bytes.step_bytes): (kernel,
+    # gqa_step's address, the descriptor's, the query's bytes), or None: the Python path
+    _span = None
     _step_bytes = 0  # row_bytes, read once: a step's bytes_written
     _outputs: list | None = None  # the ctypes path's: the current slab's rows not handed out yet, last first
 
@@ -90,7 +93,7 @@ class NativeStep:
         # the prewake's address (0: none) and the descriptor's, this cache's output holder (the
         # tensor its last step made, written again once the caller lets go of it), StepOutcome
         # and its fields' slot descriptors, and bytes_written.
-        self._fast = None
+        self._fast = self._span = None
         try:
             step_at = ctypes.cast(kernel.step, ctypes.c_void_p).value  # a stand-in's is no C function
             wake_at = ctypes.cast(kernel.prewake, ctypes.c_void_p).value if self._wake is not None else 0
@@ -101,6 +104,8 @@ class NativeStep:
         ctx = (step_at, *self._one[1:8:2], self._out_like, kv_like)
         pctx = (ctx, wake_at or 0, at, [None], StepOutcome, OUTCOME_FIELDS, self._step_bytes)
         self._fast = (module.step_public, pctx, kernel)
+        if hasattr(module, "step_spans"):
+            self._span = (kernel, step_at, at, s.batch_size * s.num_query_heads * s.head_dim * s.dtype.itemsize)
 
     def _step_native(self, query, new_key, new_value) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path

@@ -45,6 +45,7 @@
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <cstdint>
+#include <vector>
 
 namespace {
 
@@ -253,11 +254,165 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return o;
 }
 
+// -- step_spans: a batch of Decode steps read from the wire ---------------------------------------
+
+constexpr Py_ssize_t kSpanCols = 6;  // native.RESULT_COLUMNS: tokens_seen .. rollback_reach
+
+// A row's cache as step_spans takes it: its _span, (kernel, gqa_step's address, the descriptor's
+// address, the query's bytes), set by NativeStep._attach_native; *span borrowed. False (no error
+// set) when the cache has none; nullptr-safe on any other failure (an error set, returns false).
+bool span_of(PyObject *cache, PyObject **span) {
+    static PyObject *name = PyUnicode_InternFromString("_span");
+    PyObject *o = name ? PyObject_GetAttr(cache, name) : nullptr;
+    if (!o) {
+        PyErr_Clear();
+        return false;
+    }
+    const bool ok = PyTuple_Check(o) && PyTuple_GET_SIZE(o) == 4 && PyLong_Check(PyTuple_GET_ITEM(o, 3));
+    *span = o;
+    Py_DECREF(o);  // the cache's attribute keeps it alive for the call
+    return ok;
+}
+
+// step_spans(steps): batch_bytes.step_bytes' native part in one call. steps: a list of
+// ByteStep (cache, data: bytes, q_at, k_at, v_at). Returns None, nothing done, when a row's
+// cache has no _span or its data is not bytes (step_bytes then runs its Python path). Else
+// (fields, out, offsets, left): out a bytearray with each row's output at offsets[i] (the
+// query's length), fields[i] its 6 numbers (zeros for a row not stepped), left the rows not
+// stepped (their caches unchanged): refused or handed back by gqa_step, whose cache's kernel is
+// not the first row's (a test's stand-in), or all of them when gqa_step refused the whole call.
+// ValueError, nothing done, when a cache appears twice. The GIL is released during gqa_step.
+PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    if (nargs != 1 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "step_spans(steps): steps is a list of ByteStep");
+        return nullptr;
+    }
+    static PyObject *native_name = PyUnicode_InternFromString("_native");
+    if (!native_name) return nullptr;
+    PyObject *steps = args[0];
+    const Py_ssize_t n = PyList_GET_SIZE(steps);
+    std::vector<void *> descs(n), io(4 * n);
+    std::vector<int64_t> offsets(n), results(kSpanCols * n, 0);
+    std::vector<int32_t> status(n, 0);
+    std::vector<char> mine(n, 0);  // rows this call steps
+    PyObject *kernel = nullptr;
+    void *fn = nullptr;
+    int64_t total = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *row = PyList_GET_ITEM(steps, i), *span;
+        if (!PyTuple_Check(row) || PyTuple_GET_SIZE(row) != 5 || !PyBytes_Check(PyTuple_GET_ITEM(row, 1)) ||
+            !span_of(PyTuple_GET_ITEM(row, 0), &span))
+            Py_RETURN_NONE;
+        offsets[i] = total;
+        total += PyLong_AsLongLong(PyTuple_GET_ITEM(span, 3));
+        void *desc = PyLong_AsVoidPtr(PyTuple_GET_ITEM(span, 2));
+        const char *data = PyBytes_AS_STRING(PyTuple_GET_ITEM(row, 1));
+        int64_t at[3];
+        for (int j = 0; j < 3; j++) at[j] = PyLong_AsLongLong(PyTuple_GET_ITEM(row, 2 + j));
+        if (PyErr_Occurred()) return nullptr;
+        if (!desc) {
+            PyErr_SetString(PyExc_ValueError, "step_spans: a cache's _span has a null descriptor");
+            return nullptr;
+        }
+        for (Py_ssize_t j = 0; j < i; j++)
+            if (descs[j] == desc) {
+                PyErr_SetString(PyExc_ValueError, "step_bytes: a cache appears twice in one batch");
+                return nullptr;
+            }
+        descs[i] = desc;
+        PyObject *own = PyObject_GetAttr(PyTuple_GET_ITEM(row, 0), native_name);
+        if (!own) return nullptr;
+        Py_DECREF(own);  // compared by identity only
+        PyObject *k = PyTuple_GET_ITEM(span, 0);
+        if (own != k || (kernel && k != kernel)) continue;  // another kernel: left to the Python path
+        if (!kernel) {
+            kernel = k;
+            fn = PyLong_AsVoidPtr(PyTuple_GET_ITEM(span, 1));
+            if (!fn) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "step_spans: a null gqa_step address");
+                return nullptr;
+            }
+        }
+        mine[i] = 1;
+        io[4 * i] = const_cast<char *>(data + at[0]);
+        io[4 * i + 1] = const_cast<char *>(data + at[1]);
+        io[4 * i + 2] = const_cast<char *>(data + at[2]);
+    }
+    PyObject *out = PyByteArray_FromStringAndSize(nullptr, total);
+    if (!out) return nullptr;
+    char *base = PyByteArray_AS_STRING(out);
+    // the rows this call steps, packed: gqa_step takes a row per descriptor
+    std::vector<void *> pdescs, pio;
+    std::vector<Py_ssize_t> index;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (!mine[i]) continue;
+        index.push_back(i);
+        pdescs.push_back(descs[i]);
+        pio.insert(pio.end(), {io[4 * i], io[4 * i + 1], io[4 * i + 2], base + offsets[i]});
+    }
+    const int64_t m = static_cast<int64_t>(index.size());
+    std::vector<int64_t> pres(kSpanCols * m, 0);
+    std::vector<int32_t> pstatus(m, 0);
+    int32_t rc = 0;
+    if (m) {
+        const auto step_call = reinterpret_cast<step_fn>(fn);
+        Py_BEGIN_ALLOW_THREADS
+        rc = step_call(pdescs.data(), m, pio.data(), nullptr, nullptr, pres.data(), kSpanCols, pstatus.data(), 0, 0);
+        Py_END_ALLOW_THREADS
+    }
+    for (int64_t j = 0; j < m; j++) {
+        const Py_ssize_t i = index[j];
+        if (rc || pstatus[j]) {
+            mine[i] = 0;  // the whole call refused, or this row: the Python path meets it
+            continue;
+        }
+        for (Py_ssize_t c = 0; c < kSpanCols; c++) results[kSpanCols * i + c] = pres[kSpanCols * j + c];
+    }
+    PyObject *fields = PyList_New(n), *offs = PyList_New(n), *left = PyList_New(0);
+    PyObject *answer = fields && offs && left ? PyTuple_New(4) : nullptr;
+    for (Py_ssize_t i = 0; answer && i < n; i++) {
+        PyObject *r = PyList_New(kSpanCols), *o = PyLong_FromLongLong(offsets[i]);
+        for (Py_ssize_t c = 0; r && c < kSpanCols; c++) {
+            PyObject *x = PyLong_FromLongLong(results[kSpanCols * i + c]);
+            if (!x) {
+                Py_CLEAR(r);
+                break;
+            }
+            PyList_SET_ITEM(r, c, x);
+        }
+        PyObject *idx = mine[i] ? nullptr : PyLong_FromSsize_t(i);
+        if (!r || !o || (!mine[i] && (!idx || PyList_Append(left, idx)))) {
+            Py_XDECREF(r);
+            Py_XDECREF(o);
+            Py_XDECREF(idx);
+            Py_CLEAR(answer);
+            break;
+        }
+        Py_XDECREF(idx);
+        PyList_SET_ITEM(fields, i, r);
+        PyList_SET_ITEM(offs, i, o);
+    }
+    if (!answer) {
+        Py_XDECREF(fields);
+        Py_XDECREF(offs);
+        Py_XDECREF(left);
+        Py_DECREF(out);
+        return nullptr;
+    }
+    PyTuple_SET_ITEM(answer, 0, fields);
+    PyTuple_SET_ITEM(answer, 1, out);
+    PyTuple_SET_ITEM(answer, 2, offs);
+    PyTuple_SET_ITEM(answer, 3, left);
+    return answer;
+}
+
 PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step)), METH_FASTCALL,
      "step(ctx, query, new_key, new_value, out): one public step through gqa_step (see the source)"},
     {"step_public", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step_public)), METH_FASTCALL,
      "step_public(pctx, query, new_key, new_value): the public step and its StepOutcome in one call (see the source)"},
+    {"step_spans", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step_spans)), METH_FASTCALL,
+     "step_spans(steps): batch_bytes.step_bytes' steps through gqa_step in one call (see the source)"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gqa_torch_step", "The public step's entry with torch tensors.", -1,
