@@ -41,6 +41,7 @@
  */
 #define _GNU_SOURCE
 #include <sched.h>
+#include <stdio.h>
 
 #include "gqa_internal.h"
 
@@ -134,6 +135,9 @@ static void await_call(uint64_t seen) {
 
 static void *pool_worker(void *arg) {
     const int idx = (int)(intptr_t)arg; /* 1 .. started */
+    char name[16]; /* named for top -H, perf and /proc: else each is one more "python" */
+    snprintf(name, sizeof name, "gqa-pool-%d", idx);
+    pthread_setname_np(pthread_self(), name);
     pthread_mutex_lock(&pool.m);
     uint64_t seen = pool.start_gen; /* the generation before its first task, however late it runs */
     uint64_t alerted = pool.alert;
