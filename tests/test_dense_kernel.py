@@ -501,6 +501,25 @@ def test_set_threads_sizes_the_pool(pool_size):
         native.set_threads(0)
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs /proc's per-thread names")
+def test_the_pools_workers_are_named(pool_size):
+    """pool.c names its workers gqa-pool-1 .. (top -H, perf, bench_service's CPU by thread)."""
+    pool_size(3)
+    _pool_order(6, 3)  # a call on the pool: its workers started
+
+    def names():
+        found = set()
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    found.add(f.read().strip())
+            except FileNotFoundError:  # a thread that ended meanwhile
+                continue
+        return found
+
+    assert {"gqa-pool-1", "gqa-pool-2"} <= names()
+
+
 def _pool_order(n: int, threads: int) -> tuple[list[int], list[int]]:
     """One pool call of n items (each a 50 us wait) on up to `threads` threads: each item's
     thread and its place in that thread's run (csrc/test_hooks.c's gqa_test_pool_order)."""
