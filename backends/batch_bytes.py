@@ -4,7 +4,9 @@ key and new value as they lie in its request's bytes, many caches in one native 
 A step read from the wire needs no tensor: the library takes a pointer per input and output.
 ``step_bytes`` gathers the spans' addresses and the caches' descriptors into arrays, calls
 ``gqa_step`` once per library, and gives back per row the numbers the reply carries and the
-output's bytes, with no Python object per row but a list of six ints. A row the library
+output's bytes, with no Python object per row but a list of six ints. Where the C++ module of
+``csrc/torch_step.cpp`` is built, its ``step_spans`` does that gathering, the call and the
+reading in one call (each cache's ``_span`` names what it needs); else the Python below does. A row the library
 refuses or hands back (the Python path of an int8 cache calibrating, a full cache under policy
 none), and a cache without the compiled step, go through ``batch.step_many`` with tensors over
 the same bytes, so every row keeps ``step_many``'s contract: bit-identical to the cache's

@@ -1,5 +1,6 @@
 /*
- * The public step's entry from Python with torch tensors: the Python module _gqa_torch_step,
+ * The public step's entry from Python with torch tensors, and batch_bytes.step_bytes' entry for
+ * steps read from the wire (step_spans, at the end): the Python module _gqa_torch_step,
  * built apart from the C library (it needs torch's and Python's headers and a C++ compiler;
  * backends/native_build.py, build_torch_step) and optional: without it the step takes the
  * ctypes path (backends/native_step.py), which does the same work in Python.
