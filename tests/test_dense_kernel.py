@@ -450,6 +450,18 @@ def _alerted_cpu_ns(worker: int, alert) -> int:
     return _runtime_ns(worker) - before
 
 
+def _awake_cpu_ns(worker: int, alert, tries: int = 3) -> int:
+    """The most CPU time the worker ran after ``alert()`` in up to ``tries`` alerts: an alerted
+    worker yields while it waits, so another process busy on the cores (a CI neighbour, a second
+    test run) can leave it under the threshold once; a no-op alert leaves it near 0 every time."""
+    most = 0
+    for _ in range(tries):
+        most = max(most, _alerted_cpu_ns(worker, alert))
+        if most > 50_000:
+            break
+    return most
+
+
 @_NEEDS_SCHEDSTAT
 def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     """gqa_prewake, which the public step calls before its checks: for a cache whose next step
@@ -469,7 +481,7 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
         return _alerted_cpu_ns(worker, lambda: KERNEL.prewake(ctypes.addressof(cache._state)))
 
     assert alerted_cpu_ns(small) < 20_000
-    assert alerted_cpu_ns(big) > 50_000
+    assert _awake_cpu_ns(worker, lambda: KERNEL.prewake(ctypes.addressof(big._state))) > 50_000
     assert alerted_cpu_ns(small) < 20_000
     # the public step does not even call it for a cache too small ever to use the pool
     assert small._wake is None and big._wake is not None
@@ -491,7 +503,7 @@ def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
     plane.step(0, np.arange(64, dtype=np.int64), *rows, torch.empty(64, 32, 64))  # the pool started
     worker = _the_worker()
     assert _alerted_cpu_ns(worker, lambda: plane.expect(1)) < 20_000
-    assert _alerted_cpu_ns(worker, lambda: plane.expect(64)) > 50_000
+    assert _awake_cpu_ns(worker, lambda: plane.expect(64)) > 50_000
     assert _alerted_cpu_ns(worker, lambda: CacheSet(1).expect(64)) < 20_000
 
 
