@@ -126,8 +126,8 @@ POLICY_SHAPES = {
     "strict-block+1": (EvictionPolicy.strict(65), 90),
     "sink-block+1": (EvictionPolicy.sink(65, 3), 90),
     # whole rings of 1, 2 and 4 rows: key lines of that many positions, several to a register
-    # (block_avx2.c, scores_lines_avx2; block_avx512.c, scores_lines8); 3 rows take the pass of
-    # 16 positions (8 on AVX-512)
+    # (block_avx2.c, scores_lines_avx2, which the AVX-512 block calls too); 3 rows take the pass
+    # of 16 positions (8 on AVX-512)
     "strict-ring-1": (EvictionPolicy.strict(1), 3),
     "strict-ring-2": (EvictionPolicy.strict(2), 3),
     "strict-ring-3": (EvictionPolicy.strict(3), 2),

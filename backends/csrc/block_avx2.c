@@ -135,7 +135,8 @@ AVX2 static inline __attribute__((always_inline)) void pairs_store(float *m, __m
  *   permute of the query per head and register had cost Zen 1 more than the FMAs. Each lane
  *   sums the same products in the same order, and the positions' sums add the same pairs
  *   (hadd's tree), so the scores are bit for bit the position-major ones.
- * out[g * TILE_T ...]: the scores, -inf past nt. */
+ * out[g * TILE_T ...]: the scores, -inf past nt to TILE_T (the AVX-512 softmax, whose block
+ * calls this through scores_lines_avx2_call, takes its max over all TILE_T lanes). */
 AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const int enc, const float *q, int64_t dk,
                                                                           int64_t dq, const char *kb, const int w,
                                                                           const int gt, float *out) {
@@ -195,7 +196,37 @@ AVX2 static inline __attribute__((always_inline)) void scores_lines_avx2(const i
                        : _mm256_permutevar8x32_ps(pairs, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0));
         }
         _mm256_storeu_ps(out + g * TILE_T, _mm256_blendv_ps(ninf, s, live));
-        _mm256_storeu_ps(out + g * TILE_T + 8, ninf);
+        for (int i = 8; i < TILE_T; i += 8) _mm256_storeu_ps(out + g * TILE_T + i, ninf);
+    }
+}
+
+/* scores_lines_avx2 for another ISA's block (block_avx512.c) of nt = 1, 2 or 4 rows: one call a
+ * tile, each (encoding, rows, heads) its own constant-folded copy. */
+AVX2 static inline __attribute__((always_inline)) void lines_w(const int enc, const float *q, int64_t dk, int64_t dq,
+                                                                const char *kb, const int w, int gt, float *out) {
+    switch (gt) {
+        case 4: scores_lines_avx2(enc, q, dk, dq, kb, w, 4, out); break;
+        case 3: scores_lines_avx2(enc, q, dk, dq, kb, w, 3, out); break;
+        case 2: scores_lines_avx2(enc, q, dk, dq, kb, w, 2, out); break;
+        default: scores_lines_avx2(enc, q, dk, dq, kb, w, 1, out); break;
+    }
+}
+
+AVX2 static inline __attribute__((always_inline)) void lines_enc(const int enc, const float *q, int64_t dk, int64_t dq,
+                                                                  const char *kb, int64_t nt, int gt, float *out) {
+    switch (nt) {
+        case 1: lines_w(enc, q, dk, dq, kb, 1, gt, out); break;
+        case 2: lines_w(enc, q, dk, dq, kb, 2, gt, out); break;
+        default: lines_w(enc, q, dk, dq, kb, 4, gt, out); break;
+    }
+}
+
+AVX2 GQA_INTERNAL void scores_lines_avx2_call(int enc, const float *q, int64_t dk, int64_t dq, const char *kb, int64_t nt,
+                                              int gt, float *out) {
+    switch (enc) {
+        case ENC_F32: lines_enc(ENC_F32, q, dk, dq, kb, nt, gt, out); break;
+        case ENC_BF16: lines_enc(ENC_BF16, q, dk, dq, kb, nt, gt, out); break;
+        default: lines_enc(ENC_F16, q, dk, dq, kb, nt, gt, out); break;
     }
 }
 
@@ -348,9 +379,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
     /* the end of the block's key lines: a short line's load may read on into the next line
      * (lanes masked after) but not past the last */
     const char *kend = kb + ((cc->dk + kpack(enc) - 1) / kpack(enc) * kline - (phys - b0) * kpack(enc)) * el;
-    const int64_t rows = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T; /* the block's lines' positions */
-    const int lines = enc != ENC_INT8 && cc->no == 0 && phys == b0 && nt == rows && (nt == 1 || nt == 2 || nt == 4) &&
-                      cc->dk % 16 == 0;
+    const int lines = whole_short_block(enc, cc, phys, nt);
     if (lines) switch (nt) { /* a whole short ring: each register holds several channels' lines */
             case 1: scores_lines_avx2(enc, q, cc->dk, dq, kb, 1, gt, p); break;
             case 2: scores_lines_avx2(enc, q, cc->dk, dq, kb, 2, gt, p); break;

@@ -162,98 +162,6 @@ AVX512 static inline __attribute__((always_inline)) void scores8_avx512(
     scores_int8_finish(enc, acc, mask, q, dk, no, kob, c, ks, gt, out);
 }
 
-/* Scores of gt query heads against a whole short ring: a block of nt = w rows (1, 2 or 4) at
- * its first row, no outlier channels, its key lines w elements apart. A register of 8 words then
- * holds 8 / w consecutive channel lines (bfloat16: of 2 channels a word, split by a shift and a
- * mask into the even channels' register and the odd ones'), where scores8_avx512 used 8 lanes of
- * a register for one line's w positions: 8 / w times fewer loads and multiply-adds. The AVX2
- * block's scores_lines_avx2, in 8-lane AVX-512 registers: the same sums in the same order.
- * - float32, float16: the key register reordered position-major (lane p * 8 / w + c, one
- *   cross-lane permute a register, for all gt heads), the query's channels broadcast;
- * - bfloat16: the key register as loaded (lane c * w + p), the query's channels repeated in
- *   place by in-lane shuffles.
- * Each position's score is the sum of its 8 / w lanes at the end. out[g * TILE_T ...]: the
- * scores, -inf past nt to TILE_T. */
-AVX512 static inline __attribute__((always_inline)) void scores_lines8(const int enc, const float *q, int64_t dk,
-                                                                       int64_t dq, const char *kb, const int w,
-                                                                       const int gt, float *out) {
-    const int64_t el = enc_size(enc), cpl = 8 / w;
-    const __m256i order = w == 2 ? _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7) : _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-    __m256 acc[TILE_G];
-    for (int g = 0; g < gt; g++) acc[g] = _mm256_setzero_ps();
-    if (enc != ENC_BF16) {
-        for (int64_t j = 0; j < dk; j += cpl) {
-            __m256 k = widen8(enc, kb + j * w * el, 0xFF);
-            if (w > 1) k = _mm256_permutevar8x32_ps(k, order);
-            for (int g = 0; g < gt; g++) {
-                const float *qj = q + g * dq + j;
-                const __m256 qv = w == 1   ? _mm256_loadu_ps(qj)
-                                  : w == 2 ? _mm256_broadcast_ps((const __m128 *)qj)
-                                           : _mm256_castpd_ps(_mm256_broadcast_sd((const double *)qj));
-                acc[g] = fma8(qv, k, acc[g]);
-            }
-        }
-    } else { /* 2 channels a word: 16 / w channels a register, lane c * w + p as loaded */
-        const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
-        const __m256i even4 = _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2), odd4 = _mm256_setr_epi32(1, 1, 1, 1, 3, 3, 3, 3);
-        for (int64_t j = 0; j < dk; j += 2 * cpl) {
-            const __m256i words = _mm256_loadu_si256((const __m256i *)(kb + j * w * el));
-            const __m256 k0 = _mm256_castsi256_ps(_mm256_slli_epi32(words, 16));
-            const __m256 k1 = _mm256_castsi256_ps(_mm256_and_si256(words, high));
-            for (int g = 0; g < gt; g++) {
-                const float *qj = q + g * dq + j;
-                __m256 q0, q1;
-                if (w == 1) { /* channels j + 2c and j + 2c + 1: the even ones, the odd ones */
-                    const __m256 x = _mm256_loadu_ps(qj), y = _mm256_loadu_ps(qj + 8);
-                    const __m256 lo = _mm256_permute2f128_ps(x, y, 0x20), hi = _mm256_permute2f128_ps(x, y, 0x31);
-                    q0 = _mm256_shuffle_ps(lo, hi, 0x88);
-                    q1 = _mm256_shuffle_ps(lo, hi, 0xDD);
-                } else if (w == 2) { /* channels j + 2c (and + 1), each twice */
-                    const __m256 x = _mm256_loadu_ps(qj);
-                    q0 = _mm256_moveldup_ps(x);
-                    q1 = _mm256_movehdup_ps(x);
-                } else { /* channels j, j + 2 (and + 1), each four times */
-                    const __m256 x = _mm256_broadcast_ps((const __m128 *)qj);
-                    q0 = _mm256_permutevar_ps(x, even4);
-                    q1 = _mm256_permutevar_ps(x, odd4);
-                }
-                acc[g] = fma8(q1, k1, fma8(q0, k0, acc[g]));
-            }
-        }
-    }
-    const __m256 ninf = _mm256_set1_ps(-INFINITY);
-    const __mmask8 live = (__mmask8)((1u << w) - 1);
-    for (int g = 0; g < gt; g++) {
-        __m256 s;
-        if (w == 1) {
-            const __m256 a = acc[g];
-            __m128 x = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-            x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-            x = _mm_add_ss(x, _mm_movehdup_ps(x));
-            s = _mm256_set1_ps(_mm_cvtss_f32(x));
-        } else if (enc == ENC_BF16) { /* lane c * w + p: hadd's pairs, (c0 + c1) + (c2 + c3) */
-            const __m256 a = acc[g];
-            const __m256 pairs = w == 2 ? _mm256_add_ps(a, _mm256_permute_ps(a, _MM_SHUFFLE(1, 0, 3, 2))) : a;
-            s = _mm256_add_ps(pairs, _mm256_permute2f128_ps(pairs, pairs, 1));
-        } else {
-            const __m256 pairs = _mm256_hadd_ps(acc[g], acc[g]); /* w 4: (p0 p1 p0 p1 | p2 p3 p2 p3) */
-            s = w == 2 ? _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs, pairs), _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0))
-                       : _mm256_permutevar8x32_ps(pairs, _mm256_setr_epi32(0, 1, 4, 5, 0, 0, 0, 0));
-        }
-        _mm256_storeu_ps(out + g * TILE_T, _mm256_mask_mov_ps(ninf, live, s));
-        /* -inf to the block's end: softmax_avx512 takes its max over all TILE_T lanes */
-        for (int i = 8; i < TILE_T; i += 8) _mm256_storeu_ps(out + g * TILE_T + i, ninf);
-    }
-}
-
-/* Whether a block of nt positions at ring row phys is a whole short ring that scores_lines8
- * takes: 1, 2 or 4 rows, the ring's only block, read from its first row, its key lines nt rows
- * apart, no outlier channels, dk a multiple of 16. */
-static inline int whole_short_ring(const int enc, const gqa_cache_t *cc, int64_t phys, int64_t nt, int64_t kline) {
-    return enc != ENC_INT8 && cc->no == 0 && phys == 0 && nt == cc->c && kline == nt * kpack(enc) &&
-           (nt == 1 || nt == 2 || nt == 4) && cc->dk % 16 == 0;
-}
-
 /* Scores, online softmax and the weighted sum of the values for one query tile. */
 AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt,
@@ -263,11 +171,8 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
     float *p = st->p;
     const float *q = qf + g0 * dq;
     const uint16_t *ko = enc == ENC_INT8 ? cc->ko + h * cc->no * cc->c + phys : NULL;
-    if (whole_short_ring(enc, cc, phys, nt, kline)) switch (nt) { /* several channels' lines a register */
-            case 1: scores_lines8(enc, q, cc->dk, cc->dk + cc->no, kb, 1, gt, p); break;
-            case 2: scores_lines8(enc, q, cc->dk, cc->dk + cc->no, kb, 2, gt, p); break;
-            default: scores_lines8(enc, q, cc->dk, cc->dk + cc->no, kb, 4, gt, p); break;
-        }
+    if (whole_short_block(enc, cc, phys, nt)) /* several channels' key lines a register: the AVX2 block's sums */
+        scores_lines_avx2_call(enc, q, cc->dk, dq, kb, nt, gt, p);
     else if (nt <= 8) /* its key rows are the drip's from the softmax on (kslots 0) */
         scores8_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, p);
     else if (nt <= 16)

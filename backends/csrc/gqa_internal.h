@@ -257,6 +257,16 @@ static inline __attribute__((always_inline)) void prefetch_int8_side(const gqa_c
     for (int64_t o = 0; o < cc->no; o++) prefetch_lines(cc->ko + (h * cc->no + o) * cc->c + row, n * 2, locality);
 }
 
+/* Whether the block of nt rows at ring row phys is a whole key block of 1, 2 or 4 rows read from
+ * its first row (a short ring, or a ring's last short block): its key lines are nt rows apart,
+ * several to an 8-lane register (block_avx2.c, scores_lines_avx2). Not int8, no outlier
+ * channels, dk a multiple of 16 (a register's channels). */
+static inline int whole_short_block(int enc, const gqa_cache_t *cc, int64_t phys, int64_t nt) {
+    const int64_t b0 = phys - phys % TILE_T, rows = cc->c - b0 < TILE_T ? cc->c - b0 : TILE_T;
+    return enc != ENC_INT8 && cc->no == 0 && phys == b0 && nt == rows && (nt == 1 || nt == 2 || nt == 4) &&
+           cc->dk % 16 == 0;
+}
+
 /* Element offset of KV head h's key channel j (stored order) at ring row `row`. */
 static inline int64_t key_cell(const gqa_cache_t *cc, int64_t h, int64_t j, int64_t row) {
     int64_t line;
@@ -393,6 +403,8 @@ AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, 
 AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX2 GQA_INTERNAL void unpair_row_avx2(float *o, int64_t d);
 AVX2 GQA_INTERNAL void finish_rows_avx2(int enc, const float *acc, const float *l, int64_t gn, int64_t d, void *out);
+AVX2 GQA_INTERNAL void scores_lines_avx2_call(int enc, const float *q, int64_t dk, int64_t dq, const char *kb, int64_t nt,
+                                              int gt, float *out);
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL void block_avx512_f16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
