@@ -112,8 +112,8 @@ def _spans_entry():
     and numbers gathered, ``gqa_step`` called and its numbers read in one call, where this
     module's Python did it per row (~6 us of a lone Decode step's ~10 in process); None where
     the module is not built (then the Python below)."""
-    module, _ = native._torch_step()
-    return getattr(module, "step_spans", None)
+    module, _ = native._torch_step()  # built for this source: it has step_spans
+    return None if module is None else module.step_spans
 
 
 def _query_bytes(cache: LayerCache) -> int:

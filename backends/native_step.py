@@ -104,8 +104,7 @@ class NativeStep:
         ctx = (step_at, *self._one[1:8:2], self._out_like, kv_like)
         pctx = (ctx, wake_at or 0, at, [None], StepOutcome, OUTCOME_FIELDS, self._step_bytes)
         self._fast = (module.step_public, pctx, kernel)
-        if hasattr(module, "step_spans"):
-            self._span = (kernel, step_at, at, s.batch_size * s.num_query_heads * s.head_dim * s.dtype.itemsize)
+        self._span = (kernel, step_at, at, s.batch_size * s.num_query_heads * s.head_dim * s.dtype.itemsize)
 
     def _step_native(self, query, new_key, new_value) -> StepOutcome | None:
         """The public step in one ``gqa_step`` call; None when this step takes the Python path

@@ -292,10 +292,10 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     if (!native_name) return nullptr;
     PyObject *steps = args[0];
     const Py_ssize_t n = PyList_GET_SIZE(steps);
-    std::vector<void *> descs(n), io(4 * n);
-    std::vector<int64_t> offsets(n), results(kSpanCols * n, 0);
-    std::vector<int32_t> status(n, 0);
-    std::vector<char> mine(n, 0);  // rows this call steps
+    std::vector<void *> descs(n);     // every row's, for the duplicate check
+    std::vector<int64_t> offsets(n);  // every row's output in `out`
+    std::vector<Py_ssize_t> slot(n, -1);  // the row's place among those this call steps, or -1
+    std::vector<void *> sdescs, sio;  // the stepped rows' descriptors and four pointers, packed
     PyObject *kernel = nullptr;
     void *fn = nullptr;
     int64_t total = 0;
@@ -334,55 +334,45 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
                 return nullptr;
             }
         }
-        mine[i] = 1;
-        io[4 * i] = const_cast<char *>(data + at[0]);
-        io[4 * i + 1] = const_cast<char *>(data + at[1]);
-        io[4 * i + 2] = const_cast<char *>(data + at[2]);
+        slot[i] = static_cast<Py_ssize_t>(sdescs.size());
+        sdescs.push_back(desc);
+        // the output's pointer once `out` exists (below)
+        sio.insert(sio.end(), {const_cast<char *>(data + at[0]), const_cast<char *>(data + at[1]),
+                               const_cast<char *>(data + at[2]), nullptr});
     }
     PyObject *out = PyByteArray_FromStringAndSize(nullptr, total);
     if (!out) return nullptr;
     char *base = PyByteArray_AS_STRING(out);
-    // the rows this call steps, packed: gqa_step takes a row per descriptor
-    std::vector<void *> pdescs, pio;
-    std::vector<Py_ssize_t> index;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        if (!mine[i]) continue;
-        index.push_back(i);
-        pdescs.push_back(descs[i]);
-        pio.insert(pio.end(), {io[4 * i], io[4 * i + 1], io[4 * i + 2], base + offsets[i]});
-    }
-    const int64_t m = static_cast<int64_t>(index.size());
-    std::vector<int64_t> pres(kSpanCols * m, 0);
-    std::vector<int32_t> pstatus(m, 0);
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (slot[i] >= 0) sio[4 * slot[i] + 3] = base + offsets[i];
+    const int64_t m = static_cast<int64_t>(sdescs.size());
+    std::vector<int64_t> results(kSpanCols * m, 0);
+    std::vector<int32_t> status(m, 0);
     int32_t rc = 0;
     if (m) {
         const auto step_call = reinterpret_cast<step_fn>(fn);
         Py_BEGIN_ALLOW_THREADS
-        rc = step_call(pdescs.data(), m, pio.data(), nullptr, nullptr, pres.data(), kSpanCols, pstatus.data(), 0, 0);
+        rc = step_call(sdescs.data(), m, sio.data(), nullptr, nullptr, results.data(), kSpanCols, status.data(), 0, 0);
         Py_END_ALLOW_THREADS
-    }
-    for (int64_t j = 0; j < m; j++) {
-        const Py_ssize_t i = index[j];
-        if (rc || pstatus[j]) {
-            mine[i] = 0;  // the whole call refused, or this row: the Python path meets it
-            continue;
-        }
-        for (Py_ssize_t c = 0; c < kSpanCols; c++) results[kSpanCols * i + c] = pres[kSpanCols * j + c];
     }
     PyObject *fields = PyList_New(n), *offs = PyList_New(n), *left = PyList_New(0);
     PyObject *answer = fields && offs && left ? PyTuple_New(4) : nullptr;
     for (Py_ssize_t i = 0; answer && i < n; i++) {
+        // a row stepped has its numbers; one not (the whole call refused, this row refused or
+        // handed back, another kernel's) has zeros and goes to `left`, for the Python path
+        const Py_ssize_t j = slot[i];
+        const bool stepped = j >= 0 && !rc && !status[j];
         PyObject *r = PyList_New(kSpanCols), *o = PyLong_FromLongLong(offsets[i]);
         for (Py_ssize_t c = 0; r && c < kSpanCols; c++) {
-            PyObject *x = PyLong_FromLongLong(results[kSpanCols * i + c]);
+            PyObject *x = PyLong_FromLongLong(stepped ? results[kSpanCols * j + c] : 0);
             if (!x) {
                 Py_CLEAR(r);
                 break;
             }
             PyList_SET_ITEM(r, c, x);
         }
-        PyObject *idx = mine[i] ? nullptr : PyLong_FromSsize_t(i);
-        if (!r || !o || (!mine[i] && (!idx || PyList_Append(left, idx)))) {
+        PyObject *idx = stepped ? nullptr : PyLong_FromSsize_t(i);
+        if (!r || !o || (!stepped && (!idx || PyList_Append(left, idx)))) {
             Py_XDECREF(r);
             Py_XDECREF(o);
             Py_XDECREF(idx);
