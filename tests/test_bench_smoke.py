@@ -183,3 +183,18 @@ def test_a_servers_cpu_time_counts_every_thread_of_its_process():
     got, want = process_cpu_seconds(os.getpid()) - before, time.process_time() - ours
     assert want >= 0.2
     assert abs(got - want) < 0.02 + 0.05 * want, (got, want)
+
+
+def test_the_separate_plane_note_says_how_near_its_floor_the_batched_call_must_run():
+    """Under a failed separate/plane verdict, bench_step_many says what plane/floor would pass:
+    separate/floor / 4, or that it would take a call faster than its floor; nothing on a pass."""
+    from tests.bench.bench_step_many import _reach_note
+
+    def times(plane, separate, floor):
+        return {"plane": [plane] * 3, "separate": [separate] * 3, "floor": [floor] * 3}
+
+    assert _reach_note(times(1.0, 5.0, 1.0)) == []  # 5x: passed
+    (near,) = _reach_note(times(2.0, 4.4, 1.0))
+    assert "4.4x the floor" in near and "plane/floor <= 1.10x (it is 2.00x)" in near, near
+    (far,) = _reach_note(times(2.0, 3.0, 1.0))
+    assert "faster than moving its bytes once" in far, far
