@@ -548,6 +548,28 @@ def test_non_finite_step_input_is_refused_before_writing(steps, target, bad):
     cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))  # still usable
 
 
+@pytest.mark.parametrize("target", ["query", "new_key", "new_value"])
+@pytest.mark.parametrize("bad", [float("nan"), 7e4], ids=["nan", "beyond-float16"])
+def test_the_librarys_value_check_reads_every_element_to_the_last(target, bad):
+    """The library's check of a step's values (write.c's ``within``, 16 lanes at a time on
+    AVX-512) reaches the last element of a tensor whose size is not a multiple of 16; a key beyond
+    float16's range is refused too (its outlier channels are stored as float16), where a query or
+    value of that size is a valid one."""
+    hq, hkv, d = 4, 2, 20  # 80 query and 40 key elements: the key check ends in a partial vector
+    cache = Int8Backend().create_cache(_spec(hq, hkv, d, policy=EvictionPolicy.strict(3)))
+    for _ in range(CALIBRATION_TOKENS + 2):  # past the calibration: the library checks the step
+        cache.step(torch.randn(1, hq, d), torch.randn(1, hkv, d), torch.randn(1, hkv, d))
+    raw_before = [t.clone() for t in _raw(cache)]
+    args = {"query": torch.randn(1, hq, d), "new_key": torch.randn(1, hkv, d), "new_value": torch.randn(1, hkv, d)}
+    args[target][0, -1, -1] = bad
+    if bad == 7e4 and target != "new_key":
+        cache.step(args["query"], args["new_key"], args["new_value"])
+        return
+    with pytest.raises(ValueError, match=rf"^{target}: "):
+        cache.step(args["query"], args["new_key"], args["new_value"])
+    assert all(torch.equal(a, b) for a, b in zip(raw_before, _raw(cache)))
+
+
 def test_non_finite_prefill_is_refused_and_the_cache_stays_empty():
     cache = Int8Backend().create_cache(_spec(4, 2, 8, policy=EvictionPolicy.sink(4, 2)))
     keys, values = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)

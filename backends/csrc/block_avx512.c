@@ -232,6 +232,18 @@ AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const void *src, float 
     }
 }
 
+/* Whether n float32 values at p are all within +-limit (NaN: not), 16 at a time. */
+AVX512 GQA_INTERNAL int within_f32_avx512(const float *p, int64_t n, float limit) {
+    const __m512 lim = _mm512_set1_ps(limit);
+    __mmask16 bad = 0;
+    for (int64_t x = 0; x < n; x += 16) {
+        const __mmask16 m = lanes16(n - x, 0);
+        const __m512 a = _mm512_abs_ps(_mm512_maskz_loadu_ps(m, p + x));
+        bad |= _mm512_mask_cmp_ps_mask(m, a, lim, _CMP_NLE_UQ); /* not (|a| <= limit): NaN too */
+    }
+    return !bad;
+}
+
 /* n float32 elements to float16/bfloat16 (enc), as narrow16. */
 AVX512 GQA_INTERNAL void narrow_row_avx512(const int enc, const float *src, uint16_t *dst, int64_t n) {
     for (int64_t x = 0; x < n; x += 16) {

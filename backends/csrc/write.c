@@ -25,6 +25,9 @@
 /* Whether the n elements at p (encoding enc) are finite and within +-limit. */
 static int within(int enc, const void *p, int64_t n, float limit) {
     int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
+#if GQA_X86_64
+    if (enc == ENC_F32 && gqa_avx512_usable()) return within_f32_avx512(p, n, limit);
+#endif
     if (enc == ENC_F32) {
         const float *f = p;
         for (int64_t i = 0; i < n; i++) ok &= fabsf(f[i]) <= limit;
