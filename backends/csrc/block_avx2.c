@@ -380,11 +380,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
      * (lanes masked after) but not past the last */
     const char *kend = kb + ((cc->dk + kpack(enc) - 1) / kpack(enc) * kline - (phys - b0) * kpack(enc)) * el;
     const int lines = whole_short_block(enc, cc, phys, nt);
-    if (lines) switch (nt) { /* a whole short ring: each register holds several channels' lines */
-            case 1: scores_lines_avx2(enc, q, cc->dk, dq, kb, 1, gt, p); break;
-            case 2: scores_lines_avx2(enc, q, cc->dk, dq, kb, 2, gt, p); break;
-            default: scores_lines_avx2(enc, q, cc->dk, dq, kb, 4, gt, p); break;
-        }
+    if (lines) lines_enc(enc, q, cc->dk, dq, kb, nt, gt, p); /* a whole short ring: several channels' lines a register */
     for (int64_t t0 = 0; t0 < nt && !lines; t0 += 16) {
         if (nt - t0 <= 8) { /* a pass of 8 positions or fewer (a short cache's block): one register */
             if (t0 + 8 <= room)
