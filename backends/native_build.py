@@ -122,6 +122,7 @@ def _torch_step_inputs() -> tuple[Path, tuple[str, ...], str]:
     """(torch's folder, the compile and link flags, the file name) of the torch step module."""
     import sysconfig  # noqa: PLC0415
 
+    import numpy  # noqa: PLC0415
     import torch  # noqa: PLC0415 (this module is imported without torch by `backends.native build`'s users)
 
     root = Path(torch.__file__).resolve().parent
@@ -132,12 +133,13 @@ def _torch_step_inputs() -> tuple[Path, tuple[str, ...], str]:
         f"-I{root / 'include'}",
         f"-I{root / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}",
+        f"-I{numpy.get_include()}",
         f"-L{root / 'lib'}",
         f"-Wl,-rpath,{root / 'lib'}",
     )
     key = hashlib.sha256(TORCH_STEP.read_bytes())
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    key.update(" ".join(flags).encode() + torch.__version__.encode() + suffix.encode())
+    key.update(" ".join(flags).encode() + torch.__version__.encode() + numpy.__version__.encode() + suffix.encode())
     return root, flags, f"_gqa_torch_step-{key.hexdigest()[:16]}{suffix}"
 
 

@@ -10,6 +10,10 @@ bytes) and calls ``gqa_step`` once: the library plans each row's step from its c
 the library refused (nonzero status), if any. ``CacheSet.step_buffers`` is the same step with
 the rows given as bytes (a Batch message's tensors where they lie in its request, the output
 buffer the reply is encoded from): no tensor is made unless a row takes the Python path.
+Where the torch step module is built (``native.load_torch_step``), each is one C++ call
+(``plane_step``, ``plane_buffers``: the checks, the rows' addresses, ``gqa_step`` and the
+``StepBatch``); the Python below is then the path for what that call does not take, and for
+the rows it refused.
 
 Caches without the compiled step (the torch fallback, int8 while it calibrates, cuda) are
 stepped by ``step`` too, one by one through their public step, with the same contract.
@@ -26,6 +30,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from . import native
 from .base import LayerCache
 from .errors import InputValueError
 
@@ -77,6 +82,10 @@ class CacheSet:
         self._args = (0, 0, 0, self._base.ctypes.data, self._stride.ctypes.data)  # rows, status, fields, ...
         self._io = np.zeros((0, 4), dtype=np.uint64)  # step_buffers' pointers per row (query, key, value, out)
         self._io_at = 0
+        # ``step``'s whole native part in one C++ call (native.load_torch_step's plane_step): its
+        # function and context, made on the first step after any of the arrays above moved (None:
+        # to make; False: no such entry here, the step goes through ctypes)
+        self._plane = None
 
     # -- membership ---------------------------------------------------------------------------
     def add(self, caches: list[LayerCache]) -> int:
@@ -103,6 +112,7 @@ class CacheSet:
             if kernel is not None:
                 if self._kernel is None:
                     self._kernel = kernel
+                    self._plane = None
                 elif kernel is not self._kernel:
                     raise ValueError("add: a cache of another native library")
         if self._free:
@@ -114,6 +124,7 @@ class CacheSet:
                 grown = np.zeros((self.num_layers, max(8, 2 * self._addrs.shape[1])), dtype=np.uint64)
                 grown[:, : self._addrs.shape[1]] = self._addrs
                 self._addrs = grown
+                self._plane = None
         self._caches[slot] = list(caches)
         for layer, cache in enumerate(caches):
             state = cache._state
@@ -157,14 +168,47 @@ class CacheSet:
         nothing written).
         Row i's step is bit-identical to ``caches(slots[i])[layer].step(query[i:i+1], ...)``;
         its output goes to ``out[i]``."""
-        self._check(query, new_key, new_value, out, len(slots))
         tensors = (query, new_key, new_value, out)
+        plane = self._plane
+        if plane is None or (plane and len(slots) > len(self._rows)):
+            plane = self._attach_plane(len(slots))
+        if plane:  # one C++ call: the checks, the rows' addresses, gqa_step and the StepBatch
+            done = plane[0](plane[1], layer, slots, query, new_key, new_value, out)
+            if type(done) is StepBatch:
+                return done
+            if type(done) is int:
+                self._kernel.raise_for(done)
+            if done is not None:  # (fields, start): a row refused, which Python finishes
+                return self._outcome(layer, slots, done[0], lambda i: tuple(t[i : i + 1] for t in tensors), done[1])
+        self._check(query, new_key, new_value, out, len(slots))
         return self._run(
             layer,
             slots,
             lambda i: tuple(t[i : i + 1] for t in tensors),
             lambda: [t.data_ptr() for t in tensors],
         )
+
+    def _attach_plane(self, n: int = 0):
+        """``step``'s C++ entry and its context, the arrays grown first to hold ``n`` rows (and
+        every sequence of the set); False where the set has no native caches, lives off the CPU
+        or the module is not built."""
+        self._plane = False
+        if self._kernel is None or self._device != "cpu" or self._shape is None:
+            return False
+        try:
+            module = native.load_torch_step()
+            step_at = ctypes.cast(self._kernel.step, ctypes.c_void_p).value  # a stand-in's is no C function
+        except (native.NativeUnavailable, ctypes.ArgumentError):
+            return False
+        if len(self._rows) < max(n, len(self._caches)):
+            self._grow(max(n, len(self._caches)))
+        hq, hkv, d, dtype = self._shape
+        layers, capacity = self._addrs.shape
+        shape = (torch.empty(0, dtype=dtype), hq, hkv, d, StepBatch)
+        pctx = (step_at, self._addrs.ctypes.data, layers, capacity, self._rows.ctypes.data, len(self._rows),
+                self._status.ctypes.data, self._io_at, self._stride.ctypes.data, shape)  # fmt: skip
+        self._plane = (module.plane_step, pctx, module.plane_buffers)
+        return self._plane
 
     def step_buffers(self, layer: int, slots: np.ndarray, query, new_key, new_value, out, rows=None) -> StepBatch:
         """``step`` with the tensors given as their bytes: ``query``, ``new_key``, ``new_value``
@@ -176,6 +220,19 @@ class CacheSet:
         is not N rows: ``InputValueError`` naming it, nothing written. Same contract and result
         as ``step`` otherwise (``StepBatch`` row i is slot i). The library reads and writes the
         buffers in place: no tensor is made unless a row takes the Python path."""
+        plane = self._plane
+        if plane is None or (plane and len(slots) > len(self._rows)):
+            plane = self._attach_plane(len(slots))
+        if plane:  # one C++ call: the buffers' checks and pointers, gqa_step and the StepBatch
+            done = plane[2](plane[1], layer, slots, query, new_key, new_value, out, rows)
+            if type(done) is StepBatch:
+                return done
+            if type(done) is int:
+                self._kernel.raise_for(done)
+            if done is not None:  # (fields, start): a row refused, which Python finishes
+                views = _RowViews(self._shape, _nbytes(query) // int(self._stride[0]), query, new_key, new_value, out)
+                row_io = views.rows if rows is None else (lambda i: views.rows(int(rows[i])))
+                return self._outcome(layer, slots, done[0], row_io, done[1])
         n = len(slots)
         total = self._check_buffers(query, new_key, new_value, out, n if rows is None else None)
         if rows is not None and (len(rows) != n or (n and (int(rows.min()) < 0 or int(rows.max()) >= total))):
@@ -218,8 +275,13 @@ class CacheSet:
             rc = self._kernel.step(rows_at, n, self._io_at, None, None, fields_at, 6, status_at, 0, 0)
         if rc:
             self._kernel.raise_for(rc)
-        fields = self._fields[:n].copy()
-        status = self._status[:n]
+        return self._outcome(layer, slots, self._fields[:n].copy(), row_io, start)
+
+    def _outcome(self, layer: int, slots: np.ndarray, fields: np.ndarray, row_io, start: int) -> StepBatch:
+        """The StepBatch of a native call that returned ``fields`` (n, 6): the rows it refused
+        (their status in the status array) finished first, by Python or as refusals."""
+        refused: dict[int, Exception] = {}
+        status = self._status[: len(slots)]
         if status.tobytes() != bytes(status.nbytes):  # a refused row (1.5 us; ``any`` costs 3)
             for i in np.flatnonzero(status).tolist():
                 self._refused_row(layer, int(slots[i]), i, int(status[i]), row_io(i), fields, refused)
@@ -252,6 +314,7 @@ class CacheSet:
         self._io = np.zeros((len(self._rows), 4), dtype=np.uint64)
         self._io_at = self._io.ctypes.data
         self._args = (self._rows.ctypes.data, self._status.ctypes.data, self._fields.ctypes.data) + self._args[3:]
+        self._plane = None
 
     def _refused_row(self, layer, slot, i, status, io, fields, refused) -> None:
         """Row i (slot ``slot``) the library did not step; ``io``: its (1, heads, D) query, new

@@ -253,6 +253,79 @@ def test_cacheset_step_buffers_is_step_from_bytes(backend, dtype, kernel):
     assert refusals >= 1  # the policy none row did fill up
 
 
+def _torch_step_module():
+    try:
+        return native.load_torch_step(), ""
+    except native.NativeUnavailable as exc:
+        return None, str(exc)
+
+
+class _PythonOnly(CacheSet):
+    """A set whose steps take the Python path (``_run``) always: the reference for the C++ entry."""
+
+    def _attach_plane(self, n: int = 0):
+        self._plane = False
+        return False
+
+
+@pytest.mark.skipif(_torch_step_module()[0] is None, reason=f"no torch step module: {_torch_step_module()[1]}")
+@pytest.mark.parametrize(("backend", "dtype", "kernel"), ENCODINGS[:4], ids=lambda x: str(x).removeprefix("torch."))
+def test_cacheset_steps_in_one_call_of_the_torch_step_module(backend, dtype, kernel, monkeypatch):
+    """With the torch step module built, ``step`` and ``step_buffers`` are one C++ call each
+    (plane_step, plane_buffers): the Python path (``_run``) is never entered, not on the first
+    step, not after the set grows, not for a refused row (which Python finishes from the call's
+    fields); every row's output, fields and refusal equal the Python path's. Inputs the call does
+    not take go to the Python path, whose checks name them, or which steps them."""
+    gen = torch.Generator().manual_seed(11)
+    fast, slow = CacheSet(1), _PythonOnly(1)
+
+    def entered(*args, **kwargs):
+        raise AssertionError("the Python path ran")
+
+    monkeypatch.setattr(fast, "_run", entered)
+    policies = [EvictionPolicy.none(3), *POLICIES[1:4]] * 3  # 12 sequences: the set's arrays grow twice
+    refusals = 0
+    for step, policy in enumerate(policies):
+        for cset in (fast, slow):
+            cset.add([_make(backend, dtype, kernel, policy)])
+        n = step + 1
+        q = torch.randn(n, HQ, D, generator=gen).to(dtype)
+        k = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        v = torch.randn(n, HKV, D, generator=gen).to(dtype)
+        slots = np.arange(n)[::-1].copy()
+        outs = [torch.full((n, HQ, D), 7.0, dtype=dtype) for _ in range(2)]
+        if step % 2:  # step_buffers, every other step with rows (some of the buffers' rows)
+            rows = None if step % 4 == 1 else np.arange(n)[::-1].copy()
+            data = [t.contiguous().view(torch.uint8).numpy().tobytes() for t in (q, k, v)]
+            raws = [bytearray(o.view(torch.uint8).numpy().tobytes()) for o in outs]
+            got, want = (c.step_buffers(0, slots, *data, memoryview(r), rows) for c, r in zip((fast, slow), raws))
+            assert raws[0] == raws[1], step
+        else:
+            got, want = (c.step(0, slots, q, k, v, o) for c, o in zip((fast, slow), outs))
+            assert torch.equal(outs[0], outs[1]), step
+        assert np.array_equal(got.fields, want.fields), step
+        assert sorted(got.refused) == sorted(want.refused), step
+        assert all(type(got.refused[i]) is type(want.refused[i]) for i in got.refused)
+        assert got.compute_ns > 0
+        refusals += len(got.refused)
+    assert refusals >= 1  # a policy none(3) row filled up: refused through the call's own result
+    assert fast._plane  # the entry in use, rebuilt after each growth
+
+    n = len(policies)
+    tensors = [torch.zeros(n, h, D, dtype=dtype) for h in (HQ, HKV, HKV, HQ)]
+    bad = list(tensors)
+    bad[2] = torch.zeros(n, HKV, D + 1, dtype=dtype)
+    with pytest.raises(InputValueError, match="new_value"):
+        fast.step(0, np.arange(n), *bad)
+    data = [bytes(t.numel() * t.element_size()) for t in tensors[:3]]
+    with pytest.raises(InputValueError, match="new_key"):
+        fast.step_buffers(0, np.arange(n), data[0], data[1][1:], data[2], bytearray(len(data[0])))
+    monkeypatch.undo()  # slots of another integer type: not the call's, stepped by the Python path
+    seen = [c[0].tokens_seen for c in map(fast.caches, range(n))]
+    fast.step(0, np.arange(n, dtype=np.int32), *tensors)
+    assert [c[0].tokens_seen for c in map(fast.caches, range(n))] == [t + (i % 4 != 0) for i, t in enumerate(seen)]
+
+
 def test_cacheset_step_buffers_keeps_no_hold_on_the_output_buffer():
     """The caller owns ``out``: once it drops its view, its bytearray can be resized (a view kept
     alive by the set would refuse that with BufferError)."""

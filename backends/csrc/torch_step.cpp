@@ -1,6 +1,7 @@
 /*
- * The public step's entry from Python with torch tensors, and batch_bytes.step_bytes' entry for
- * steps read from the wire (step_spans, at the end): the Python module _gqa_torch_step,
+ * The public step's entry from Python with torch tensors, batch_bytes.step_bytes' entry for
+ * steps read from the wire (step_spans) and CacheSet's (plane_step, plane_buffers, at the end):
+ * the Python module _gqa_torch_step,
  * built apart from the C library (it needs torch's and Python's headers and a C++ compiler;
  * backends/native_build.py, build_torch_step) and optional: without it the step takes the
  * ctypes path (backends/native_step.py), which does the same work in Python.
@@ -40,10 +41,18 @@
  * allocation, and an output it keeps is never written again. A new tensor per step cost ~10 us
  * of a cold step, and a slab of them made by torch's Python API ~140 us every few steps
  * (docs/design.md, "A step's output tensor, reused").
+ *
+ * plane_step and plane_buffers: CacheSet.step and step_buffers in one call each (their
+ * contracts at the functions). A cold call of 64 short caches spent ~140 us in the Python
+ * around gqa_step (four tensors' checks, numpy's take and copy, ctypes, the StepBatch): 14-23%
+ * of it (docs/design.md, "CacheSet's step in one call").
  */
 #include <Python.h>
 #include <ATen/EmptyTensor.h>
 #include <torch/csrc/autograd/python_variable.h>
+#define NPY_NO_DEPRECATED_API NPY_1_7_API_VERSION
+#include <numpy/arrayobject.h>
+#include <time.h>
 
 #include <cstdint>
 #include <vector>
@@ -397,6 +406,236 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     return answer;
 }
 
+// -- plane_step, plane_buffers: CacheSet's step in one call -----------------------------------------
+
+constexpr int64_t kPlaneCols = 6;  // native.RESULT_COLUMNS: tokens_seen .. rollback_reach
+
+// A CacheSet's context, from the 10-tuple its _attach_plane makes: gqa_step's address, the
+// addresses array's (layers x capacity uint64), layers, capacity, the rows array's (uint64) and
+// its length, the status array's (int32, as long), the io array's (4 uint64 a row, as long),
+// the strides array's (4 int64, bytes a row of query, new key, new value, output), and
+// (a tensor of the set's dtype, Hq, Hkv, D, StepBatch).
+struct Plane {
+    step_fn fn;
+    const uint64_t *addrs;
+    int64_t layers, cap;
+    uint64_t *rows;
+    int64_t room;
+    int32_t *status;
+    uint64_t *io;
+    const int64_t *stride;
+    PyObject *like, *batch_type;
+    int64_t hq, hkv, d;
+};
+
+// False with a TypeError or ValueError set when p is not such a tuple.
+bool plane_of(PyObject *p, Plane *c) {
+    constexpr Py_ssize_t kItems = 10, kShape = 5;
+    if (!PyTuple_Check(p) || PyTuple_GET_SIZE(p) != kItems || !PyTuple_Check(PyTuple_GET_ITEM(p, kItems - 1)) ||
+        PyTuple_GET_SIZE(PyTuple_GET_ITEM(p, kItems - 1)) != kShape) {
+        PyErr_SetString(PyExc_TypeError, "plane: pctx is CacheSet._attach_plane's 10-tuple");
+        return false;
+    }
+    int64_t v[kItems - 1];
+    for (Py_ssize_t i = 0; i < kItems - 1; i++) v[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(p, i));
+    PyObject *shape = PyTuple_GET_ITEM(p, kItems - 1);
+    c->like = PyTuple_GET_ITEM(shape, 0);
+    c->batch_type = PyTuple_GET_ITEM(shape, 4);
+    c->hq = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 1));
+    c->hkv = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 2));
+    c->d = PyLong_AsLongLong(PyTuple_GET_ITEM(shape, 3));
+    if (PyErr_Occurred()) return false;
+    if (!THPVariable_Check(c->like) || !PyType_Check(c->batch_type) ||
+        !PyType_IsSubtype(reinterpret_cast<PyTypeObject *>(c->batch_type), &PyTuple_Type)) {
+        PyErr_SetString(PyExc_TypeError, "plane: pctx's last item is (a tensor, Hq, Hkv, D, StepBatch)");
+        return false;
+    }
+    c->fn = reinterpret_cast<step_fn>(v[0]);
+    c->addrs = reinterpret_cast<const uint64_t *>(v[1]);
+    c->layers = v[2];
+    c->cap = v[3];
+    c->rows = reinterpret_cast<uint64_t *>(v[4]);
+    c->room = v[5];
+    c->status = reinterpret_cast<int32_t *>(v[6]);
+    c->io = reinterpret_cast<uint64_t *>(v[7]);
+    c->stride = reinterpret_cast<const int64_t *>(v[8]);
+    if (!c->fn || !c->addrs || !c->rows || !c->status || !c->io || !c->stride) {
+        PyErr_SetString(PyExc_ValueError, "plane: a null address in pctx");
+        return false;
+    }
+    return true;
+}
+
+// A C-contiguous vector of int64 (a numpy int64 array): its items and length; false (no error
+// set) for anything else.
+bool int64_vector(PyObject *o, Py_buffer *view, const int64_t **items, int64_t *n) {
+    if (PyObject_GetBuffer(o, view, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT)) {
+        PyErr_Clear();
+        return false;
+    }
+    const char *fmt = view->format ? view->format : "B";
+    if (view->ndim != 1 || view->itemsize != 8 || (fmt[0] != 'l' && fmt[0] != 'q') || fmt[1] != '\0') {
+        PyBuffer_Release(view);
+        return false;
+    }
+    *items = static_cast<const int64_t *>(view->buf);
+    *n = view->len / 8;
+    return true;
+}
+
+// The rows array filled with the descriptors of `slots` at `layer`; the row count, or 0 when
+// the call is not for here (no rows, more than the rows array holds, the layer or a slot out of
+// range, slots not int64s): the caller's Python path then takes it, as it always could.
+int64_t plane_rows(const Plane &c, PyObject *layer_o, PyObject *slots_o) {
+    const int64_t layer = PyLong_AsLongLong(layer_o);
+    if (PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    Py_buffer view;
+    const int64_t *slots;
+    int64_t n;
+    if (layer < 0 || layer >= c.layers || !int64_vector(slots_o, &view, &slots, &n)) return 0;
+    bool ok = n > 0 && n <= c.room;
+    for (int64_t i = 0; ok && i < n; i++) ok = slots[i] >= 0 && slots[i] < c.cap;
+    for (int64_t i = 0; ok && i < n; i++) c.rows[i] = c.addrs[layer * c.cap + slots[i]];
+    PyBuffer_Release(&view);
+    return ok ? n : 0;
+}
+
+int64_t monotonic_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return static_cast<int64_t>(t.tv_sec) * 1000000000LL + t.tv_nsec;
+}
+
+// gqa_step over the rows array's n rows (io: a pointer per row and tensor, or nullptr and base
+// with the strides), the GIL released, the fields written into a fresh (n, 6) int64 array.
+// Returns the StepBatch when every row was stepped; gqa_step's nonzero return as an int; or
+// (fields, start) when it refused a row (its status in the status array), for the caller to
+// finish. start: this call's CLOCK_MONOTONIC ns at its entry.
+PyObject *plane_run(const Plane &c, int64_t n, void *const *io, void *const *base, int64_t start) {
+    npy_intp dims[2] = {static_cast<npy_intp>(n), kPlaneCols};
+    PyObject *fields = PyArray_SimpleNew(2, dims, NPY_INT64);
+    if (!fields) return nullptr;
+    auto *at = static_cast<int64_t *>(PyArray_DATA(reinterpret_cast<PyArrayObject *>(fields)));
+    int32_t rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = c.fn(reinterpret_cast<void *const *>(c.rows), n, io, base, io ? nullptr : c.stride, at, kPlaneCols, c.status,
+              0, 0);
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        Py_DECREF(fields);
+        return PyLong_FromLong(rc);
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (c.status[i]) return Py_BuildValue("(NL)", fields, static_cast<long long>(start));
+    PyObject *refused = PyDict_New();
+    PyObject *ns = refused ? PyLong_FromLongLong(monotonic_ns() - start) : nullptr;
+    PyTypeObject *type = reinterpret_cast<PyTypeObject *>(c.batch_type);
+    PyObject *batch = ns ? type->tp_alloc(type, 3) : nullptr;  // a NamedTuple: a tuple subclass
+    if (!batch) {
+        Py_DECREF(fields);
+        Py_XDECREF(refused);
+        Py_XDECREF(ns);
+        return nullptr;
+    }
+    PyTuple_SET_ITEM(batch, 0, fields);
+    PyTuple_SET_ITEM(batch, 1, refused);
+    PyTuple_SET_ITEM(batch, 2, ns);
+    return batch;
+}
+
+// Whether o is a plain strided CPU tensor, contiguous, of like's dtype and shape (n, heads, d);
+// its data pointer to *at.
+bool fits_rows(PyObject *o, const at::Tensor &like, int64_t n, int64_t heads, int64_t d, void **at) {
+    if (!THPVariable_CheckExact(o)) return false;
+    const at::Tensor &t = THPVariable_Unpack(o);
+    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.has_storage() ||
+        t.scalar_type() != like.scalar_type() || t.dim() != 3 || t.size(0) != n || t.size(1) != heads ||
+        t.size(2) != d || !t.is_contiguous())
+        return false;
+    *at = t.data_ptr();
+    return true;
+}
+
+// plane_step(pctx, layer, slots, query, new_key, new_value, out): CacheSet.step's native part:
+// the rows' descriptors, the tensors' checks and pointers, gqa_step and the StepBatch. Returns as
+// plane_run, or None with nothing called when plane_rows says so or a tensor is not (n, heads,
+// D) of the set's dtype, contiguous on the CPU (CacheSet.step's checks then name it).
+PyObject *plane_step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t start = monotonic_ns();
+    Plane c;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError, "plane_step(pctx, layer, slots, query, new_key, new_value, out)");
+        return nullptr;
+    }
+    if (!plane_of(args[0], &c)) return nullptr;
+    const int64_t n = plane_rows(c, args[1], args[2]);
+    if (!n) Py_RETURN_NONE;
+    void *base[4];
+    bool ok;
+    try {  // no C++ exception may cross into Python's C code
+        const at::Tensor &like = THPVariable_Unpack(c.like);
+        ok = fits_rows(args[3], like, n, c.hq, c.d, &base[0]) && fits_rows(args[4], like, n, c.hkv, c.d, &base[1]) &&
+             fits_rows(args[5], like, n, c.hkv, c.d, &base[2]) && fits_rows(args[6], like, n, c.hq, c.d, &base[3]);
+    } catch (...) {
+        ok = false;
+    }
+    if (!ok) Py_RETURN_NONE;
+    return plane_run(c, n, nullptr, base, start);
+}
+
+// plane_buffers(pctx, layer, slots, query, new_key, new_value, out, rows): CacheSet.step_buffers'
+// native part, the buffers held (their exports keep a bytearray from resizing) while gqa_step
+// runs. Returns as plane_run, or None with nothing called when plane_rows says so, a buffer is
+// not contiguous (out: writable) or not a whole number N of its rows, the four Ns differ, or
+// rows is None with N != n, or not n int64s below N (step_buffers' checks then name it).
+PyObject *plane_buffers(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
+    const int64_t start = monotonic_ns();
+    Plane c;
+    if (nargs != 8) {
+        PyErr_SetString(PyExc_TypeError, "plane_buffers(pctx, layer, slots, query, new_key, new_value, out, rows)");
+        return nullptr;
+    }
+    if (!plane_of(args[0], &c)) return nullptr;
+    const int64_t n = plane_rows(c, args[1], args[2]);
+    if (!n) Py_RETURN_NONE;
+    Py_buffer b[4];
+    int held = 0;
+    for (; held < 4; held++)
+        if (PyObject_GetBuffer(args[3 + held], &b[held], held == 3 ? PyBUF_WRITABLE : PyBUF_SIMPLE)) {
+            PyErr_Clear();
+            break;
+        }
+    bool ok = held == 4 && c.stride[0] > 0 && c.stride[1] > 0;
+    const int64_t total = ok ? b[0].len / c.stride[0] : 0;
+    for (int j = 0; ok && j < 4; j++) ok = b[j].len == total * c.stride[j];
+    PyObject *result = nullptr;
+    if (ok && args[7] == Py_None) {
+        ok = total == n;
+        void *base[4] = {b[0].buf, b[1].buf, b[2].buf, b[3].buf};
+        if (ok) result = plane_run(c, n, nullptr, base, start);
+    } else if (ok) {
+        Py_buffer rv;
+        const int64_t *rows;
+        int64_t nr;
+        ok = int64_vector(args[7], &rv, &rows, &nr);
+        if (ok) {
+            ok = nr == n;
+            for (int64_t i = 0; ok && i < n; i++) ok = rows[i] >= 0 && rows[i] < total;
+            for (int64_t i = 0; ok && i < n; i++)
+                for (int j = 0; j < 4; j++)
+                    c.io[4 * i + j] = reinterpret_cast<uint64_t>(b[j].buf) + static_cast<uint64_t>(rows[i] * c.stride[j]);
+            PyBuffer_Release(&rv);
+        }
+        if (ok) result = plane_run(c, n, reinterpret_cast<void *const *>(c.io), nullptr, start);
+    }
+    for (int j = 0; j < held; j++) PyBuffer_Release(&b[j]);
+    if (!ok) Py_RETURN_NONE;
+    return result;
+}
+
 PyMethodDef methods[] = {
     {"step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step)), METH_FASTCALL,
      "step(ctx, query, new_key, new_value, out): one public step through gqa_step (see the source)"},
@@ -404,6 +643,10 @@ PyMethodDef methods[] = {
      "step_public(pctx, query, new_key, new_value): the public step and its StepOutcome in one call (see the source)"},
     {"step_spans", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(step_spans)), METH_FASTCALL,
      "step_spans(steps): batch_bytes.step_bytes' steps through gqa_step in one call (see the source)"},
+    {"plane_step", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plane_step)), METH_FASTCALL,
+     "plane_step(pctx, layer, slots, query, new_key, new_value, out): CacheSet.step's native part (see the source)"},
+    {"plane_buffers", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)(void)>(plane_buffers)), METH_FASTCALL,
+     "plane_buffers(pctx, layer, slots, query, new_key, new_value, out, rows): CacheSet.step_buffers' native part"},
     {nullptr, nullptr, 0, nullptr}};
 
 PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gqa_torch_step", "The public step's entry with torch tensors.", -1,
@@ -411,4 +654,7 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_gqa_torch_step", "The public step
 
 }  // namespace
 
-PyMODINIT_FUNC PyInit__gqa_torch_step(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__gqa_torch_step(void) {
+    import_array();  // numpy's C API (plane_step's fields array); returns NULL with the error set if it fails
+    return PyModule_Create(&module);
+}
