@@ -49,6 +49,12 @@ static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide)
     (void)wide;
 #endif
     const int64_t *order = cc->order ? cc->order + h * d : NULL;
+#if GQA_X86_64
+    if (order && wide == ISA_AVX512) { /* int8: the stored key order's runs, 16 lanes at a time */
+        gather_rows_avx512(cc->io, (const char *)cc->q + h * G * d * enc_size(cc->io), order, G, d, cc->qscale, qf);
+        return;
+    }
+#endif
     if (order && cc->io == ENC_F32) { /* int8 with float32 tensors: a plain gather */
         const float *restrict q = (const float *)cc->q + h * G * d;
         const float qs = cc->qscale; /* a local: a store to qf may alias *cc, so cc->qscale was reloaded */

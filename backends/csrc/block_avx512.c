@@ -232,6 +232,31 @@ AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const void *src, float 
     }
 }
 
+/* G rows of d elements of encoding enc (src, one after another) to float32 times scale, each
+ * row's elements taken in `order`: dst[g * d + j] = load_elem(enc, src, g * d + order[j]) *
+ * scale, as widen_row_avx512 makes them. The order is moved run by run (consecutive channels
+ * to consecutive places), 16 lanes at a time: an int8 cache's key order is its coded channels
+ * ascending with the outliers cut out, then the outliers, at most 2 x outliers + 1 runs. */
+AVX512 GQA_INTERNAL void gather_rows_avx512(const int enc, const void *src, const int64_t *order, int64_t G, int64_t d,
+                                            float scale, float *dst) {
+    const __m512 s = _mm512_set1_ps(scale);
+    const int64_t el = enc_size(enc);
+    for (int64_t j = 0; j < d;) {
+        const int64_t from = order[j];
+        int64_t len = 1;
+        while (j + len < d && order[j + len] == from + len) len++;
+        for (int64_t g = 0; g < G; g++) {
+            const char *a = (const char *)src + (g * d + from) * el;
+            float *b = dst + g * d + j;
+            for (int64_t x = 0; x < len; x += 16) {
+                const __mmask16 m = lanes16(len - x, 0);
+                _mm512_mask_storeu_ps(b + x, m, _mm512_mul_ps(widen16(enc, a + x * el, m), s));
+            }
+        }
+        j += len;
+    }
+}
+
 /* Whether n float32 values at p are all within +-limit (NaN: not), 16 at a time. */
 AVX512 GQA_INTERNAL int within_f32_avx512(const float *p, int64_t n, float limit) {
     const __m512 lim = _mm512_set1_ps(limit);

@@ -413,6 +413,8 @@ AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *, const float *, i
 AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX512 GQA_INTERNAL int within_f32_avx512(const float *p, int64_t n, float limit);
 AVX512 GQA_INTERNAL void widen_row_avx512(int enc, const void *src, float *dst, int64_t n, float scale);
+AVX512 GQA_INTERNAL void gather_rows_avx512(int enc, const void *src, const int64_t *order, int64_t G, int64_t d,
+                                            float scale, float *dst);
 AVX512 GQA_INTERNAL void narrow_row_avx512(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX512 GQA_INTERNAL void finish_rows_avx512(int enc, const float *acc, const float *l, int64_t gn, int64_t d,
                                           void *out);
