@@ -169,17 +169,13 @@ class CacheSet:
         Row i's step is bit-identical to ``caches(slots[i])[layer].step(query[i:i+1], ...)``;
         its output goes to ``out[i]``."""
         tensors = (query, new_key, new_value, out)
-        plane = self._plane
-        if plane is None or (plane and len(slots) > len(self._rows)):
-            plane = self._attach_plane(len(slots))
+        plane = self._entry(len(slots))
         if plane:  # one C++ call: the checks, the rows' addresses, gqa_step and the StepBatch
             done = plane[0](plane[1], layer, slots, query, new_key, new_value, out)
             if type(done) is StepBatch:
                 return done
-            if type(done) is int:
-                self._kernel.raise_for(done)
-            if done is not None:  # (fields, start): a row refused, which Python finishes
-                return self._outcome(layer, slots, done[0], lambda i: tuple(t[i : i + 1] for t in tensors), done[1])
+            if done is not None:
+                return self._settle(done, layer, slots, lambda i: tuple(t[i : i + 1] for t in tensors))
         self._check(query, new_key, new_value, out, len(slots))
         return self._run(
             layer,
@@ -187,6 +183,21 @@ class CacheSet:
             lambda i: tuple(t[i : i + 1] for t in tensors),
             lambda: [t.data_ptr() for t in tensors],
         )
+
+    def _entry(self, n: int):
+        """The C++ entry for a step of ``n`` rows (made again when the set's arrays moved or
+        are too small for n), or False."""
+        plane = self._plane
+        if plane is None or (plane and n > len(self._rows)):
+            plane = self._attach_plane(n)
+        return plane
+
+    def _settle(self, done, layer: int, slots: np.ndarray, row_io) -> StepBatch:
+        """The C++ entry's answer when it was not the StepBatch: gqa_step's own error code
+        (raised), or (fields, start) with a row refused, which Python finishes."""
+        if type(done) is int:
+            self._kernel.raise_for(done)
+        return self._outcome(layer, slots, done[0], row_io, done[1])
 
     def _attach_plane(self, n: int = 0):
         """``step``'s C++ entry and its context, the arrays grown first to hold ``n`` rows (and
@@ -220,19 +231,16 @@ class CacheSet:
         is not N rows: ``InputValueError`` naming it, nothing written. Same contract and result
         as ``step`` otherwise (``StepBatch`` row i is slot i). The library reads and writes the
         buffers in place: no tensor is made unless a row takes the Python path."""
-        plane = self._plane
-        if plane is None or (plane and len(slots) > len(self._rows)):
-            plane = self._attach_plane(len(slots))
+        plane = self._entry(len(slots))
         if plane:  # one C++ call: the buffers' checks and pointers, gqa_step and the StepBatch
             done = plane[2](plane[1], layer, slots, query, new_key, new_value, out, rows)
             if type(done) is StepBatch:
                 return done
-            if type(done) is int:
-                self._kernel.raise_for(done)
-            if done is not None:  # (fields, start): a row refused, which Python finishes
+            if done is not None:
                 views = _RowViews(self._shape, _nbytes(query) // int(self._stride[0]), query, new_key, new_value, out)
-                row_io = views.rows if rows is None else (lambda i: views.rows(int(rows[i])))
-                return self._outcome(layer, slots, done[0], row_io, done[1])
+                return self._settle(
+                    done, layer, slots, views.rows if rows is None else lambda i: views.rows(int(rows[i]))
+                )
         n = len(slots)
         total = self._check_buffers(query, new_key, new_value, out, n if rows is None else None)
         if rows is not None and (len(rows) != n or (n and (int(rows.min()) < 0 or int(rows.max()) >= total))):
