@@ -503,6 +503,17 @@ int64_t plane_rows(const Plane &c, PyObject *layer_o, PyObject *slots_o) {
     return ok ? n : 0;
 }
 
+// Both entries' start: nargs checked (usage: the TypeError's message), pctx read, the rows
+// array filled (plane_rows). The row count; 0 when the call is not for here; -1 with an error set.
+int64_t plane_begin(PyObject *const *args, Py_ssize_t nargs, Py_ssize_t want, const char *usage, Plane *c) {
+    if (nargs != want) {
+        PyErr_SetString(PyExc_TypeError, usage);
+        return -1;
+    }
+    if (!plane_of(args[0], c)) return -1;
+    return plane_rows(*c, args[1], args[2]);
+}
+
 int64_t monotonic_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns on Linux
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -566,12 +577,8 @@ bool fits_rows(PyObject *o, const at::Tensor &like, int64_t n, int64_t heads, in
 PyObject *plane_step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t start = monotonic_ns();
     Plane c;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError, "plane_step(pctx, layer, slots, query, new_key, new_value, out)");
-        return nullptr;
-    }
-    if (!plane_of(args[0], &c)) return nullptr;
-    const int64_t n = plane_rows(c, args[1], args[2]);
+    const int64_t n = plane_begin(args, nargs, 7, "plane_step(pctx, layer, slots, query, new_key, new_value, out)", &c);
+    if (n < 0) return nullptr;
     if (!n) Py_RETURN_NONE;
     void *base[4];
     bool ok;
@@ -594,12 +601,9 @@ PyObject *plane_step(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 PyObject *plane_buffers(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     const int64_t start = monotonic_ns();
     Plane c;
-    if (nargs != 8) {
-        PyErr_SetString(PyExc_TypeError, "plane_buffers(pctx, layer, slots, query, new_key, new_value, out, rows)");
-        return nullptr;
-    }
-    if (!plane_of(args[0], &c)) return nullptr;
-    const int64_t n = plane_rows(c, args[1], args[2]);
+    const int64_t n =
+        plane_begin(args, nargs, 8, "plane_buffers(pctx, layer, slots, query, new_key, new_value, out, rows)", &c);
+    if (n < 0) return nullptr;
     if (!n) Py_RETURN_NONE;
     Py_buffer b[4];
     int held = 0;
