@@ -259,6 +259,8 @@ class CacheSet:
         (1, heads, D) query, new key, new value and output tensors (made only for a row the
         library leaves to Python), ``addresses()`` the four packed tensors' base addresses, and
         ``rows`` each slot's row of them (None: row i)."""
+        if not 0 <= layer < self.num_layers:  # not numpy's or a list's count from the end
+            raise IndexError(f"layer {layer} is out of range: the set has {self.num_layers} layers")
         n = len(slots)
         refused: dict[int, Exception] = {}
         start = time.perf_counter_ns()

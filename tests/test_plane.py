@@ -423,6 +423,23 @@ def test_cacheset_refuses_tensors_of_another_shape():
     assert cset.caches(0)[0].tokens_seen == 0
 
 
+def test_cacheset_refuses_a_layer_out_of_range():
+    """A layer below 0 or past the last is an IndexError naming it, nothing stepped (a negative
+    one is not counted from the end), through ``step`` and ``step_buffers`` alike."""
+    cset = CacheSet(2)
+    cset.add([_make("cpu", torch.float32, "native", EvictionPolicy.strict(4)) for _ in range(2)])
+    tensors = [torch.zeros(1, h, D) for h in (HQ, HKV, HKV, HQ)]
+    data = [bytes(t.numel() * 4) for t in tensors[:3]]
+    for layer in (-1, 2):
+        with pytest.raises(IndexError, match=f"layer {layer}"):
+            cset.step(layer, np.arange(1), *tensors)
+        with pytest.raises(IndexError, match=f"layer {layer}"):
+            cset.step_buffers(layer, np.arange(1), *data, bytearray(len(data[0])))
+    assert [c.tokens_seen for c in cset.caches(0)] == [0, 0]
+    assert not cset.step(1, np.arange(1), *tensors).refused
+    assert [c.tokens_seen for c in cset.caches(0)] == [0, 1]
+
+
 def test_cacheset_refuses_tensors_off_its_caches_device():
     """A set's step tensors live on its caches' device (the service moves a request's tensors
     there first): a tensor elsewhere is refused by name and device, nothing written."""
