@@ -66,18 +66,21 @@ using step_fn = int32_t (*)(void *const *caches, int64_t n, const void *const *i
 constexpr Py_ssize_t kAddrs = 5;   // gqa_step, descriptor pointer array, io, results, status
 constexpr int64_t kResults = 7;    // the result columns a public step asks for: the first 7 of native.RESULT_COLUMNS_ALL
 
-// Whether o is a plain CPU tensor (strided, with storage), contiguous, of like's dtype and
-// shape; its data pointer to *at. Asks nothing that throws for another kind of tensor (a
+// Whether o is a plain CPU tensor (strided, with storage), contiguous, of like's dtype and of
+// shape `sizes`; its data pointer to *at. Asks nothing that throws for another kind of tensor (a
 // sparse one's is_contiguous does): those fail the layout test first.
-bool fits(PyObject *o, const at::Tensor &like, void **at) {
+bool fits_shape(PyObject *o, const at::Tensor &like, c10::IntArrayRef sizes, void **at) {
     if (!THPVariable_CheckExact(o)) return false;
     const at::Tensor &t = THPVariable_Unpack(o);
     if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.has_storage() ||
-        t.scalar_type() != like.scalar_type() || t.sizes() != like.sizes() || !t.is_contiguous())
+        t.scalar_type() != like.scalar_type() || t.sizes() != sizes || !t.is_contiguous())
         return false;
     *at = t.data_ptr();
     return true;
 }
+
+// fits_shape with like's shape.
+bool fits(PyObject *o, const at::Tensor &like, void **at) { return fits_shape(o, like, like.sizes(), at); }
 
 // What run() did with a row.
 enum Ran { kStepped, kCode, kNotTaken, kError };
@@ -266,7 +269,9 @@ PyObject *step_public(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 
 // -- step_spans: a batch of Decode steps read from the wire ---------------------------------------
 
-constexpr Py_ssize_t kSpanCols = 6;  // native.RESULT_COLUMNS: tokens_seen .. rollback_reach
+// the numbers a row's step gives step_spans and the plane entries: native.RESULT_COLUMNS,
+// tokens_seen .. rollback_reach
+constexpr Py_ssize_t kFieldCols = 6;
 
 // A row's cache as step_spans takes it: its _span, (kernel, gqa_step's address, the descriptor's
 // address, the query's bytes), set by NativeStep._attach_native; *span borrowed. False (no error
@@ -355,13 +360,13 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (slot[i] >= 0) sio[4 * slot[i] + 3] = base + offsets[i];
     const int64_t m = static_cast<int64_t>(sdescs.size());
-    std::vector<int64_t> results(kSpanCols * m, 0);
+    std::vector<int64_t> results(kFieldCols * m, 0);
     std::vector<int32_t> status(m, 0);
     int32_t rc = 0;
     if (m) {
         const auto step_call = reinterpret_cast<step_fn>(fn);
         Py_BEGIN_ALLOW_THREADS
-        rc = step_call(sdescs.data(), m, sio.data(), nullptr, nullptr, results.data(), kSpanCols, status.data(), 0, 0);
+        rc = step_call(sdescs.data(), m, sio.data(), nullptr, nullptr, results.data(), kFieldCols, status.data(), 0, 0);
         Py_END_ALLOW_THREADS
     }
     PyObject *fields = PyList_New(n), *offs = PyList_New(n), *left = PyList_New(0);
@@ -371,9 +376,9 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
         // handed back, another kernel's) has zeros and goes to `left`, for the Python path
         const Py_ssize_t j = slot[i];
         const bool stepped = j >= 0 && !rc && !status[j];
-        PyObject *r = PyList_New(kSpanCols), *o = PyLong_FromLongLong(offsets[i]);
-        for (Py_ssize_t c = 0; r && c < kSpanCols; c++) {
-            PyObject *x = PyLong_FromLongLong(stepped ? results[kSpanCols * j + c] : 0);
+        PyObject *r = PyList_New(kFieldCols), *o = PyLong_FromLongLong(offsets[i]);
+        for (Py_ssize_t c = 0; r && c < kFieldCols; c++) {
+            PyObject *x = PyLong_FromLongLong(stepped ? results[kFieldCols * j + c] : 0);
             if (!x) {
                 Py_CLEAR(r);
                 break;
@@ -407,8 +412,6 @@ PyObject *step_spans(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 // -- plane_step, plane_buffers: CacheSet's step in one call -----------------------------------------
-
-constexpr int64_t kPlaneCols = 6;  // native.RESULT_COLUMNS: tokens_seen .. rollback_reach
 
 // A CacheSet's context, from the 10-tuple its _attach_plane makes: gqa_step's address, the
 // addresses array's (layers x capacity uint64), layers, capacity, the rows array's (uint64) and
@@ -526,13 +529,13 @@ int64_t monotonic_ns() {  // CLOCK_MONOTONIC, as Python's time.perf_counter_ns o
 // (fields, start) when it refused a row (its status in the status array), for the caller to
 // finish. start: this call's CLOCK_MONOTONIC ns at its entry.
 PyObject *plane_run(const Plane &c, int64_t n, void *const *io, void *const *base, int64_t start) {
-    npy_intp dims[2] = {static_cast<npy_intp>(n), kPlaneCols};
+    npy_intp dims[2] = {static_cast<npy_intp>(n), kFieldCols};
     PyObject *fields = PyArray_SimpleNew(2, dims, NPY_INT64);
     if (!fields) return nullptr;
     auto *at = static_cast<int64_t *>(PyArray_DATA(reinterpret_cast<PyArrayObject *>(fields)));
     int32_t rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = c.fn(reinterpret_cast<void *const *>(c.rows), n, io, base, io ? nullptr : c.stride, at, kPlaneCols, c.status,
+    rc = c.fn(reinterpret_cast<void *const *>(c.rows), n, io, base, io ? nullptr : c.stride, at, kFieldCols, c.status,
               0, 0);
     Py_END_ALLOW_THREADS
     if (rc) {
@@ -557,17 +560,10 @@ PyObject *plane_run(const Plane &c, int64_t n, void *const *io, void *const *bas
     return batch;
 }
 
-// Whether o is a plain strided CPU tensor, contiguous, of like's dtype and shape (n, heads, d);
-// its data pointer to *at.
+// fits_shape with the shape of n rows of a set's heads: (n, heads, d).
 bool fits_rows(PyObject *o, const at::Tensor &like, int64_t n, int64_t heads, int64_t d, void **at) {
-    if (!THPVariable_CheckExact(o)) return false;
-    const at::Tensor &t = THPVariable_Unpack(o);
-    if (!t.defined() || t.layout() != at::kStrided || !t.is_cpu() || !t.has_storage() ||
-        t.scalar_type() != like.scalar_type() || t.dim() != 3 || t.size(0) != n || t.size(1) != heads ||
-        t.size(2) != d || !t.is_contiguous())
-        return false;
-    *at = t.data_ptr();
-    return true;
+    const int64_t sizes[3] = {n, heads, d};
+    return fits_shape(o, like, sizes, at);
 }
 
 // plane_step(pctx, layer, slots, query, new_key, new_value, out): CacheSet.step's native part:
@@ -630,7 +626,8 @@ PyObject *plane_buffers(PyObject *, PyObject *const *args, Py_ssize_t nargs) {
             for (int64_t i = 0; ok && i < n; i++) ok = rows[i] >= 0 && rows[i] < total;
             for (int64_t i = 0; ok && i < n; i++)
                 for (int j = 0; j < 4; j++)
-                    c.io[4 * i + j] = reinterpret_cast<uint64_t>(b[j].buf) + static_cast<uint64_t>(rows[i] * c.stride[j]);
+                    c.io[4 * i + j] =
+                        reinterpret_cast<uint64_t>(b[j].buf) + static_cast<uint64_t>(rows[i] * c.stride[j]);
             PyBuffer_Release(&rv);
         }
         if (ok) result = plane_run(c, n, reinterpret_cast<void *const *>(c.io), nullptr, start);
