@@ -45,11 +45,14 @@ from backends.registry import get_backend
 from .common import (
     Evictor,
     Report,
+    arithmetic_note,
     bench_mode,
     cold_rounds,
     floor_reader,
     fmt_spread,
     hot_rounds,
+    hot_seconds,
+    llc_bytes,
     per_round_ratio,
     sample_seconds,
     spread,
@@ -80,6 +83,7 @@ MODES = {
         consecutive_cold=True,
         budget_s=1.0,
         evict_bytes=1 << 20,
+        hot_calls=3,
     ),
     "default": dict(
         lengths=(512, 2048, 8192, 32768),
@@ -91,6 +95,7 @@ MODES = {
         consecutive_cold=False,
         budget_s=5.0,
         evict_bytes=None,
+        hot_calls=40,
     ),
     "long": dict(
         lengths=(512, 2048, 8192, 32768),
@@ -102,6 +107,7 @@ MODES = {
         consecutive_cold=True,
         budget_s=60.0,
         evict_bytes=None,
+        hot_calls=100,
     ),
 }
 
@@ -252,7 +258,10 @@ def check_peers_match_ours() -> None:
             assert err < tol, f"{name} differs from ours ({_name(dtype)}): {err:.2e}"
 
 
-def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[float]]:
+def measure(s, dtype, gen, evict, rounds, budget_s, report):
+    """The cold rounds at S (samples per implementation) and, where the step's bytes fit in three
+    quarters of the last-level cache, a function that times our step hot (else None): the note
+    under a failed ours/floor line (``common.arithmetic_note``)."""
     keys, values, q, nk, nv = _inputs(s, dtype, gen)
     headroom = rounds + 8  # ours appends one token per call (warm-up included); the peers overwrite row s
     cache = _ours(dtype, keys, values, EvictionPolicy.none(s + headroom))
@@ -272,7 +281,8 @@ def measure(s, dtype, gen, evict, rounds, budget_s, report) -> dict[str, list[fl
     report.add(
         kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes, cold=True, **{f"{k}_s": v for k, v in samples.items()}
     )
-    return samples
+    hot = partial(hot_seconds, cache, q, nk, nv) if kv_bytes <= llc_bytes() * 3 // 4 else None
+    return samples, hot
 
 
 def per_call(evict, rounds, budget_s, report) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -367,7 +377,7 @@ def run(report: Report) -> None:
     for dtype in DTYPES:
         for s in cfg["lengths"]:
             rounds = cfg["rounds"] if s <= 8192 else cfg["long_rounds"]
-            t = measure(s, dtype, gen, evict, rounds, cfg["budget_s"], report)
+            t, hot = measure(s, dtype, gen, evict, rounds, cfg["budget_s"], report)
             fl = t["floor"]
             ort = t.get("ort")
             over = {k: per_round_ratio(t[k], fl) for k in ("ours", "sdpa", "ort") if k in t}
@@ -382,6 +392,11 @@ def run(report: Report) -> None:
             )
             if s in FLOOR_TARGET_LENGTHS:
                 verdicts.append(verdict_spread(f"{_name(dtype)} S={s} ours/floor", over["ours"], FLOOR_TARGET[dtype]))
+                if verdicts[-1].startswith("FAIL") and hot:
+                    hot_s = hot(calls=cfg["hot_calls"])
+                    report.add(kind="hot_step", dtype=_name(dtype), S=s, ours_s=hot_s)
+                    verdicts.extend(arithmetic_note(hot_s, fl, FLOOR_TARGET[dtype]))
+            del hot
             if s >= ORT_SPEEDUP_FROM and dtype in ORT_SPEEDUP_TARGET:
                 verdicts.append(
                     verdict_spread(

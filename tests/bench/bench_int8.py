@@ -29,8 +29,6 @@ on the original data; bfloat16 beside it as a reference.
 from __future__ import annotations
 
 import functools
-import statistics
-import time
 
 import numpy as np
 import torch
@@ -43,10 +41,12 @@ from tests.oracle import attention_ref, attention_weights_ref
 
 from .common import (
     Evictor,
+    arithmetic_note,
     bench_mode,
     cold_rounds,
     floor_reader,
     fmt_spread,
+    hot_seconds,
     llc_bytes,
     per_round_ratio,
     spread,
@@ -124,34 +124,6 @@ def accuracy(s: int, capacity: int, gen, report) -> tuple[list[list[object]], di
             caches["float32"].step(q, keys[:, :, s], values[:, :, s])
             caches["step"] = (q, keys[:, :, s].clone(), values[:, :, s].clone())
     return rows, caches
-
-
-def hot_seconds(cache, q, k, v, *, calls: int, warmup: int = 5) -> float:
-    """The median public step of ``cache`` hot: each step rolled back (untimed), so that every
-    call steps the same length with the cache's bytes in the last-level cache."""
-    times = []
-    for i in range(warmup + calls):
-        t0 = time.perf_counter()
-        cache.step(q, k, v)
-        t1 = time.perf_counter()
-        cache.rollback(1)
-        if i >= warmup:
-            times.append(t1 - t0)
-    return statistics.median(times)
-
-
-def arithmetic_note(hot_s: float, floor_s: list[float], target: float) -> list[str]:
-    """A line under a failed step/floor verdict when the step hot (its cache in the last-level
-    cache: no DRAM to wait for) already takes more than ``target`` times the cold floor (the
-    median of ``floor_s``): then no cold step of this kernel meets the target on this machine,
-    whatever its memory access, and the step's arithmetic is what to change."""
-    reach = hot_s / statistics.median(floor_s)
-    if reach <= target:
-        return []
-    return [
-        f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: past "
-        f"{target:g}x before any memory is read, on this machine"
-    ]
 
 
 def run(report) -> None:

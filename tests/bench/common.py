@@ -325,6 +325,41 @@ def wake_torch_threads(
     return _TORCH_WAKE_TRIES
 
 
+def hot_seconds(cache, q, k, v, *, calls: int, warmup: int = 5) -> float:
+    """The median public step of ``cache`` (any backend's) hot: each step rolled back (untimed),
+    so that every call steps the same length with the cache's bytes in the last-level cache."""
+    times = []
+    for i in range(warmup + calls):
+        t0 = time.perf_counter()
+        cache.step(q, k, v)
+        t1 = time.perf_counter()
+        cache.rollback(1)
+        if i >= warmup:
+            times.append(t1 - t0)
+    return statistics.median(times)
+
+
+def arithmetic_note(hot_s: float, floor_s: list[float], target: float) -> list[str]:
+    """The line under a failed step/floor verdict (bench_cpu's, bench_int8's) that says what the
+    step's arithmetic leaves to its memory, from the step timed hot (its cache in the last-level
+    cache: no DRAM to wait for) against the cold floor (the median of ``floor_s``). Past
+    ``target``: no cold step of this kernel meets it on this machine, whatever its memory access,
+    and the arithmetic is what to change. Within it: a cold step takes its hot time plus whatever
+    of its reads the arithmetic does not hide, so meeting ``target`` needs at least the printed
+    share of the floor's time under the arithmetic."""
+    reach = hot_s / statistics.median(floor_s)
+    if reach > target:
+        return [
+            f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: past "
+            f"{target:g}x before any memory is read, on this machine"
+        ]
+    hidden = max(0.0, 1.0 - (target - reach))
+    return [
+        f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: {target:g}x "
+        f"cold needs {hidden:.0%} of the floor's reads hidden under the arithmetic"
+    ]
+
+
 def cold_rounds(
     fns: dict[str, Callable[[], object]],
     evict: Callable[[], None],
