@@ -79,6 +79,9 @@ def test_the_hot_step_leaves_the_cache_as_it_was_and_its_note_reads_against_the_
     assert "0.95x the floor" in line and "70% of the floor's reads hidden" in line
     (line,) = arithmetic_note(0.2e-3, [1e-3, 2e-3, 0.9e-3], 1.25)
     assert "0% of the floor's reads hidden" in line
+    # a longer step's note from a shorter one's hot rate says whose rate it is
+    (line,) = arithmetic_note(1.6e-3, [1e-3, 2e-3, 0.9e-3], 1.5, rate_of=2048)
+    assert line.strip().startswith("at S=2048's hot rate") and "past 1.5x" in line
 
 
 def test_torch_threads_are_woken_until_a_wake_op_runs_at_full_speed():

@@ -339,24 +339,28 @@ def hot_seconds(cache, q, k, v, *, calls: int, warmup: int = 5) -> float:
     return statistics.median(times)
 
 
-def arithmetic_note(hot_s: float, floor_s: list[float], target: float) -> list[str]:
+def arithmetic_note(hot_s: float, floor_s: list[float], target: float, *, rate_of: int | None = None) -> list[str]:
     """The line under a failed step/floor verdict (bench_cpu's, bench_int8's) that says what the
     step's arithmetic leaves to its memory, from the step timed hot (its cache in the last-level
     cache: no DRAM to wait for) against the cold floor (the median of ``floor_s``). Past
     ``target``: no cold step of this kernel meets it on this machine, whatever its memory access,
     and the arithmetic is what to change. Within it: a cold step takes its hot time plus whatever
     of its reads the arithmetic does not hide, so meeting ``target`` needs at least the printed
-    share of the floor's time under the arithmetic."""
+    share of the floor's time under the arithmetic. ``rate_of``: ``hot_s`` is not this step's
+    own (its cache does not fit in L3) but the hot time of the length ``rate_of``'s step scaled
+    to this one's bytes, and the line says so."""
     reach = hot_s / statistics.median(floor_s)
+    hot = (
+        "hot (the cache in L3, no DRAM to wait for) the step takes"
+        if rate_of is None
+        else f"at S={rate_of}'s hot rate (its cache in L3) this step's arithmetic would take"
+    )
     if reach > target:
-        return [
-            f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: past "
-            f"{target:g}x before any memory is read, on this machine"
-        ]
+        return [f"      {hot} {reach:.3g}x the floor: past {target:g}x before any memory is read, on this machine"]
     hidden = max(0.0, 1.0 - (target - reach))
     return [
-        f"      hot (the cache in L3, no DRAM to wait for) the step takes {reach:.3g}x the floor: {target:g}x "
-        f"cold needs {hidden:.0%} of the floor's reads hidden under the arithmetic"
+        f"      {hot} {reach:.3g}x the floor: {target:g}x cold needs {hidden:.0%} of the floor's reads hidden "
+        "under the arithmetic"
     ]
 
 
