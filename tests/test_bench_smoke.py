@@ -82,6 +82,19 @@ def test_the_hot_step_leaves_the_cache_as_it_was_and_its_note_reads_against_the_
     # a longer step's note from a shorter one's hot rate says whose rate it is
     (line,) = arithmetic_note(1.6e-3, [1e-3, 2e-3, 0.9e-3], 1.5, rate_of=2048)
     assert line.strip().startswith("at S=2048's hot rate") and "past 1.5x" in line
+    # HotNotes: a step that fits in L3 timed hot and its rate kept; a longer one's note from it
+    from tests.bench.common import HotNotes, llc_bytes
+
+    notes = HotNotes(calls=3)
+    assert notes.time(2048, 1 << 20, lambda calls: 1e-3 * calls / 3) == 1e-3
+    assert notes.rate == (2048, (1 << 20) / 1e-3)
+    assert notes.time(8192, 4 * llc_bytes(), lambda calls: 1 / 0) is None  # too long: not timed
+    assert notes.under("PASS  x", 1 << 20, 1e-3, [1e-3], 1.5) == []
+    (own,) = notes.under("FAIL  x", 1 << 20, 1.6e-3, [1e-3], 1.5)
+    assert own.strip().startswith("hot (the cache in L3") and "1.6x the floor" in own
+    (scaled,) = notes.under("FAIL  x", 2 << 20, None, [1e-3], 1.5)
+    assert scaled.strip().startswith("at S=2048's hot rate") and "2x the floor" in scaled
+    assert HotNotes(calls=3).under("FAIL  x", 1 << 20, None, [1e-3], 1.5) == []
 
 
 def test_torch_threads_are_woken_until_a_wake_op_runs_at_full_speed():

@@ -44,15 +44,14 @@ from backends.registry import get_backend
 
 from .common import (
     Evictor,
+    HotNotes,
     Report,
-    arithmetic_note,
     bench_mode,
     cold_rounds,
     floor_reader,
     fmt_spread,
     hot_rounds,
     hot_seconds,
-    llc_bytes,
     per_round_ratio,
     sample_seconds,
     spread,
@@ -258,10 +257,14 @@ def check_peers_match_ours() -> None:
             assert err < tol, f"{name} differs from ours ({_name(dtype)}): {err:.2e}"
 
 
+def _kv_bytes(s: int, dtype: torch.dtype) -> int:
+    """The bytes a step at S reads: the S+1 rows of K and V (the floor's)."""
+    return 2 * B * HKV * (s + 1) * D * torch.empty((), dtype=dtype).element_size()
+
+
 def measure(s, dtype, gen, evict, rounds, budget_s, report):
-    """The cold rounds at S (samples per implementation) and, where the step's bytes fit in three
-    quarters of the last-level cache, a function that times our step hot (else None): the note
-    under a failed ours/floor line (``common.arithmetic_note``)."""
+    """The cold rounds at S (samples per implementation) and a function that times our step hot
+    (``common.hot_seconds``, for ``HotNotes``)."""
     keys, values, q, nk, nv = _inputs(s, dtype, gen)
     headroom = rounds + 8  # ours appends one token per call (warm-up included); the peers overwrite row s
     cache = _ours(dtype, keys, values, EvictionPolicy.none(s + headroom))
@@ -274,15 +277,14 @@ def measure(s, dtype, gen, evict, rounds, budget_s, report):
         ort_step = ORTStep(keys, values, s + 1)
         ort_step.bind_step(q, nk, nv)
         fns["ort"] = ort_step
-    kv_bytes = 2 * B * HKV * (s + 1) * D * keys.element_size()
+    kv_bytes = _kv_bytes(s, dtype)
     fns["floor"] = floor_reader(kv_bytes)
     del keys, values
     samples = cold_rounds(fns, evict, rounds=rounds, budget_s=budget_s)
     report.add(
         kind="step", dtype=_name(dtype), S=s, kv_bytes=kv_bytes, cold=True, **{f"{k}_s": v for k, v in samples.items()}
     )
-    hot = partial(hot_seconds, cache, q, nk, nv) if kv_bytes <= llc_bytes() * 3 // 4 else None
-    return samples, hot
+    return samples, partial(hot_seconds, cache, q, nk, nv)
 
 
 def per_call(evict, rounds, budget_s, report) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
@@ -375,11 +377,11 @@ def run(report: Report) -> None:
     gen = torch.Generator().manual_seed(0)
     rows, verdicts = [], []
     for dtype in DTYPES:
-        hot_rate = None  # (S, bytes a second) of the longest target step timed hot so far
+        notes = HotNotes(cfg["hot_calls"])
         for s in cfg["lengths"]:
             rounds = cfg["rounds"] if s <= 8192 else cfg["long_rounds"]
             t, hot = measure(s, dtype, gen, evict, rounds, cfg["budget_s"], report)
-            kv_bytes = 2 * B * HKV * (s + 1) * D * torch.empty((), dtype=dtype).element_size()
+            kv_bytes = _kv_bytes(s, dtype)
             fl = t["floor"]
             ort = t.get("ort")
             over = {k: per_round_ratio(t[k], fl) for k in ("ours", "sdpa", "ort") if k in t}
@@ -393,19 +395,12 @@ def run(report: Report) -> None:
                 + [kv_bytes / spread(fl)[0] / 1e9]
             )
             if s in FLOOR_TARGET_LENGTHS:
-                hot_s = None
-                if hot:  # the step's bytes fit in L3: timed hot, for its own note and the longer ones'
-                    hot_s = hot(calls=cfg["hot_calls"])
+                hot_s = notes.time(s, kv_bytes, hot)
+                if hot_s is not None:
                     report.add(kind="hot_step", dtype=_name(dtype), S=s, ours_s=hot_s)
-                    hot_rate = (s, kv_bytes / hot_s)
                 verdicts.append(verdict_spread(f"{_name(dtype)} S={s} ours/floor", over["ours"], FLOOR_TARGET[dtype]))
-                if verdicts[-1].startswith("FAIL") and hot_s is not None:
-                    verdicts.extend(arithmetic_note(hot_s, fl, FLOOR_TARGET[dtype]))
-                elif verdicts[-1].startswith("FAIL") and hot_rate is not None:
-                    verdicts.extend(
-                        arithmetic_note(kv_bytes / hot_rate[1], fl, FLOOR_TARGET[dtype], rate_of=hot_rate[0])
-                    )
-            del hot
+                verdicts.extend(notes.under(verdicts[-1], kv_bytes, hot_s, fl, FLOOR_TARGET[dtype]))
+            del hot  # its cache with it
             if s >= ORT_SPEEDUP_FROM and dtype in ORT_SPEEDUP_TARGET:
                 verdicts.append(
                     verdict_spread(

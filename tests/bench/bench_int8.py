@@ -41,13 +41,12 @@ from tests.oracle import attention_ref, attention_weights_ref
 
 from .common import (
     Evictor,
-    arithmetic_note,
+    HotNotes,
     bench_mode,
     cold_rounds,
     floor_reader,
     fmt_spread,
     hot_seconds,
-    llc_bytes,
     per_round_ratio,
     spread,
     table,
@@ -136,7 +135,7 @@ def run(report) -> None:
     )
     gen = torch.Generator().manual_seed(0)
     timing, errors, verdicts = [], [], []
-    hot_rate = None  # (S, bytes a second) of the longest target step timed hot so far
+    notes = HotNotes(cfg["hot_calls"])
     for s in cfg["lengths"]:
         rounds = cfg["rounds"] if s <= 8192 else cfg["long_rounds"]
         rows, caches = accuracy(s, s + rounds + 8, gen, report)
@@ -172,18 +171,11 @@ def run(report) -> None:
             ]
         )
         if s in FLOOR_TARGET_LENGTHS:
-            hot = None
-            if floor_bytes <= llc_bytes() * 3 // 4:  # fits in L3: timed hot, for its own note and the longer ones'
-                hot = hot_seconds(int8, q, nk, nv, calls=cfg["hot_calls"])
+            hot = notes.time(s, floor_bytes, functools.partial(hot_seconds, int8, q, nk, nv))
+            if hot is not None:
                 report.add(kind="hot_step", S=s, int8_s=hot)
-                hot_rate = (s, floor_bytes / hot)
             verdicts.append(verdict_spread(f"int8 S={s} step/floor", over, FLOOR_TARGET))
-            if verdicts[-1].startswith("FAIL") and hot is not None:
-                verdicts.extend(arithmetic_note(hot, t["floor"], FLOOR_TARGET))
-            elif verdicts[-1].startswith("FAIL") and hot_rate is not None:
-                verdicts.extend(
-                    arithmetic_note(floor_bytes / hot_rate[1], t["floor"], FLOOR_TARGET, rate_of=hot_rate[0])
-                )
+            verdicts.extend(notes.under(verdicts[-1], floor_bytes, hot, t["floor"], FLOOR_TARGET))
         if s in SPEEDUP_LENGTHS:
             verdicts.append(
                 verdict_spread(f"int8 S={s} float32/int8 (speedup)", speedup, SPEEDUP_TARGET, at_most=False)

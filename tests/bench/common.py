@@ -364,6 +364,37 @@ def arithmetic_note(hot_s: float, floor_s: list[float], target: float, *, rate_o
     ]
 
 
+class HotNotes:
+    """The notes under one encoding's failed step/floor lines (``arithmetic_note``), lengths in
+    ascending order: a step whose bytes fit in three quarters of the last-level cache is timed
+    hot (``time``), and a longer one's note reads the longest such step's hot rate, scaled to its
+    bytes."""
+
+    def __init__(self, calls: int):
+        self.calls = calls
+        self.rate: tuple[int, float] | None = None  # (S, bytes a second) of the longest step timed hot
+
+    def time(self, s: int, nbytes: int, hot: Callable[..., float]) -> float | None:
+        """``hot(calls=...)``'s seconds (``hot_seconds`` of the step at S) where ``nbytes`` fit
+        in L3, its rate kept for the longer steps; None where they do not."""
+        if nbytes > llc_bytes() * 3 // 4:
+            return None
+        hot_s = hot(calls=self.calls)
+        self.rate = (s, nbytes / hot_s)
+        return hot_s
+
+    def under(self, verdict: str, nbytes: int, hot_s: float | None, floor_s: list[float], target: float) -> list[str]:
+        """The note under ``verdict`` (none under a PASS): from the step's own hot time
+        ``hot_s``, else from the kept rate, else none."""
+        if not verdict.startswith("FAIL"):
+            return []
+        if hot_s is not None:
+            return arithmetic_note(hot_s, floor_s, target)
+        if self.rate is not None:
+            return arithmetic_note(nbytes / self.rate[1], floor_s, target, rate_of=self.rate[0])
+        return []
+
+
 def cold_rounds(
     fns: dict[str, Callable[[], object]],
     evict: Callable[[], None],
