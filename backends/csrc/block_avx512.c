@@ -46,7 +46,27 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         mask[i] = lanes16(nt, i);
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
-    if (kpack(enc) == 1) {
+    if (kpack(enc) == 1 && ng == 1) { /* one register of positions a head: even and odd channels in two chains */
+        int64_t j = 0;
+        for (; j + 2 <= dk; j += 2) {
+            const char *row = kb + j * kline * el;
+            if (dr) drip(dr, 2);
+            const __m512 k0 = widen16(enc, row, mask[0]), k1 = widen16(enc, row + kline * el, mask[0]);
+            for (int g = 0; g < gt; g++) {
+                acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
+                acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j + 1]), k1, acc[g][1]);
+            }
+        }
+        if (j < dk) {
+            if (dr) drip(dr, 1);
+            const __m512 k0 = widen16(enc, kb + j * kline * el, mask[0]);
+            for (int g = 0; g < gt; g++) acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
+        }
+        for (int g = 0; g < gt; g++) {
+            acc[g][0] = _mm512_add_ps(acc[g][0], acc[g][1]);
+            acc[g][1] = _mm512_setzero_ps();
+        }
+    } else if (kpack(enc) == 1) {
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + j * kline * el;
             /* a slot of the next block's drip (gqa_avx512.h) */

@@ -64,18 +64,49 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
         mask[i] = lanes16(nt, i);
         for (int g = 0; g < gt; g++) acc[g][i] = _mm512_setzero_ps();
     }
-    for (int64_t l = 0; 2 * l < kp; l++) {
-        const char *row = kb + l * kline * 2;
-        if (dr) drip(dr, 1);
-        __m512i kw[4];
-        for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
-        for (int g = 0; g < gt; g++)
-            for (int p = 0; p < pieces; p++) {
-                int32_t word;
-                memcpy(&word, qb + (g * BPIECES + p) * kp + 2 * l, 4);
-                const __m512bh qw = (__m512bh)_mm512_set1_epi32(word);
-                for (int i = 0; i < ng; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)kw[i], qw);
-            }
+    if (ng == 1) { /* one register of positions a head: even and odd words in two chains of sums */
+        int64_t l = 0;
+        for (; 2 * l + 2 < kp; l += 2) {
+            const char *row = kb + l * kline * 2;
+            if (dr) drip(dr, 2);
+            const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], row);
+            const __m512i k1 = _mm512_maskz_loadu_epi32(mask[0], row + kline * 2);
+            for (int g = 0; g < gt; g++)
+                for (int p = 0; p < pieces; p++) {
+                    int32_t w[2];
+                    memcpy(w, qb + (g * BPIECES + p) * kp + 2 * l, 8);
+                    acc[g][0] = _mm512_dpbf16_ps(acc[g][0], (__m512bh)k0, (__m512bh)_mm512_set1_epi32(w[0]));
+                    acc[g][1] = _mm512_dpbf16_ps(acc[g][1], (__m512bh)k1, (__m512bh)_mm512_set1_epi32(w[1]));
+                }
+        }
+        if (2 * l < kp) {
+            if (dr) drip(dr, 1);
+            const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], kb + l * kline * 2);
+            for (int g = 0; g < gt; g++)
+                for (int p = 0; p < pieces; p++) {
+                    int32_t w;
+                    memcpy(&w, qb + (g * BPIECES + p) * kp + 2 * l, 4);
+                    acc[g][0] = _mm512_dpbf16_ps(acc[g][0], (__m512bh)k0, (__m512bh)_mm512_set1_epi32(w));
+                }
+        }
+        for (int g = 0; g < gt; g++) {
+            acc[g][0] = _mm512_add_ps(acc[g][0], acc[g][1]);
+            acc[g][1] = _mm512_setzero_ps();
+        }
+    } else {
+        for (int64_t l = 0; 2 * l < kp; l++) {
+            const char *row = kb + l * kline * 2;
+            if (dr) drip(dr, 1);
+            __m512i kw[4];
+            for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            for (int g = 0; g < gt; g++)
+                for (int p = 0; p < pieces; p++) {
+                    int32_t word;
+                    memcpy(&word, qb + (g * BPIECES + p) * kp + 2 * l, 4);
+                    const __m512bh qw = (__m512bh)_mm512_set1_epi32(word);
+                    for (int i = 0; i < ng; i++) acc[g][i] = _mm512_dpbf16_ps(acc[g][i], (__m512bh)kw[i], qw);
+                }
+        }
     }
     const __m512 m = _mm512_set1_ps(mul);
     for (int i = 0; i < 4; i++)
