@@ -199,6 +199,14 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
         scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 1, pf, p);
     else
         scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 4, pf, p);
+    if (enc == ENC_F32 && st->smul != 1.0f) { /* an unscaled query's scores (attend.c) */
+        const __m512 s = _mm512_set1_ps(st->smul);
+        for (int g = 0; g < gt; g++)
+            for (int i = 0; i < (nt <= 16 ? 1 : 4); i++) {
+                float *at = p + g * TILE_T + 16 * i;
+                _mm512_storeu_ps(at, _mm512_mask_mul_ps(_mm512_loadu_ps(at), lanes16(nt, i), _mm512_loadu_ps(at), s));
+            }
+    }
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     /* a dense head's only block: its rows finished here (st->out) */

@@ -9,7 +9,7 @@
  *
  * For every cache of a call, every KV head n (N = B * Hkv) and each of its G query heads g:
  *
- *     score[t] = q[n,g,:] . key[n,:,t]                    (q scaled by qscale first)
+ *     score[t] = qscale * (q[n,g,:] . key[n,:,t])         (the query scaled first, or the score)
  *     out[n,g] = sum_t softmax(score)[t] * value[n,t,:]
  *
  * over the attended positions, which lie in the cache's ring as a few physical runs [a, b)
@@ -197,11 +197,14 @@ typedef struct {
     float *p;         /* weights of one block: p[TILE_G * TILE_T] */
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
-    float *q;         /* the head's query (G, D), float32, scaled, in key order */
+    float *q;         /* room for the head's query (G, D), float32, scaled, in key order */
     /* bfloat16 with dot products (ISA_AVX512_DOT): the query as bfloat16 pieces, made on the
      * item's first block by split_query_bf16 (qpieces per query head, scores times qmul) */
     uint16_t *qb;
     float qmul;
+    /* the blocks' scores times smul: qscale where q is the stream's float32 query unscaled
+     * (attend.c, a float32 cache on AVX-512), else 1 */
+    float smul;
     int qpieces, qready;
     /* a one-split head read in one block by an AVX2 dense block: its output rows (the stream's
      * dtype), which that block finishes itself from an accumulator that starts in registers;
