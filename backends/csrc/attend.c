@@ -160,6 +160,14 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         qf = (const float *)cc->q + h * G * d;
         st.smul = cc->qscale;
         prefetch_lines(qf, G * d * (int64_t)sizeof(float), 3);
+#if GQA_X86_64
+    } else if (block == block_dot_bf16 && cc->io == ENC_BF16) {
+        /* the BF16 dot block splits the stream's bfloat16 query itself: the float32 one is made
+         * only for a block of at most 8 positions, if the head has one (a short ring's); the
+         * query's lines asked for at once here, as the widening read them */
+        st.qlazy = 1;
+        prefetch_lines((const uint16_t *)cc->q + h * G * d, G * d * (int64_t)sizeof(uint16_t), 3);
+#endif
     } else {
         convert_query(cc, h, st.q, call->wide[i]);
     }

@@ -206,6 +206,9 @@ typedef struct {
      * (attend.c, a float32 cache on AVX-512), else 1 */
     float smul;
     int qpieces, qready;
+    /* q not made yet (a bfloat16 query for the BF16 dot block, which splits the stream's
+     * query itself): a block that reads q makes it first (block_avx512_bf16.c) */
+    int qlazy;
     /* a one-split head read in one block by an AVX2 dense block: its output rows (the stream's
      * dtype), which that block finishes itself from an accumulator that starts in registers;
      * acc is then neither cleared nor read. NULL otherwise. */
