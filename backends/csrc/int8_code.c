@@ -82,34 +82,63 @@ GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int fl
 #if GQA_X86_64
 /* The same transform 16 lanes at a time (block a multiple of 16), the same additions and
  * subtractions in the same order, so bit for bit the scalar loop's result. Stages of span
- * len < 16 are within a register: lane j takes its partner j ^ len by a permutation, the lower
- * lane of a pair keeps a + b, the upper one a - b. */
+ * len < 16 are within a register: lane j takes its partner p (lane j ^ len) by a permutation
+ * and becomes x * sign + p, one rounding, with sign +1 in the lower lane of a pair (a + b) and
+ * -1 in the upper (a - b, the partner less itself). A block of at most 128 (8 registers) stays
+ * in registers through every stage; a longer one takes its wider spans through memory. */
+AVX512 static inline __attribute__((always_inline)) __m512 hadamard16(__m512 v, const __m512i *perm,
+                                                                     const __m512 *sign) {
+#pragma GCC unroll 4
+    for (int s = 0; s < 4; s++) v = _mm512_fmadd_ps(v, sign[s], _mm512_permutexvar_ps(perm[s], v));
+    return v;
+}
+
+/* One block of nv (a constant: 1, 2, 4 or 8) registers, in registers. */
+AVX512 static inline __attribute__((always_inline)) void hadamard_block_regs(float *y, const int nv, const __m512i *perm,
+                                                                            const __m512 *sign, __m512 vn) {
+    __m512 v[8];
+#pragma GCC unroll 8
+    for (int i = 0; i < nv; i++) v[i] = hadamard16(_mm512_loadu_ps(y + 16 * i), perm, sign);
+#pragma GCC unroll 4
+    for (int len = 1; len < nv; len <<= 1)
+#pragma GCC unroll 8
+        for (int i = 0; i < nv; i += 2 * len)
+#pragma GCC unroll 8
+            for (int j = i; j < i + len; j++) {
+                const __m512 a = v[j], b = v[j + len];
+                v[j] = _mm512_add_ps(a, b);
+                v[j + len] = _mm512_sub_ps(a, b);
+            }
+#pragma GCC unroll 8
+    for (int i = 0; i < nv; i++) _mm512_storeu_ps(y + 16 * i, _mm512_mul_ps(v[i], vn));
+}
+
 AVX512 static void hadamard_rows_avx512(float *x, int64_t rows, int64_t d, int64_t block, float norm) {
     __m512i perm[4];
-    __mmask16 upper[4];
+    __m512 sign[4];
     for (int s = 0; s < 4; s++) {
         int idx[16];
-        unsigned m = 0;
+        float sg[16];
         for (int j = 0; j < 16; j++) {
             idx[j] = j ^ (1 << s);
-            if (j & (1 << s)) m |= 1u << j;
+            sg[j] = j & (1 << s) ? -1.0f : 1.0f;
         }
         perm[s] = _mm512_loadu_si512(idx);
-        upper[s] = (__mmask16)m;
+        sign[s] = _mm512_loadu_ps(sg);
     }
     const __m512 vn = _mm512_set1_ps(norm);
     for (int64_t r = 0; r < rows; r++) {
         float *row = x + r * d;
         for (int64_t b0 = 0; b0 < d; b0 += block) {
             float *y = row + b0;
-            for (int64_t j = 0; j < block; j += 16) {
-                __m512 v = _mm512_loadu_ps(y + j);
-                for (int s = 0; s < 4; s++) {
-                    const __m512 p = _mm512_permutexvar_ps(perm[s], v);
-                    v = _mm512_mask_blend_ps(upper[s], _mm512_add_ps(v, p), _mm512_sub_ps(p, v));
-                }
-                _mm512_storeu_ps(y + j, v);
+            switch (block) {
+                case 128: hadamard_block_regs(y, 8, perm, sign, vn); continue;
+                case 64: hadamard_block_regs(y, 4, perm, sign, vn); continue;
+                case 32: hadamard_block_regs(y, 2, perm, sign, vn); continue;
+                case 16: hadamard_block_regs(y, 1, perm, sign, vn); continue;
+                default: break;
             }
+            for (int64_t j = 0; j < block; j += 16) _mm512_storeu_ps(y + j, hadamard16(_mm512_loadu_ps(y + j), perm, sign));
             for (int64_t len = 16; len < block; len <<= 1)
                 for (int64_t i = 0; i < block; i += 2 * len)
                     for (int64_t j = i; j < i + len; j += 16) {
