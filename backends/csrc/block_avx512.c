@@ -260,16 +260,11 @@ AVX512 GQA_INTERNAL void widen_row_avx512(const int enc, const void *src, float 
     }
 }
 
-/* G rows of d elements of encoding enc (src, one after another) to float32 times scale, each
- * row's elements taken in `order`: dst[g * d + j] = load_elem(enc, src, g * d + order[j]) *
- * scale, as widen_row_avx512 makes them. The order is moved run by run (consecutive channels
- * to consecutive places), 16 lanes at a time: an int8 cache's key order is its coded channels
- * ascending with the outliers cut out, then the outliers, at most 2 x outliers + 1 runs. */
 /* gather_rows_avx512 at d = 128 by permutations: each row's 8 registers (widened, times the
  * scale) are four tables of 32 lanes; an output register takes its lanes from each table by
  * vpermt2ps on the order's low 5 bits and keeps, lane by lane, the table its high bits name.
- * The same products moved to the same places as the runs below, without their per-run
- * scanning and masked stores (~400 of a head's ~550 cycles there, 64 short int8 caches hot). */
+ * The same products in the same places as gather_rows_avx512's runs, without their scan and
+ * masked moves (~400 of a head's ~550 cycles there: 64 short int8 caches, hot). */
 AVX512 static void gather_rows_128(const int enc, const void *src, const int64_t *order, int64_t G, float scale,
                                    float *dst) {
     const int64_t el = enc_size(enc);
@@ -297,6 +292,12 @@ AVX512 static void gather_rows_128(const int enc, const void *src, const int64_t
     }
 }
 
+/* G rows of d elements of encoding enc (src, one after another) to float32 times scale, each
+ * row's elements taken in `order`: dst[g * d + j] = load_elem(enc, src, g * d + order[j]) *
+ * scale, as widen_row_avx512 makes them. At d = 128 by permutations (above); otherwise the
+ * order is moved run by run (consecutive channels to consecutive places), 16 lanes at a time:
+ * an int8 cache's key order is its coded channels ascending with the outliers cut out, then the
+ * outliers, at most 2 x outliers + 1 runs. */
 AVX512 GQA_INTERNAL void gather_rows_avx512(const int enc, const void *src, const int64_t *order, int64_t G, int64_t d,
                                             float scale, float *dst) {
     if (d == 128) {
