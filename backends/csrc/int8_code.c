@@ -4,15 +4,6 @@
  */
 #include "gqa_avx512.h"
 
-/* int8: quantizes rows (rows, len) float32 per row, absmax / 127, as quant.quantize_int8 does:
- * float16 scales: codes = round(x / stored scale) (a stored 0 divides by 1), clamped to 127;
- * float32 scales with FLAG_RECIPROCAL (bitsandbytes' rounding, which quant uses when it loads):
- * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
- * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
- * -ERANGE when a float16 scale would overflow. */
-static inline __attribute__((always_inline)) int quantize_rows_codes(const float *x, int64_t rows, int64_t len,
-                                                                       int flags, int8_t *codes, float *scale);
-
 /* Each row's absmax to scale[r]: the largest |x| (a NaN skipped: a > amax is false), one at a time. */
 static inline __attribute__((always_inline)) void absmax_rows(const float *x, int64_t rows, int64_t len, float *scale) {
     for (int64_t r = 0; r < rows; r++) {
@@ -23,12 +14,6 @@ static inline __attribute__((always_inline)) void absmax_rows(const float *x, in
         }
         scale[r] = amax;
     }
-}
-
-static inline __attribute__((always_inline)) int quantize_rows_body(const float *x, int64_t rows, int64_t len, int flags,
-                                                                      int8_t *codes, float *scale) {
-    absmax_rows(x, rows, len, scale);
-    return quantize_rows_codes(x, rows, len, flags, codes, scale);
 }
 
 /* The codes and scales of rows whose absmax scale[r] holds. */
@@ -63,6 +48,18 @@ static inline __attribute__((always_inline)) int quantize_rows_codes(const float
         }
     }
     return 0;
+}
+
+/* int8: quantizes rows (rows, len) float32 per row, absmax / 127, as quant.quantize_int8 does:
+ * float16 scales: codes = round(x / stored scale) (a stored 0 divides by 1), clamped to 127;
+ * float32 scales with FLAG_RECIPROCAL (bitsandbytes' rounding, which quant uses when it loads):
+ * codes = round(x * (127 / absmax)) unless some row's absmax is tiny but not 0 (then all rows
+ * the plain way, as quant does). Codes to codes[r * len + j], scales as float32 to scale[r];
+ * -ERANGE when a float16 scale would overflow. */
+static inline __attribute__((always_inline)) int quantize_rows_body(const float *x, int64_t rows, int64_t len, int flags,
+                                                                      int8_t *codes, float *scale) {
+    absmax_rows(x, rows, len, scale);
+    return quantize_rows_codes(x, rows, len, flags, codes, scale);
 }
 
 #if GQA_X86_64
