@@ -328,9 +328,9 @@ def wake_torch_threads(
 def hot_seconds(cache, q, k, v, *, calls: int, warmup: int = 5) -> float:
     """The median public step of ``cache`` (any backend's) hot: each step rolled back (untimed),
     so that every call steps the same length with the cache's bytes in the last-level cache.
-    The first call waits ``TORCH_SPIN_S``: the benchmarks time this right after cold rounds whose
-    last call ran on torch's threads, and a step beside their spinning workers shares a core
-    with them (docs/design.md, "The hot notes beside torch's workers")."""
+    It waits ``TORCH_SPIN_S`` before the first step: the benchmarks call it right after cold
+    rounds whose last call ran on torch's threads, and a step beside their spinning workers
+    shares a core with them (docs/design.md, "The hot notes beside torch's workers")."""
     time.sleep(TORCH_SPIN_S)
     times = []
     for i in range(warmup + calls):
