@@ -26,7 +26,7 @@ static state_t thread_state(const call_t *call, const gqa_cache_t *cc, int tid) 
 }
 
 /* Head h's query as float32 times qscale, in the stored key order (int8 with `order`). */
-static void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide) {
+GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide) {
     const int64_t G = cc->g, d = cc->d;
 #if GQA_X86_64
     if (!cc->order && wide == ISA_AVX512) { /* any encoding, float32 too: 16 lanes at a time */

@@ -214,9 +214,8 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
 AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     const int enc, const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     if (nt <= BF16_WIDEN_MAX_T) { /* a short block: the widening block's (above) */
-        if (st->qlazy) { /* convert_query's widening, made for the first block that reads it */
-            const int64_t gd = cc->g * cc->d;
-            widen_row_avx512(ENC_BF16, (const uint16_t *)cc->q + h * gd, st->q, gd, cc->qscale);
+        if (st->qlazy) { /* the query attend_head left to the first block that reads it */
+            convert_query(cc, h, st->q, ISA_AVX512);
             st->qlazy = 0;
         }
         block_avx512_bf16(cc, st->q, h, phys, nt, st);

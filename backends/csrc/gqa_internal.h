@@ -465,8 +465,10 @@ GQA_INTERNAL void stamp_at(int tid, int32_t block, int32_t kind);
 #define STAMP_SET_ITEM(item) ((void)0)
 #endif
 
-/* attend.c: one work item of a call (task_fn) */
+/* attend.c: one work item of a call (task_fn); head h's query as float32 times qscale, in the
+ * stored key order, into qf (wide: the cache's vector width, ISA_AVX512 / ISA_AVX2 / 0) */
 GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid);
+GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide);
 
 /* write.c: the step's write of ring row write_row (restore: the saved bytes back) */
 GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore);
