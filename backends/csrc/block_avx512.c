@@ -204,7 +204,8 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
         for (int g = 0; g < gt; g++)
             for (int i = 0; i < (nt <= 16 ? 1 : 4); i++) {
                 float *at = p + g * TILE_T + 16 * i;
-                _mm512_storeu_ps(at, _mm512_mask_mul_ps(_mm512_loadu_ps(at), lanes16(nt, i), _mm512_loadu_ps(at), s));
+                const __m512 x = _mm512_loadu_ps(at);
+                _mm512_storeu_ps(at, _mm512_mask_mul_ps(x, lanes16(nt, i), x, s));
             }
     }
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
