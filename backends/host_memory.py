@@ -4,24 +4,37 @@ A long cache's step streams hundreds of MB; on 4 KiB pages every 4 KiB of that i
 and, after a cold start, a page walk (the machine's whole-buffer read measured 19 -> 29 GB/s on
 one thread with 2 MiB pages; docs/design.md, "Long caches at the memory's speed"). Linux gives
 an anonymous mapping 2 MiB pages when ``transparent_hugepage`` is ``always``, or ``madvise``
-and the range is advised ``MADV_HUGEPAGE`` before its pages are first touched: ``zeros`` asks
-that of a large CPU tensor's storage, then zeroes it. Advice only: where it is refused or
-means nothing (other systems, THP ``never``, a CUDA tensor) the tensor is the same, on
+and the range is advised ``MADV_HUGEPAGE`` before its pages are first touched.
+
+So ``zeros`` puts a large CPU tensor in a mapping of its own, fresh from the kernel, starting
+on a 2 MiB boundary, advises it and then zeroes it (its pages' first touch). A tensor from
+``torch.empty`` got 2 MiB pages only over the whole 2 MiB pages inside it, and none at all
+where the allocator handed back memory already touched: an int8 cache's 2 MiB code tensors
+lay wholly on 4 KiB pages, and in a server most of a model's cache at times (docs/design.md,
+"The caches' storage on 2 MiB pages, every time"). A tensor ends on a whole 2 MiB page where
+rounding it up to one adds at most ``ROUND_UP_WASTE`` of its bytes (memory it then holds beyond
+its own); otherwise its tail past its last whole 2 MiB page stays on 4 KiB pages. Advice only:
+where it means nothing (other systems, THP ``never``, a CUDA tensor) a tensor is the same, on
 whatever pages the system gives.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
+import mmap
+import pathlib
 import sys
 
 import torch
 
-__all__ = ["HUGE_PAGE", "advise_huge_pages", "zeros"]
+__all__ = ["HUGE_PAGE", "advise_huge_pages", "huge_page_span", "zeros"]
 
 HUGE_PAGE = 2 << 20
-MIN_ADVISED = 2 * HUGE_PAGE  # smaller tensors hold at most one whole 2 MiB page: not worth a call
+MIN_ADVISED = 2 * HUGE_PAGE  # advise_huge_pages: smaller tensors hold at most one whole 2 MiB page
+ROUND_UP_WASTE = 1 / 16  # at most this share of a tensor's bytes added to end it on a whole 2 MiB page
 _MADV_HUGEPAGE = 14  # linux/mman.h
+_THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
 
 def _libc_madvise():
@@ -39,6 +52,19 @@ def _libc_madvise():
 _madvise = _libc_madvise()
 
 
+@functools.cache
+def _transparent_huge_pages() -> bool:
+    """Whether this kernel gives advised anonymous memory 2 MiB pages (THP ``always`` or
+    ``madvise``)."""
+    if _madvise is None:
+        return False
+    try:
+        mode = _THP_ENABLED.read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Asks for 2 MiB pages over the whole 2 MiB pages inside ``tensor``'s bytes (a contiguous
     CPU tensor); True when the system took the advice. Pages already touched stay as they are."""
@@ -50,9 +76,32 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     return last > first and _madvise(first, last - first, _MADV_HUGEPAGE) == 0
 
 
+def huge_page_span(nbytes: int) -> int:
+    """The bytes of an ``nbytes`` tensor that ``zeros`` puts on 2 MiB pages, from a 2 MiB
+    boundary: its whole 2 MiB pages, and its last partial one too where rounding up to it adds
+    at most ``ROUND_UP_WASTE`` of ``nbytes``. 0: the tensor gets none."""
+    whole = nbytes // HUGE_PAGE * HUGE_PAGE
+    rounded = whole + HUGE_PAGE if whole < nbytes else whole
+    return rounded if rounded - nbytes <= nbytes * ROUND_UP_WASTE else whole
+
+
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU a large one advised onto
-    2 MiB pages before it is zeroed (its pages' first touch)."""
-    tensor = torch.empty(shape, dtype=dtype, device=device)
-    advise_huge_pages(tensor)
-    return tensor.zero_()
+    """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU, one that would hold a 2 MiB
+    page (``huge_page_span``) is a view of a mapping of its own, its first byte on a 2 MiB
+    boundary, advised onto 2 MiB pages before it is zeroed."""
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
+    span = huge_page_span(nbytes) if torch.device(device).type == "cpu" else 0
+    if not span or not _transparent_huge_pages():
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        advise_huge_pages(tensor)
+        return tensor.zero_()
+    # a private anonymous mapping (a shared one is shmem, which THP's `enabled` does not cover),
+    # one 2 MiB page longer than the tensor's pages so that one of its 2 MiB boundaries starts it
+    length = -(-max(nbytes, span) // mmap.PAGESIZE) * mmap.PAGESIZE + HUGE_PAGE
+    region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    at = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
+    # the tensor's storage is its own bytes (what `untyped_storage().nbytes()` counts), and holds
+    # the mapping until the last view of it goes
+    tensor = torch.frombuffer(region, dtype=torch.uint8, offset=at, count=nbytes)
+    _madvise(tensor.data_ptr(), span, _MADV_HUGEPAGE)
+    return tensor.view(dtype).view(shape).zero_()

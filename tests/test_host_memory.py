@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import pathlib
 import re
 import sys
@@ -13,6 +14,7 @@ from backends import host_memory
 from backends.contract import CacheSpec
 from backends.cpu import DenseCache
 from backends.policy import EvictionPolicy
+from backends.registry import get_backend
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_MODE = re.search(r"\[(\w+)\]", THP.read_text()).group(1) if THP.exists() else None
@@ -28,6 +30,65 @@ def test_zeros_is_torch_zeros(dtype):
 def test_small_and_non_cpu_tensors_are_not_advised():
     assert not host_memory.advise_huge_pages(torch.empty(1024))
     assert not host_memory.advise_huge_pages(torch.empty(host_memory.MIN_ADVISED, device="meta", dtype=torch.int8))
+
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(
+    "nbytes, span",
+    [
+        (0, 0),
+        (MIB, 0),  # no whole 2 MiB page, and rounding up would double it
+        (1991 << 10, 2 * MIB),  # an int8 S=2048 cache's key codes: 2.9% more ends them on a whole page
+        (2 * MIB, 2 * MIB),
+        (2056 << 10, 2 * MIB),  # its value codes: the 8 KiB past the page stay on 4 KiB pages
+        (int(3.8 * MIB), 4 * MIB),  # 5% more
+        (int(3.7 * MIB), 2 * MIB),  # 8% more: too much
+        (64 * MIB + 1, 66 * MIB),  # 3% more
+    ],
+)
+def test_huge_page_span(nbytes, span):
+    assert host_memory.huge_page_span(nbytes) == span
+    assert span % host_memory.HUGE_PAGE == 0
+    assert span <= nbytes * (1 + host_memory.ROUND_UP_WASTE)
+
+
+def test_zeros_keeps_its_mapping_alive_and_gives_it_back():
+    t = host_memory.zeros((8, 2056, 124), torch.int8)  # past a 2 MiB page: a mapping of its own
+    assert t.untyped_storage().nbytes() == t.nbytes  # what a cache counts as held
+    at = t.data_ptr()
+    view = t.view(-1)[-16:]
+    del t
+    gc.collect()
+    view.fill_(7)  # the view alone holds the mapping
+    assert int(view.sum()) == 7 * 16 and _mapping_of(at) is not None
+    del view
+    gc.collect()
+    assert _mapping_of(at) is None
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
+)
+@pytest.mark.parametrize("nbytes", [1991 << 10, 2056 << 10, 9 * MIB], ids=["1991KiB", "2056KiB", "9MiB"])
+def test_zeros_starts_on_a_huge_page_boundary_and_gets_its_span_on_huge_pages(nbytes):
+    """Every time, also where the allocator hands back memory already touched on 4 KiB pages
+    (a large tensor freed just before): `torch.empty` then gave none."""
+    torch.ones(nbytes * 2, dtype=torch.uint8).sum()  # touched and freed
+    t = host_memory.zeros((nbytes,), torch.uint8)
+    assert t.data_ptr() % host_memory.HUGE_PAGE == 0 and not t.any()
+    span = host_memory.huge_page_span(nbytes)
+    huge = sum(kb for lo, hi, kb in _vmas() if lo < t.data_ptr() + span and t.data_ptr() < hi)
+    assert huge << 10 >= span, f"{huge} KiB of {span >> 10} KiB on huge pages"
+
+
+def test_an_int8_caches_code_tensors_start_on_huge_page_boundaries():
+    """An int8 cache at S=2048 (the benchmarks' shape): its key and value codes, ~2 MiB each,
+    were on 4 KiB pages throughout; now each starts a 2 MiB page of its own."""
+    cache = get_backend("int8").create_cache(CacheSpec(1, 32, 8, 128, torch.float32, EvictionPolicy.none(2056)))
+    state = cache._state
+    assert state.k % host_memory.HUGE_PAGE == 0 and state.v % host_memory.HUGE_PAGE == 0
 
 
 @pytest.mark.skipif(
@@ -68,3 +129,12 @@ def _vmas():
             start, end = int(m.group(1), 16), int(m.group(2), 16)
         elif line.startswith("AnonHugePages:"):
             yield start, end, int(line.split()[1])
+
+
+def _mapping_of(address: int) -> str | None:
+    """The /proc/self/maps line of the mapping that holds ``address``, or None."""
+    for line in pathlib.Path("/proc/self/maps").read_text().splitlines():
+        lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+        if lo <= address < hi:
+            return line
+    return None
