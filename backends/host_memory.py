@@ -11,11 +11,11 @@ on a 2 MiB boundary, advises it and then zeroes it (its pages' first touch). A t
 ``torch.empty`` got 2 MiB pages only over the whole 2 MiB pages inside it, and none at all
 where the allocator handed back memory already touched: an int8 cache's 2 MiB code tensors
 lay wholly on 4 KiB pages, and in a server most of a model's cache at times (docs/design.md,
-"The caches' storage on 2 MiB pages, every time"). A tensor ends on a whole 2 MiB page where
-rounding it up to one adds at most ``ROUND_UP_WASTE`` of its bytes (memory it then holds beyond
-its own); otherwise its tail past its last whole 2 MiB page stays on 4 KiB pages. Advice only:
-where it means nothing (other systems, THP ``never``, a CUDA tensor) a tensor is the same, on
-whatever pages the system gives.
+"The caches' storage on 2 MiB pages, every time"). Only a tensor's whole 2 MiB pages are
+advised: its tail past the last one stays on 4 KiB pages, so that a tensor holds no memory but
+its own bytes and a cache budget counts what a process holds. Advice only: where it means
+nothing (other systems, THP ``never``, a CUDA tensor) a tensor is the same, on whatever pages
+the system gives.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ __all__ = ["HUGE_PAGE", "advise_huge_pages", "huge_page_span", "zeros"]
 
 HUGE_PAGE = 2 << 20
 MIN_ADVISED = 2 * HUGE_PAGE  # advise_huge_pages: smaller tensors hold at most one whole 2 MiB page
-ROUND_UP_WASTE = 1 / 16  # at most this share of a tensor's bytes added to end it on a whole 2 MiB page
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -77,12 +76,9 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
 
 
 def huge_page_span(nbytes: int) -> int:
-    """The bytes of an ``nbytes`` tensor that ``zeros`` puts on 2 MiB pages, from a 2 MiB
-    boundary: its whole 2 MiB pages, and its last partial one too where rounding up to it adds
-    at most ``ROUND_UP_WASTE`` of ``nbytes``. 0: the tensor gets none."""
-    whole = nbytes // HUGE_PAGE * HUGE_PAGE
-    rounded = whole + HUGE_PAGE if whole < nbytes else whole
-    return rounded if rounded - nbytes <= nbytes * ROUND_UP_WASTE else whole
+    """The bytes of an ``nbytes`` tensor that ``zeros`` puts on 2 MiB pages from a 2 MiB
+    boundary: its whole 2 MiB pages (0: it gets none)."""
+    return nbytes // HUGE_PAGE * HUGE_PAGE
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
@@ -97,7 +93,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Ten
         return tensor.zero_()
     # a private anonymous mapping (a shared one is shmem, which THP's `enabled` does not cover),
     # one 2 MiB page longer than the tensor's pages so that one of its 2 MiB boundaries starts it
-    length = -(-max(nbytes, span) // mmap.PAGESIZE) * mmap.PAGESIZE + HUGE_PAGE
+    length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE + HUGE_PAGE
     region = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     at = -torch.frombuffer(region, dtype=torch.uint8, count=1).data_ptr() % HUGE_PAGE
     # the tensor's storage is its own bytes (what `untyped_storage().nbytes()` counts), and holds
