@@ -9,13 +9,13 @@ and the range is advised ``MADV_HUGEPAGE`` before its pages are first touched.
 So ``zeros`` puts a large CPU tensor in a mapping of its own, fresh from the kernel, starting
 on a 2 MiB boundary, advises it and then zeroes it (its pages' first touch). A tensor from
 ``torch.empty`` got 2 MiB pages only over the whole 2 MiB pages inside it, and none at all
-where the allocator handed back memory already touched: an int8 cache's 2 MiB code tensors
+where the allocator handed back memory already touched: an int8 cache's 2056 KiB value codes
 lay wholly on 4 KiB pages, and in a server most of a model's cache at times (docs/design.md,
 "The caches' storage on 2 MiB pages, every time"). Only a tensor's whole 2 MiB pages are
-advised: its tail past the last one stays on 4 KiB pages, so that a tensor holds no memory but
-its own bytes and a cache budget counts what a process holds. Advice only: where it means
-nothing (other systems, THP ``never``, a CUDA tensor) a tensor is the same, on whatever pages
-the system gives.
+advised: its tail past the last one stays on 4 KiB pages, and a tensor below 2 MiB is torch's,
+so that a tensor holds no memory but its own bytes and a cache budget counts what the caches
+hold. Advice only: where it means nothing (other systems, THP ``never``, a CUDA tensor) a
+tensor is torch's own, on whatever pages the system gives.
 """
 
 from __future__ import annotations
@@ -28,10 +28,9 @@ import sys
 
 import torch
 
-__all__ = ["HUGE_PAGE", "advise_huge_pages", "huge_page_span", "zeros"]
+__all__ = ["HUGE_PAGE", "huge_page_span", "zeros"]
 
 HUGE_PAGE = 2 << 20
-MIN_ADVISED = 2 * HUGE_PAGE  # advise_huge_pages: smaller tensors hold at most one whole 2 MiB page
 _MADV_HUGEPAGE = 14  # linux/mman.h
 _THP_ENABLED = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -64,17 +63,6 @@ def _transparent_huge_pages() -> bool:
     return "[never]" not in mode
 
 
-def advise_huge_pages(tensor: torch.Tensor) -> bool:
-    """Asks for 2 MiB pages over the whole 2 MiB pages inside ``tensor``'s bytes (a contiguous
-    CPU tensor); True when the system took the advice. Pages already touched stay as they are."""
-    if _madvise is None or tensor.device.type != "cpu" or tensor.nbytes < MIN_ADVISED:
-        return False
-    start = tensor.data_ptr()
-    first = -(-start // HUGE_PAGE) * HUGE_PAGE
-    last = (start + tensor.nbytes) // HUGE_PAGE * HUGE_PAGE
-    return last > first and _madvise(first, last - first, _MADV_HUGEPAGE) == 0
-
-
 def huge_page_span(nbytes: int) -> int:
     """The bytes of an ``nbytes`` tensor that ``zeros`` puts on 2 MiB pages from a 2 MiB
     boundary: its whole 2 MiB pages (0: it gets none)."""
@@ -82,15 +70,13 @@ def huge_page_span(nbytes: int) -> int:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU, one that would hold a 2 MiB
-    page (``huge_page_span``) is a view of a mapping of its own, its first byte on a 2 MiB
-    boundary, advised onto 2 MiB pages before it is zeroed."""
+    """``torch.zeros(shape, dtype=dtype, device=device)``; on the CPU, one that holds a whole
+    2 MiB page (``huge_page_span``) is a view of a mapping of its own, its first byte on a 2 MiB
+    boundary, advised onto 2 MiB pages before it is zeroed (its pages' first touch)."""
     nbytes = torch.Size(shape).numel() * dtype.itemsize
     span = huge_page_span(nbytes) if torch.device(device).type == "cpu" else 0
     if not span or not _transparent_huge_pages():
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        advise_huge_pages(tensor)
-        return tensor.zero_()
+        return torch.zeros(shape, dtype=dtype, device=device)
     # a private anonymous mapping (a shared one is shmem, which THP's `enabled` does not cover),
     # one 2 MiB page longer than the tensor's pages so that one of its 2 MiB boundaries starts it
     length = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE + HUGE_PAGE

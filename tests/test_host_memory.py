@@ -22,14 +22,16 @@ THP_MODE = re.search(r"\[(\w+)\]", THP.read_text()).group(1) if THP.exists() els
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
 def test_zeros_is_torch_zeros(dtype):
-    for shape in ((3, 5), (2, 8, 1 << 18)):  # small, and past MIN_ADVISED
+    for shape in ((3, 5), (2, 8, 1 << 18)):  # small, and past a 2 MiB page
         t = host_memory.zeros(shape, dtype)
         assert t.shape == shape and t.dtype == dtype and t.is_contiguous() and not t.any()
 
 
-def test_small_and_non_cpu_tensors_are_not_advised():
-    assert not host_memory.advise_huge_pages(torch.empty(1024))
-    assert not host_memory.advise_huge_pages(torch.empty(host_memory.MIN_ADVISED, device="meta", dtype=torch.int8))
+def test_small_and_non_cpu_tensors_are_torchs_own():
+    small = host_memory.zeros((1024,), torch.float32)
+    assert small.untyped_storage().nbytes() == small.nbytes and not small.any()
+    meta = host_memory.zeros((4 * host_memory.HUGE_PAGE,), torch.int8, device="meta")
+    assert meta.device.type == "meta" and meta.shape == (4 * host_memory.HUGE_PAGE,)
 
 
 MIB = 1 << 20
@@ -105,8 +107,6 @@ def test_a_long_dense_cache_lies_on_huge_pages():
     the kernel finds free depends on its memory's fragmentation)."""
     cache = DenseCache(CacheSpec(1, 8, 8, 128, torch.float32, EvictionPolicy.none(8192)), "native")
     storage = [cache._k, cache._v]
-    assert all(host_memory.advise_huge_pages(t) for t in storage)
-    # the advice splits a mapping: the 2 MiB-aligned middle is a mapping of its own
     huge = sum(kb for lo, hi, kb in _vmas() if any(lo < t.data_ptr() + t.nbytes and t.data_ptr() < hi for t in storage))
     assert huge >= host_memory.HUGE_PAGE >> 10, f"{huge} KiB of the cache's 64 MiB in huge pages"
 
