@@ -18,6 +18,9 @@ from backends.registry import get_backend
 
 THP = pathlib.Path("/sys/kernel/mm/transparent_hugepage/enabled")
 THP_MODE = re.search(r"\[(\w+)\]", THP.read_text()).group(1) if THP.exists() else None
+needs_thp = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
+)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8], ids=str)
@@ -52,9 +55,7 @@ def test_huge_page_span_is_the_whole_huge_pages(nbytes, span):
     assert host_memory.huge_page_span(nbytes) == span
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
-)
+@needs_thp
 def test_zeros_keeps_its_mapping_alive_and_gives_it_back():
     t = host_memory.zeros((8, 2056, 128), torch.int8)  # past a 2 MiB page: a mapping of its own
     assert t.untyped_storage().nbytes() == t.nbytes  # what a cache counts as held
@@ -69,9 +70,7 @@ def test_zeros_keeps_its_mapping_alive_and_gives_it_back():
     assert _mapping_of(at) is None
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
-)
+@needs_thp
 @pytest.mark.parametrize("nbytes", [2056 << 10, 4 * MIB, 9 * MIB], ids=["2056KiB", "4MiB", "9MiB"])
 def test_zeros_starts_on_a_huge_page_boundary_and_gets_huge_pages(nbytes):
     """Also where the allocator hands back memory already touched on 4 KiB pages (a large
@@ -85,9 +84,7 @@ def test_zeros_starts_on_a_huge_page_boundary_and_gets_huge_pages(nbytes):
     assert huge << 10 >= host_memory.HUGE_PAGE, f"{huge} KiB of its {span >> 10} KiB span on huge pages"
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
-)
+@needs_thp
 def test_a_caches_tensors_of_a_huge_page_or_more_start_on_huge_page_boundaries():
     """An int8 cache at S=2048 (the benchmarks' shape): its value codes (2056 KiB) lay on 4 KiB
     pages, unaligned; they now start a 2 MiB page of their own. Its key codes (1991 KiB) hold
@@ -99,9 +96,7 @@ def test_a_caches_tensors_of_a_huge_page_or_more_start_on_huge_page_boundaries()
     assert all(t.data_ptr() % host_memory.HUGE_PAGE == 0 for t in (dense._k, dense._v))
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
-)
+@needs_thp
 def test_a_long_dense_cache_lies_on_huge_pages():
     """The advice is taken: a 64 MiB cache's storage gets 2 MiB pages (at least one: how many
     the kernel finds free depends on its memory's fragmentation)."""
@@ -111,9 +106,7 @@ def test_a_long_dense_cache_lies_on_huge_pages():
     assert huge >= host_memory.HUGE_PAGE >> 10, f"{huge} KiB of the cache's 64 MiB in huge pages"
 
 
-@pytest.mark.skipif(
-    not sys.platform.startswith("linux") or THP_MODE in (None, "never"), reason="no transparent huge pages here"
-)
+@needs_thp
 def test_the_benchmarks_floor_reads_memory_on_the_caches_pages():
     """`make bench`'s read floor lies on 2 MiB pages as a long cache's storage does: on 4 KiB
     pages it read slower than the caches' own bytes (docs/design.md)."""
