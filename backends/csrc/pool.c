@@ -152,6 +152,7 @@ static void *pool_worker(void *arg) {
             continue;
         }
         seen = pool.gen;
+        alerted = pool.alert; /* the alerts before this call are answered by it */
         const int part = idx <= pool.want;
         task_fn fn = pool.fn;
         void *ctx = pool.ctx; /* dangling once that call has returned: then no item is claimed */

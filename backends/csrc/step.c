@@ -5,6 +5,19 @@
  */
 #include "gqa_internal.h"
 
+/* A step of several caches alerts the pool's sleeping workers before it plans them, as the
+ * public step does before its checks (gqa_prewake): a worker's wake-up takes 20-100 us on a
+ * VM, which the plans and the row writes then hide (docs/design.md, "A step of many caches").
+ * Counted as gqa_prewake_heads counts: every cache's heads, each attending at least one
+ * position. A caller that alerted already (a Batch session's CacheSet.expect) makes this a
+ * no-op: the workers are awake. */
+static void alert_pool(gqa_cache_t *const *caches, int64_t n) {
+    int64_t heads = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (caches[i] && caches[i]->t >= caches[i]->python_below) heads += caches[i]->n;
+    gqa_prewake_heads(heads);
+}
+
 /* n steps, one per row: row i appends to and attends over the cache at caches[i] (distinct
  * caches), planned from its state. The row's query, new key, new value and output: io[4 * i
  * + 0..3] when io is given (pointers), else base[j] + i * stride[j] (bytes) for j = q, k, v,
@@ -19,6 +32,7 @@ int gqa_step(gqa_cache_t *const *caches, int64_t n, const void *const *io, const
     if (n < 0 || rcols < 0 || (!io && (!base || !stride))) return -EINVAL;
     if (n == 0) return 0;
     STAMP(0, -1, STAMP_STEP);
+    if (n > 1 && threads != 1) alert_pool(caches, n);
     gqa_cache_t *work = arena_get(ARENA_DESCS, (size_t)n * (sizeof *work + sizeof(int64_t)));
     if (!work) return -ENOMEM;
     int64_t *row_of = (int64_t *)(work + n);
