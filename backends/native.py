@@ -62,7 +62,8 @@ __all__ = [
 # "avx2": AVX2 with FMA and F16C, the x86-64 CPUs without AVX-512 (AMD Zen 1-3, Intel client cores);
 # int8 scores and values by vpmaddwd on int16 query and weights
 # "avx512dot": AVX-512 with the VNNI dot products (int8 scores and values by vpdpwssd on int16
-# query and weights), where the CPU has VNNI; bfloat16 scores by vdpbf16ps where it has BF16 too
+# query and weights), where the CPU has VNNI; bfloat16 by vdpbf16ps where it has BF16 too ("auto"
+# takes it for bfloat16 only where it is the faster way: Kernel.auto_isa)
 ISA = {"auto": 0, "portable": 1, "avx2": 2, "avx512": 3, "avx512dot": 4}
 # storage / tensor encodings (the C enum)
 ENC = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
@@ -171,6 +172,8 @@ class Kernel:
         lib.gqa_run_ptrs.restype = i32
         lib.gqa_usable_isas.argtypes = [i64]
         lib.gqa_usable_isas.restype = i32
+        lib.gqa_auto_isa.argtypes = [i64, i32]
+        lib.gqa_auto_isa.restype = i32
         lib.gqa_set_threads.argtypes = [i32]
         lib.gqa_set_threads.restype = i32
         lib.gqa_threads.argtypes = []
@@ -248,6 +251,14 @@ class Kernel:
         """The implementations that run on this CPU at ``head_dim``, the fastest last."""
         mask = self._lib.gqa_usable_isas(head_dim)
         return [name for name, bit in ISA.items() if bit and mask & (1 << bit)]
+
+    def auto_isa(self, head_dim: int, dtype: torch.dtype) -> str:
+        """The implementation ``"auto"`` takes for a cache of ``dtype`` storage (int8: its
+        codes' ``torch.int8``) at ``head_dim``: the fastest in ``isas``, except that a bfloat16
+        cache takes "avx512" over "avx512dot" where this CPU's ``vdpbf16ps`` is not the faster
+        way (isa.c's ``gqa_auto_isa``)."""
+        code = self._lib.gqa_auto_isa(head_dim, DTYPE_ENC.get(dtype, ENC["int8"]))
+        return next(name for name, bit in ISA.items() if bit == code)
 
     def run(self, descs, count: int, *, isa: str = "auto", threads: int = 0) -> None:
         """``gqa_run`` over the first ``count`` descriptors of a ``CacheDesc`` array (each one's

@@ -281,3 +281,26 @@ def test_each_steps_output_is_its_own_and_later_steps_leave_it(dtype):
     assert len({t.data_ptr() for t in kept}) == len(kept)
     for got, want in zip(kept, expected):
         assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not native.available()[0], reason="the compiled kernel is not built here")
+def test_a_default_cache_runs_the_path_auto_isa_names():
+    """A cache made with the default kernel steps with the implementation
+    ``native.load().auto_isa`` names for its dtype (a bfloat16 cache: vdpbf16ps or the widening
+    block, by CPU), bit for bit; where both AVX-512 paths run, they give different bits on these
+    inputs, so the equality says which one ran."""
+    kernel = native.load()
+    spec = CacheSpec(1, 32, 8, 128, torch.bfloat16, EvictionPolicy.none(160))
+    gen = torch.Generator().manual_seed(3)
+    kv = [torch.randn(1, 8, 150, 128, generator=gen).to(torch.bfloat16) for _ in range(2)]
+    step = [torch.randn(1, h, 128, generator=gen).to(torch.bfloat16) for h in (32, 8, 8)]
+
+    def output(name: str) -> torch.Tensor:
+        cache = CPUBackend(name).create_cache(spec)
+        cache.prefill(*kv)
+        return cache.step(*step).output
+
+    named = kernel.auto_isa(128, torch.bfloat16)
+    assert torch.equal(output("native"), output(f"native-{named}"))
+    if {"avx512", "avx512dot"} <= set(kernel.isas(128)):
+        assert not torch.equal(output("native-avx512"), output("native-avx512dot"))

@@ -531,7 +531,9 @@ def test_a_call_answers_every_alert_before_it(pool_size):
         assert not plane.step(0, slots, *rows, out).refused
         after = _runtime_ns(worker)
         time.sleep(0.02)
-        assert _runtime_ns(worker) - after < 100_000, f"the worker ran on after the call (expect first: {alerted_first})"
+        assert _runtime_ns(worker) - after < 100_000, (
+            f"the worker ran on after the call (expect first: {alerted_first})"
+        )
 
 
 def test_set_threads_sizes_the_pool(pool_size):

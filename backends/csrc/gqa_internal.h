@@ -431,6 +431,7 @@ int gqa_avx512_usable(void);
 int gqa_avx2_usable(void);
 int gqa_usable_isas(int64_t d);
 GQA_INTERNAL block_fn choose_block(int enc, int isa);
+int gqa_auto_isa(int64_t d, int enc);
 
 /* pool.c: fn(ctx, item, tid) for item in [0, nitems) on up to `threads` threads (tid < threads) */
 typedef void (*task_fn)(void *ctx, int64_t item, int tid);

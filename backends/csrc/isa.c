@@ -4,8 +4,9 @@
 #include "gqa_internal.h"
 
 /* The vector ISAs this CPU has (a bit per ISA_* value, whatever the head width), probed once;
- * CPU_BF16 besides where ISA_AVX512_DOT also has AVX-512 BF16. */
-enum { CPU_BF16 = 1 << 8 };
+ * CPU_BF16 besides where ISA_AVX512_DOT also has AVX-512 BF16, and CPU_BF16_FAST where its
+ * vdpbf16ps is the faster way to a bfloat16 block (gqa_auto_isa). */
+enum { CPU_BF16 = 1 << 8, CPU_BF16_FAST = 1 << 9 };
 
 static int cpu_isas(void) {
 #if GQA_X86_64
@@ -24,6 +25,7 @@ static int cpu_isas(void) {
             if (__builtin_cpu_supports("avx512vnni")) {
                 v |= 1 << ISA_AVX512_DOT;
                 if (__builtin_cpu_supports("avx512bf16")) v |= CPU_BF16;
+                if ((v & CPU_BF16) && __builtin_cpu_is("amd")) v |= CPU_BF16_FAST;
             }
         }
         atomic_store(&known, v);
@@ -44,6 +46,22 @@ int gqa_usable_isas(int64_t d) {
     if (d % 8 == 0) m |= cpu & (1 << ISA_AVX2);
     if (d % 16 == 0) m |= cpu & (1 << ISA_AVX512 | 1 << ISA_AVX512_DOT);
     return m;
+}
+
+/* The implementation ISA_AUTO takes for a cache of storage `enc` at head width d: the fastest
+ * usable (the highest bit), except a bfloat16 cache's. vdpbf16ps is taken where it is the faster
+ * way to a bfloat16 block: on AMD's Zen 4, where every 512-bit operation issues at the same rate,
+ * it halves the scores' instructions and the value sum's two-piece products pay too (S=2048 hot
+ * 0.31 against 0.39 ms; value sum 0.90). On Intel's Xeons with AMX, which issue two 512-bit FMAs
+ * a cycle but one vdpbf16ps, the widening block is faster (hot 0.71x, cold 0.88-0.89x at S=2048
+ * and 8192; docs/design.md, "bfloat16's block by CPU"), and elsewhere it is the one measured
+ * never to lose by much. An explicit ISA_AVX512_DOT still takes vdpbf16ps (the tests do). */
+int gqa_auto_isa(int64_t d, int enc) {
+    const int usable = gqa_usable_isas(d);
+    int isa = ISA_AVX512_DOT;
+    while (!(usable & (1 << isa))) isa--;
+    if (isa == ISA_AVX512_DOT && enc == ENC_BF16 && !(cpu_isas() & CPU_BF16_FAST)) isa = ISA_AVX512;
+    return isa;
 }
 
 GQA_INTERNAL block_fn choose_block(int enc, int isa) {

@@ -28,8 +28,7 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
     }
     const int usable = gqa_usable_isas(cc->d), own = (cc->flags >> FLAG_ISA_SHIFT) & FLAG_ISA_MASK;
     if (own) isa = own;
-    if (isa == ISA_AUTO) /* the fastest usable: the highest bit */
-        for (isa = ISA_AVX512_DOT; !(usable & (1 << isa)); isa--) continue;
+    if (isa == ISA_AUTO) isa = gqa_auto_isa(cc->d, cc->enc);
     if (isa < ISA_PORTABLE || isa > ISA_AVX512_DOT || !(usable & (1 << isa))) return -ENOTSUP;
     *attended = s;
     *chosen = isa;
