@@ -112,6 +112,18 @@ class DenseCache(DenseRingCache):
         return out.view(s.batch_size, s.num_query_heads, s.head_dim).to(s.dtype)
 
 
+@functools.cache
+def _log_kernel() -> None:
+    """Says once which kernel dense caches on the CPU get, and how a bfloat16 cache's blocks run
+    on this CPU (``native.Kernel.auto_isa``: vdpbf16ps where it is the faster way, else widened);
+    the fallback's warning says why when there is no native kernel."""
+    if default_kernel() != "native":
+        return
+    kernel = native.load()
+    bf16 = "vdpbf16ps" if kernel.auto_isa(128, torch.bfloat16) == "avx512dot" else "widened to float32"
+    log.info("cpu: native kernel %s (%s; bfloat16 %s)", kernel.path, ", ".join(kernel.isas(128)), bf16)
+
+
 class CPUBackend(Backend):
     name = "cpu"
     capabilities = Capabilities(
@@ -123,6 +135,13 @@ class CPUBackend(Backend):
         if kernel != "auto" and kernel not in KERNELS:
             raise ValueError(f"cpu: unknown kernel {kernel!r} (known: auto, {', '.join(KERNELS)})")
         self.kernel = kernel
+
+    @classmethod
+    def probe(cls) -> list[str]:
+        # loads (or builds, once per machine) the native kernel while the server starts, and
+        # logs which one serves; without it torch's kernels serve
+        _log_kernel()
+        return []
 
     def _kernel(self) -> str:
         return default_kernel() if self.kernel == "auto" else self.kernel

@@ -304,3 +304,19 @@ def test_a_default_cache_runs_the_path_auto_isa_names():
     assert torch.equal(output("native"), output(f"native-{named}"))
     if {"avx512", "avx512dot"} <= set(kernel.isas(128)):
         assert not torch.equal(output("native-avx512"), output("native-avx512dot"))
+
+
+@pytest.mark.skipif(not native.available()[0], reason="the compiled kernel is not built here")
+def test_the_server_log_says_which_kernel_serves_and_how_bfloat16_runs(caplog):
+    """The backend's probe (run as the server starts) logs the library it loaded, the paths this
+    CPU runs and how a bfloat16 cache's blocks run here, as ``auto_isa`` chooses."""
+    from backends import cpu
+
+    kernel = native.load()
+    caplog.set_level("INFO", logger="backends.cpu")
+    cpu._log_kernel.cache_clear()
+    assert CPUBackend.probe() == []
+    assert f"cpu: native kernel {kernel.path} ({', '.join(kernel.isas(128))}; bfloat16 " in caplog.text
+    dot = kernel.auto_isa(128, torch.bfloat16) == "avx512dot"
+    assert ("bfloat16 vdpbf16ps" in caplog.text) == dot
+    assert ("bfloat16 widened to float32" in caplog.text) == (not dot)
