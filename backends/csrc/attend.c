@@ -101,8 +101,6 @@ static inline __attribute__((always_inline)) void prefetch_head_start(const gqa_
     }
 }
 
-static int64_t find_cache(const int64_t *off, int64_t ncaches, int64_t item);
-
 /* Work item j's first head asked for (prefetch_head_start), when j is an item of a one-split
  * cache (a several-split cache's items ask for their own: item_first_block). */
 static void prefetch_item_start(const call_t *call, int64_t j) {

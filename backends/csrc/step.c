@@ -7,7 +7,7 @@
 
 /* A step of several caches alerts the pool's sleeping workers before it plans them, as the
  * public step does before its checks (gqa_prewake): a worker's wake-up takes 20-100 us on a
- * VM, which the plans and the row writes then hide (docs/design.md, "A step of many caches").
+ * VM, which the plans and the row writes then hide (docs/design.md, thirty-ninth session).
  * Counted as gqa_prewake_heads counts: every cache's heads, each attending at least one
  * position. A caller that alerted already (a Batch session's CacheSet.expect) makes this a
  * no-op: the workers are awake. */
