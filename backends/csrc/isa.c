@@ -2,6 +2,19 @@
  * Which implementations this CPU runs (detected once), and the block function a cache gets.
  */
 #include "gqa_internal.h"
+#if GQA_X86_64
+#include <cpuid.h>
+
+/* Whether this is AMD's family 19h with AVX-512 (Zen 4), by CPUID: vendor and family. */
+static int amd_zen4(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return 0;
+    const int amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u; /* "AuthenticAMD" */
+    if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    const unsigned base = (a >> 8) & 0xf, family = base == 0xf ? base + ((a >> 20) & 0xff) : base;
+    return family == 0x19;
+}
+#endif
 
 /* The vector ISAs this CPU has (a bit per ISA_* value, whatever the head width), probed once;
  * CPU_BF16 besides where ISA_AVX512_DOT also has AVX-512 BF16, and CPU_BF16_FAST where its
@@ -25,7 +38,7 @@ static int cpu_isas(void) {
             if (__builtin_cpu_supports("avx512vnni")) {
                 v |= 1 << ISA_AVX512_DOT;
                 if (__builtin_cpu_supports("avx512bf16")) v |= CPU_BF16;
-                if ((v & CPU_BF16) && __builtin_cpu_is("amd")) v |= CPU_BF16_FAST;
+                if ((v & CPU_BF16) && amd_zen4()) v |= CPU_BF16_FAST;
             }
         }
         atomic_store(&known, v);
@@ -49,13 +62,14 @@ int gqa_usable_isas(int64_t d) {
 }
 
 /* The implementation ISA_AUTO takes for a cache of storage `enc` at head width d: the fastest
- * usable (the highest bit), except a bfloat16 cache's. vdpbf16ps is taken where it is the faster
- * way to a bfloat16 block: on AMD's Zen 4, where every 512-bit operation issues at the same rate,
- * it halves the scores' instructions and the value sum's two-piece products pay too (S=2048 hot
- * 0.31 against 0.39 ms; value sum 0.90). On Intel's Xeons with AMX, which issue two 512-bit FMAs
- * a cycle but one vdpbf16ps, the widening block is faster (hot 0.71x, cold 0.88-0.89x at S=2048
- * and 8192; docs/design.md, "bfloat16's block by CPU"), and elsewhere it is the one measured
- * never to lose by much. An explicit ISA_AVX512_DOT still takes vdpbf16ps (the tests do). */
+ * usable (the highest bit), except a bfloat16 cache's. vdpbf16ps is taken where it was measured
+ * the faster way to a bfloat16 block: on AMD's Zen 4 (family 19h), where every 512-bit operation
+ * issues at the same rate, it halves the scores' instructions and the value sum's two-piece
+ * products pay too (S=2048 hot 0.31 against 0.39 ms; value sum 0.90). On Intel's Xeons with AMX,
+ * which issue two 512-bit FMAs a cycle but one vdpbf16ps, the widening block is faster (hot
+ * 0.71x, cold 0.88-0.89x at S=2048 and 8192; docs/design.md, "bfloat16's block by CPU"), and on
+ * any CPU not measured it is the one never seen to lose by much. An explicit ISA_AVX512_DOT still
+ * takes vdpbf16ps (the tests do). */
 int gqa_auto_isa(int64_t d, int enc) {
     const int usable = gqa_usable_isas(d);
     int isa = ISA_AVX512_DOT;
