@@ -487,6 +487,19 @@ def test_the_pool_is_alerted_before_a_parallel_step_only(pool_size):
     assert small._wake is None and big._wake is not None
 
 
+def _short_plane(seed: int):
+    """A CacheSet of 64 short float32 caches (strict window 2: 64 x 8 heads of pool work a step)
+    and a function that steps all 64 with the same random rows (the StepBatch)."""
+    gen = torch.Generator().manual_seed(seed)
+    plane = CacheSet(1)
+    for _ in range(64):
+        plane.add([DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.strict(2)), "native")])
+    slots = np.arange(64, dtype=np.int64)
+    rows = [torch.randn(64, h, 64, generator=gen) for h in (32, 8, 8)]
+    out = torch.empty(64, 32, 64)
+    return plane, lambda: plane.step(0, slots, *rows, out)
+
+
 @_NEEDS_SCHEDSTAT
 def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
     """``CacheSet.expect(n)``, which a Batch session calls when a step message arrives: a step of
@@ -494,13 +507,8 @@ def test_a_plane_step_alerts_the_pool_when_it_will_share_it(pool_size):
     which then waits awake; a step of one cache of the same shape does not; nor does an empty
     set."""
     pool_size(2)
-    gen = torch.Generator().manual_seed(8)
-    caches = [DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.strict(2)), "native") for _ in range(64)]
-    plane = CacheSet(1)
-    for cache in caches:
-        plane.add([cache])
-    rows = (torch.randn(64, h, 64, generator=gen) for h in (32, 8, 8))
-    plane.step(0, np.arange(64, dtype=np.int64), *rows, torch.empty(64, 32, 64))  # the pool started
+    plane, step = _short_plane(8)
+    step()  # the pool started
     worker = _the_worker()
     assert _alerted_cpu_ns(worker, lambda: plane.expect(1)) < 20_000
     assert _awake_cpu_ns(worker, lambda: plane.expect(64)) > 50_000
@@ -514,21 +522,14 @@ def test_a_call_answers_every_alert_before_it(pool_size):
     every alert made before it: after it the worker goes back to sleep instead of waiting awake
     for one more call (pool.c's PREWAKE_SPIN_NS, 0.3 ms of CPU a message for nothing)."""
     pool_size(2)
-    gen = torch.Generator().manual_seed(9)
-    caches = [DenseCache(CacheSpec(1, 32, 8, 64, torch.float32, EvictionPolicy.strict(2)), "native") for _ in range(64)]
-    plane = CacheSet(1)
-    for cache in caches:
-        plane.add([cache])
-    slots = np.arange(64, dtype=np.int64)
-    rows = [torch.randn(64, h, 64, generator=gen) for h in (32, 8, 8)]
-    out = torch.empty(64, 32, 64)
-    plane.step(0, slots, *rows, out)  # the pool started
+    plane, step = _short_plane(9)
+    step()  # the pool started
     worker = _the_worker()
     for alerted_first in (False, True, False, True):
         time.sleep(0.01)  # the worker asleep
         if alerted_first:
             plane.expect(64)
-        assert not plane.step(0, slots, *rows, out).refused
+        assert not step().refused
         after = _runtime_ns(worker)
         time.sleep(0.02)
         assert _runtime_ns(worker) - after < 100_000, (
