@@ -50,15 +50,23 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         int64_t j = 0;
         for (; j + 2 <= dk; j += 2) {
             const char *row = kb + j * kline * el;
-            if (dr) drip(dr, 2);
-            const __m512 k0 = widen16(enc, row, mask[0]), k1 = widen16(enc, row + kline * el, mask[0]);
+            if (dr) {
+                drip_slot(dr, 2);
+                drip_line(dr);
+            }
+            const __m512 k0 = widen16(enc, row, mask[0]);
+            if (dr) drip_line(dr);
+            const __m512 k1 = widen16(enc, row + kline * el, mask[0]);
             for (int g = 0; g < gt; g++) {
                 acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
                 acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j + 1]), k1, acc[g][1]);
             }
         }
         if (j < dk) {
-            if (dr) drip(dr, 1);
+            if (dr) {
+                drip_slot(dr, 1);
+                drip_line(dr);
+            }
             const __m512 k0 = widen16(enc, kb + j * kline * el, mask[0]);
             for (int g = 0; g < gt; g++) acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
         }
@@ -70,9 +78,12 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + j * kline * el;
             /* a slot of the next block's drip (gqa_avx512.h) */
-            if (dr) drip(dr, 1);
+            if (dr) drip_slot(dr, 1);
             __m512 kf[4];
-            for (int i = 0; i < ng; i++) kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+            for (int i = 0; i < ng; i++) {
+                if (dr) drip_line(dr);
+                kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
+            }
             for (int g = 0; g < gt; g++) {
                 const __m512 qj = _mm512_set1_ps(q[g * dq + j]);
                 for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
@@ -81,9 +92,12 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + l * kline * 2;
-            if (dr) drip(dr, 1);
+            if (dr) drip_slot(dr, 1);
             __m512i kw[4];
-            for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            for (int i = 0; i < ng; i++) {
+                if (dr) drip_line(dr);
+                kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            }
             for (int r = 0; r < 2; r++) {
                 const int64_t j = 2 * l + r;
                 if (j >= dk) break;

@@ -88,14 +88,17 @@ AVX512VNNI static inline __attribute__((always_inline)) void pairs16(const char 
 }
 
 /* One channel pair (r1 NULL: the odd last channel alone) of the block's nh halves into the
- * gt heads' accumulators: query word l of each head (words apart). */
+ * gt heads' accumulators: query word l of each head (words apart). pf (or NULL): the next
+ * block's lines, one asked for before each half's loads (a request before each load or two
+ * reads faster cold than the same requests issued together: gqa_avx512.h's drip). */
 AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i acc[TILE_G][4], const int32_t *qw,
                                                                          int64_t words, int64_t l, const char *r0,
                                                                          const char *r1, const __mmask32 *m32,
-                                                                         const int gt, const int nh) {
+                                                                         const int gt, const int nh, const char *pf) {
     __m512i qb[TILE_G];
     for (int g = 0; g < gt; g++) qb[g] = word_bcast(qw + g * words + l);
     for (int s = 0; s < nh; s++) {
+        if (pf) _mm_prefetch(pf + 64 * s, _MM_HINT_T1);
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
@@ -122,13 +125,15 @@ AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
         for (int i = 0; i < 2 * nh; i++) acc[g][i] = _mm512_setzero_si512();
     for (int64_t l = 0; l < dk / 2; l++) {
         const char *r0 = kb + 2 * l * kline;
+        const char *pf = NULL;
         if (prefetch) { /* the next block's two lines (see the header), when the item reads it */
             const char *next = kn + 2 * l * knline;
-            for (int64_t x = 0; x < 2 * knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
+            if (nh == 2 && knline == 64) pf = next; /* one before each half's loads (score_pair) */
+            else for (int64_t x = 0; x < 2 * knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
         }
-        score_pair(acc, qw, words, l, r0, r0 + kline, m32, gt, nh);
+        score_pair(acc, qw, words, l, r0, r0 + kline, m32, gt, nh, pf);
     }
-    if (dk % 2) score_pair(acc, qw, words, dk / 2, kb + (dk - 1) * kline, NULL, m32, gt, nh);
+    if (dk % 2) score_pair(acc, qw, words, dk / 2, kb + (dk - 1) * kline, NULL, m32, gt, nh, NULL);
     /* the sums in position order, as float32 (in registers: constant indices only) */
     __m512 f[TILE_G][4];
     for (int g = 0; g < gt; g++)
@@ -175,12 +180,17 @@ AVX512VNNI static inline __attribute__((always_inline)) void weights_int16(const
 }
 
 /* Value rows t and t + 1 (r1 NULL: zeros) of nc groups of 32 channels into the gt heads'
- * accumulators, times the weights of t and t + 1 (wq[t + 1] is 0 past nt). */
+ * accumulators, times the weights of t and t + 1 (wq[t + 1] is 0 past nt). p0 (or NULL): the
+ * line asked for before the first group's loads, p1 before the second's. */
 AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i acc[TILE_G][4], const char *r0,
                                                                          const char *r1, const int16_t *wq, int64_t t,
-                                                                         const __mmask32 *m32, const int gt, const int nc) {
+                                                                         const __mmask32 *m32, const int gt, const int nc,
+                                                                         const char *p0, const char *p1) {
     __m512i lo[2], hi[2];
-    for (int c = 0; c < nc; c++) pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
+    for (int c = 0; c < nc; c++) {
+        if (p0) _mm_prefetch(c ? p1 : p0, _MM_HINT_T1);
+        pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
+    }
     for (int g = 0; g < gt; g++) {
         const __m512i w = word_bcast(wq + g * TILE_T + t);
         for (int c = 0; c < nc; c++) {
@@ -207,7 +217,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     int64_t t = 0;
     for (; t + 1 < nt; t += 2) {
         const char *r0 = vb + t * d + j0;
-        if (prefetch) {
+        const int inter = prefetch && !straddle && nc == 2; /* one line before each pair of loads */
+        if (prefetch && !inter) {
             _mm_prefetch(r0 + ahead, _MM_HINT_T1);
             _mm_prefetch(r0 + d + ahead, _MM_HINT_T1);
             if (straddle) {
@@ -215,7 +226,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
                 _mm_prefetch(r0 + d + ahead + n - 1, _MM_HINT_T1);
             }
         }
-        value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc);
+        value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc, inter ? r0 + ahead : NULL, r0 + d + ahead);
     }
     if (t < nt) { /* the odd last row, paired with zeros (its partner's weight is 0) */
         const char *r0 = vb + t * d + j0;
@@ -223,7 +234,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
             _mm_prefetch(r0 + ahead, _MM_HINT_T1);
             _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
         }
-        value_pair(acc, r0, NULL, wq, t, m32, gt, nc);
+        value_pair(acc, r0, NULL, wq, t, m32, gt, nc, NULL, NULL);
     }
     for (int g = 0; g < gt; g++) {
         const __m512 s = _mm512_set1_ps(scale[g]);

@@ -90,19 +90,27 @@ AVX512 static inline __attribute__((always_inline)) void store_finished16(const 
  * (the next keys from the scores, the next values from the first pass), they stopped through
  * the softmax and the later passes, and the core's fill buffers sat idle: the cold step took the
  * sum of its arithmetic and its memory time (docs/design.md, "The next block, asked for a few
- * lines at a time"). */
+ * lines at a time").
+ *
+ * The widening blocks ask for a slot's lines one before each of its loads (drip_slot, then
+ * drip_line): a slot's `per` requests issued together, then its loads, read 10-12% slower cold
+ * on a Sapphire Rapids core, where a loop of loads and FMAs read 18.5 GB/s a core with one
+ * request before each load and 11.5 with four before every four (docs/design.md, fortieth
+ * session). */
 typedef struct {
     const char *at, *end; /* the range being asked for */
     const char *v, *vend; /* the value rows, after the keys */
     int64_t per;          /* lines a slot */
+    int64_t owed;         /* lines the slots so far have earned and not asked for (drip_line's) */
 } drip_t;
 
 /* The cursor is kept in registers through the slot's lines and stored once: kept in *c, each
  * line's prefetch waited on the store of the one before (a slot's lines a chain of store-to-load
- * forwards), 2-6% of a hot step (docs/design.md, "The drip's cursor in registers"). */
+ * forwards), 2-6% of a hot step (docs/design.md, "The drip's cursor in registers"). A slot's
+ * lines and those owed by earlier slots, asked for at once. */
 AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t slots) {
     const char *at = c->at, *end = c->end;
-    for (int64_t n = c->per * slots; n > 0; n--, at += 64) {
+    for (int64_t n = slots == INT64_MAX ? INT64_MAX : c->per * slots + c->owed; n > 0; n--, at += 64) {
         if (at >= end) {
             if (c->v >= c->vend) break;
             at = c->v;
@@ -111,13 +119,34 @@ AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t
         }
         _mm_prefetch(at, _MM_HINT_T1);
     }
+    c->owed = 0;
     c->at = at;
     c->end = end;
 }
 
+/* `slots` slots begin: their lines are owed, for the loads that follow to ask for (drip_line). */
+static inline __attribute__((always_inline)) void drip_slot(drip_t *c, int64_t slots) { c->owed += c->per * slots; }
+
+/* One owed line asked for, before one load of this block. */
+AVX512 static inline __attribute__((always_inline)) void drip_line(drip_t *c) {
+    if (c->owed <= 0) return;
+    c->owed--;
+    const char *at = c->at;
+    if (at >= c->end) {
+        if (c->v >= c->vend) {
+            c->owed = 0;
+            return;
+        }
+        at = c->v;
+        c->end = c->vend;
+        c->v = c->vend;
+    }
+    _mm_prefetch(at, _MM_HINT_T1);
+    c->at = at + 64;
+}
+
 /* What the slots left of the block's lines (rounding), asked for at once. */
 AVX512 static inline __attribute__((always_inline)) void drip_rest(drip_t *c) {
-    c->per = 1;
     drip(c, INT64_MAX); /* returns once both ranges are asked for */
 }
 
@@ -145,7 +174,7 @@ static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const stat
         const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
         slots += kslots + gt * DRIP_SOFTMAX + pv_passes(enc, d, gt) * nt;
     }
-    *room = (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines};
+    *room = (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines, 0};
     return room;
 }
 
@@ -165,9 +194,12 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
-        if (dr) drip(dr, 1);
+        if (dr) drip_slot(dr, 1);
         __m512 vf[8];
-        for (int i = 0; i < nv; i++) vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
+        for (int i = 0; i < nv; i++) {
+            if (dr) drip_line(dr);
+            vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
+        }
         for (int g = 0; g < gt; g++) {
             const __m512 w = _mm512_set1_ps(p[g * TILE_T + t]);
             for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(w, vf[i], acc[g][i]);
@@ -225,7 +257,7 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
     for (int g = 0; g < gt; g++) {
-        if (dr) drip(dr, DRIP_SOFTMAX);
+        if (dr) drip_slot(dr, DRIP_SOFTMAX); /* asked for by the value sum's loads (or its next drip) */
         float *pg = p + g * TILE_T;
         __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(pg), _mm512_loadu_ps(pg + 16)),
                                   _mm512_max_ps(_mm512_loadu_ps(pg + 32), _mm512_loadu_ps(pg + 48)));
