@@ -120,6 +120,37 @@ static void item_splits(const call_t *call, int64_t i, int64_t local, int64_t *h
     *sp1 = *sp0 + spi < nsplit ? *sp0 + spi : nsplit;
 }
 
+/* Whether block function b asks for the block after its own through gqa_avx512.h's drip, which
+ * can take that block from st->after_* (an AVX-512 widening block, or bfloat16's dot block). */
+static int drips(block_fn b) {
+#if GQA_X86_64
+    return b == block_avx512_f32 || b == block_avx512_bf16 || b == block_avx512_f16 || b == block_avx512_int8 ||
+           b == block_dot_bf16;
+#else
+    (void)b;
+    return 0;
+#endif
+}
+
+/* The block of cache cc's head h at ring row phys (nt positions) as the drip's next block (its
+ * key lines' run, its value rows) in st->after_*: asked for through the current block, a few
+ * lines before each load, instead of all at once before it (docs/design.md, fortieth session).
+ * Not for an int8 cache (its scales and outlier channels are other runs). Returns whether set. */
+static int after_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    if (cc->enc == ENC_INT8) return 0;
+    const int64_t el = enc_size(cc->enc), lines = key_width(cc) / kpack(cc->enc);
+    int64_t line;
+    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
+    const uintptr_t k0 = (uintptr_t)kb & ~(uintptr_t)63, k1 = (uintptr_t)kb + (lines - 1) * line * el + nt * kpack(cc->enc) * el;
+    const uintptr_t v0 = (uintptr_t)((const char *)cc->v + (h * cc->c + phys) * cc->d * el) & ~(uintptr_t)63,
+                    v1 = (uintptr_t)((const char *)cc->v + (h * cc->c + phys + nt) * cc->d * el);
+    st->after_k = (const char *)k0;
+    st->after_kbytes = (int64_t)(k1 - k0);
+    st->after_v = (const char *)v0;
+    st->after_vbytes = (int64_t)(v1 - v0);
+    return 1;
+}
+
 /* The first block of work item j, when j is an item of a several-split cache (else 0): its
  * cache, head, ring row and positions. */
 static int item_first_block(const call_t *call, int64_t j, int64_t *ci, int64_t *hh, int64_t *phys, int64_t *nt) {
@@ -222,12 +253,14 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             st.prefetch = x + nt < reach;
             if (next >= 0 && x + nt >= reach) { /* the item's last block: the next item's first on its way */
                 int64_t ni, nh, nphys, nnt;
-                if (item_first_block(call, next, &ni, &nh, &nphys, &nnt))
+                if (item_first_block(call, next, &ni, &nh, &nphys, &nnt) &&
+                    !(drips(block) && after_block(&call->caches[ni], nh, nphys, nnt, &st)))
                     prefetch_block(&call->caches[ni], nh, nphys, nnt, 2);
                 next = -1;
             }
             STAMP(tid, (int32_t)(split * 1000 + (x - l0) / TILE_T), STAMP_BLOCK);
             block(cc, qf, h, a + (x - base), nt, &st);
+            st.after_kbytes = 0;
         }
         base += b - a;
     }

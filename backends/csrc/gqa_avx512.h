@@ -163,18 +163,28 @@ static inline int64_t pv_passes(int enc, int64_t d, int64_t gt) {
 static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const state_t *st, int64_t krows,
                                 const char *kn, int64_t knline, const char *vb, int64_t phys, int64_t nt,
                                 int64_t kslots, drip_t *room) {
-    if (!st->prefetch) return NULL;
-    const int64_t el = enc_size(enc), d = cc->d, next = phys + nt;
-    const int64_t vrows = cc->c - next < TILE_T ? cc->c - next : TILE_T;
-    const char *v = vb + nt * d * el;
-    const int64_t kbytes = krows * knline * el, vbytes = vrows * d * el;
+    const int64_t d = cc->d;
+    const char *k = kn, *v = vb + nt * d * enc_size(enc);
+    int64_t kbytes, vbytes;
+    if (st->prefetch) {
+        const int64_t next = phys + nt, vrows = cc->c - next < TILE_T ? cc->c - next : TILE_T;
+        kbytes = krows * knline * enc_size(enc);
+        vbytes = vrows * d * enc_size(enc);
+    } else if (st->after_kbytes) { /* an item's last block: the next item's first */
+        k = st->after_k;
+        kbytes = st->after_kbytes;
+        v = st->after_v;
+        vbytes = st->after_vbytes;
+    } else {
+        return NULL;
+    }
     const int64_t lines = (kbytes + 63) / 64 + (vbytes + 63) / 64;
     int64_t slots = 0;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
         slots += kslots + gt * DRIP_SOFTMAX + pv_passes(enc, d, gt) * nt;
     }
-    *room = (drip_t){kn, kn + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines, 0};
+    *room = (drip_t){k, k + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines, 0};
     return room;
 }
 

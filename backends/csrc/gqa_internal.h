@@ -197,6 +197,11 @@ typedef struct {
     float *p;         /* weights of one block: p[TILE_G * TILE_T] */
     float *ksb, *vsb; /* one block's float16 scales as float32 */
     int prefetch;     /* the item reads the next block of this run: prefetch it */
+    /* or, on an item's last block, the block this thread reads next (the first of its next
+     * item, elsewhere): its key bytes then its value rows, asked for by the same drip (an
+     * AVX-512 widening or bfloat16 dot block; attend.c sets it only for those). kbytes 0: none */
+    const char *after_k, *after_v;
+    int64_t after_kbytes, after_vbytes;
     float *q;         /* room for the head's query (G, D), float32, scaled, in key order */
     /* bfloat16 with dot products (ISA_AVX512_DOT): the query as bfloat16 pieces, made on the
      * item's first block by split_query_bf16 (qpieces per query head, scores times qmul) */
