@@ -125,7 +125,7 @@ static void item_splits(const call_t *call, int64_t i, int64_t local, int64_t *h
 static int drips(block_fn b) {
 #if GQA_X86_64
     return b == block_avx512_f32 || b == block_avx512_bf16 || b == block_avx512_f16 || b == block_avx512_int8 ||
-           b == block_dot_bf16;
+           b == block_dot_bf16 || b == block_dot_int8;
 #else
     (void)b;
     return 0;
@@ -133,11 +133,11 @@ static int drips(block_fn b) {
 }
 
 /* The block of cache cc's head h at ring row phys (nt positions) as the drip's next block (its
- * key lines' run, its value rows) in st->after_*: asked for through the current block, a few
- * lines before each load, instead of all at once before it (docs/design.md, fortieth session).
- * Not for an int8 cache (its scales and outlier channels are other runs). Returns whether set. */
-static int after_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st) {
-    if (cc->enc == ENC_INT8) return 0;
+ * key lines' run, its value rows) in st->after_*: asked for through the current block, a line
+ * before each load, instead of all at once before it (docs/design.md, fortieth session); an
+ * int8 block's scales and outlier channel runs (a few lines) asked for now. */
+static void after_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st) {
+    if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, 2);
     const int64_t el = enc_size(cc->enc), lines = key_width(cc) / kpack(cc->enc);
     int64_t line;
     const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
@@ -148,7 +148,6 @@ static int after_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t n
     st->after_kbytes = (int64_t)(k1 - k0);
     st->after_v = (const char *)v0;
     st->after_vbytes = (int64_t)(v1 - v0);
-    return 1;
 }
 
 /* The first block of work item j, when j is an item of a several-split cache (else 0): its
@@ -253,9 +252,10 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             st.prefetch = x + nt < reach;
             if (next >= 0 && x + nt >= reach) { /* the item's last block: the next item's first on its way */
                 int64_t ni, nh, nphys, nnt;
-                if (item_first_block(call, next, &ni, &nh, &nphys, &nnt) &&
-                    !(drips(block) && after_block(&call->caches[ni], nh, nphys, nnt, &st)))
-                    prefetch_block(&call->caches[ni], nh, nphys, nnt, 2);
+                if (item_first_block(call, next, &ni, &nh, &nphys, &nnt)) {
+                    if (drips(block)) after_block(&call->caches[ni], nh, nphys, nnt, &st);
+                    else prefetch_block(&call->caches[ni], nh, nphys, nnt, 2);
+                }
                 next = -1;
             }
             STAMP(tid, (int32_t)(split * 1000 + (x - l0) / TILE_T), STAMP_BLOCK);

@@ -88,17 +88,19 @@ AVX512VNNI static inline __attribute__((always_inline)) void pairs16(const char 
 }
 
 /* One channel pair (r1 NULL: the odd last channel alone) of the block's nh halves into the
- * gt heads' accumulators: query word l of each head (words apart). pf (or NULL): the next
- * block's lines, one asked for before each half's loads (a request before each load or two
- * reads faster cold than the same requests issued together: gqa_avx512.h's drip). */
+ * gt heads' accumulators: query word l of each head (words apart); each half a slot of the
+ * next block's drip dr (NULL: none), its line asked for before the half's loads. */
 AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i acc[TILE_G][4], const int32_t *qw,
                                                                          int64_t words, int64_t l, const char *r0,
                                                                          const char *r1, const __mmask32 *m32,
-                                                                         const int gt, const int nh, const char *pf) {
+                                                                         const int gt, const int nh, drip_t *dr) {
     __m512i qb[TILE_G];
     for (int g = 0; g < gt; g++) qb[g] = word_bcast(qw + g * words + l);
     for (int s = 0; s < nh; s++) {
-        if (pf) _mm_prefetch(pf + 64 * s, _MM_HINT_T1);
+        if (dr) {
+            drip_slot(dr, 1);
+            drip_line(dr);
+        }
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
@@ -110,12 +112,10 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
 
 /* Scores of `gt` query heads (from g0) against one block to out[g * TILE_T + t] (-inf past nt):
  * the coded channels two lines at a time; nh (a constant): the block's 32-position halves;
- * prefetch: ask for the next block's key lines as it goes (its values are asked for by the
- * value loop: docs/design.md, "The int8 scores loop without the values' prefetch"). */
+ * dr: the next block's drip (or NULL), a slot a half (score_pair). */
 AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
     const gqa_cache_t *cc, const float *qf, const state_t *st, int64_t g0, int64_t h, int64_t phys,
-    const char *kb, int64_t kline, const char *kn, int64_t knline, const float *ks, int64_t nt, const int gt,
-    const int nh, const int prefetch, float *out) {
+    const char *kb, int64_t kline, const float *ks, int64_t nt, const int gt, const int nh, drip_t *dr, float *out) {
     const int64_t dk = cc->dk, no = cc->no, dq = dk + no, words = (dk + 1) / 2;
     const int32_t *qw = (const int32_t *)st->qb + g0 * words;
     const float *qscale = (const float *)((const int16_t *)st->qb + 2 * cc->g * words) + g0;
@@ -125,15 +125,9 @@ AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
         for (int i = 0; i < 2 * nh; i++) acc[g][i] = _mm512_setzero_si512();
     for (int64_t l = 0; l < dk / 2; l++) {
         const char *r0 = kb + 2 * l * kline;
-        const char *pf = NULL;
-        if (prefetch) { /* the next block's two lines (see the header), when the item reads it */
-            const char *next = kn + 2 * l * knline;
-            if (nh == 2 && knline == 64) pf = next; /* one before each half's loads (score_pair) */
-            else for (int64_t x = 0; x < 2 * knline; x += 64) _mm_prefetch(next + x, _MM_HINT_T1);
-        }
-        score_pair(acc, qw, words, l, r0, r0 + kline, m32, gt, nh, pf);
+        score_pair(acc, qw, words, l, r0, r0 + kline, m32, gt, nh, dr);
     }
-    if (dk % 2) score_pair(acc, qw, words, dk / 2, kb + (dk - 1) * kline, NULL, m32, gt, nh, NULL);
+    if (dk % 2) score_pair(acc, qw, words, dk / 2, kb + (dk - 1) * kline, NULL, m32, gt, nh, dr);
     /* the sums in position order, as float32 (in registers: constant indices only) */
     __m512 f[TILE_G][4];
     for (int g = 0; g < gt; g++)
@@ -180,15 +174,18 @@ AVX512VNNI static inline __attribute__((always_inline)) void weights_int16(const
 }
 
 /* Value rows t and t + 1 (r1 NULL: zeros) of nc groups of 32 channels into the gt heads'
- * accumulators, times the weights of t and t + 1 (wq[t + 1] is 0 past nt). p0 (or NULL): the
- * line asked for before the first group's loads, p1 before the second's. */
+ * accumulators, times the weights of t and t + 1 (wq[t + 1] is 0 past nt); each group a slot
+ * of the drip dr (or NULL), its line asked for before the group's loads. */
 AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i acc[TILE_G][4], const char *r0,
                                                                          const char *r1, const int16_t *wq, int64_t t,
                                                                          const __mmask32 *m32, const int gt, const int nc,
-                                                                         const char *p0, const char *p1) {
+                                                                         drip_t *dr) {
     __m512i lo[2], hi[2];
     for (int c = 0; c < nc; c++) {
-        if (p0) _mm_prefetch(c ? p1 : p0, _MM_HINT_T1);
+        if (dr) {
+            drip_slot(dr, 1);
+            drip_line(dr);
+        }
         pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
     }
     for (int g = 0; g < gt; g++) {
@@ -201,41 +198,21 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
 }
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
- * (a constant) groups of 32: two value rows at a time, the sums in int32 registers. Each pass
- * also prefetches its columns of the next block's rows. */
+ * (a constant) groups of 32: two value rows at a time, the sums in int32 registers; dr: the
+ * next block's drip (or NULL), a slot a group of a row pair (value_pair). */
 AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     float *acc_mem, int64_t d, int64_t j0, int64_t n, const char *vb, const int16_t *wq, const float *scale,
-    int64_t nt, const int gt, const int nc, const int prefetch) {
+    int64_t nt, const int gt, const int nc, drip_t *dr) {
     __m512i acc[TILE_G][4];
     const __mmask32 m32[2] = {lanes32(n, 0), lanes32(n, 1)};
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < 2 * nc; i++) acc[g][i] = _mm512_setzero_si512();
-    /* the misses spread over every chunk's pass, not a burst of all of them in the first one's,
-     * which stalled on full miss queues (docs/design.md, "int8, fourth session") */
-    const int64_t ahead = PREFETCH_BLOCKS * TILE_T * d;
-    const int straddle = ((uintptr_t)(vb + j0 + ahead) & 63) + n > 64 || d % 64;
     int64_t t = 0;
     for (; t + 1 < nt; t += 2) {
         const char *r0 = vb + t * d + j0;
-        const int inter = prefetch && !straddle && nc == 2; /* one line before each pair of loads */
-        if (prefetch && !inter) {
-            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
-            _mm_prefetch(r0 + d + ahead, _MM_HINT_T1);
-            if (straddle) {
-                _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
-                _mm_prefetch(r0 + d + ahead + n - 1, _MM_HINT_T1);
-            }
-        }
-        value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc, inter ? r0 + ahead : NULL, r0 + d + ahead);
+        value_pair(acc, r0, r0 + d, wq, t, m32, gt, nc, dr);
     }
-    if (t < nt) { /* the odd last row, paired with zeros (its partner's weight is 0) */
-        const char *r0 = vb + t * d + j0;
-        if (prefetch) {
-            _mm_prefetch(r0 + ahead, _MM_HINT_T1);
-            _mm_prefetch(r0 + ahead + n - 1, _MM_HINT_T1);
-        }
-        value_pair(acc, r0, NULL, wq, t, m32, gt, nc, NULL, NULL);
-    }
+    if (t < nt) value_pair(acc, vb + t * d + j0, NULL, wq, t, m32, gt, nc, dr); /* the odd last row, with zeros */
     for (int g = 0; g < gt; g++) {
         const __m512 s = _mm512_set1_ps(scale[g]);
         for (int c = 0; c < nc; c++)
@@ -248,16 +225,15 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     }
 }
 
-/* Scores, online softmax and the weighted sum of the values for one query tile. */
+/* Scores, online softmax and the weighted sum of the values for one query tile; dr: the next
+ * block's drip, asked for by the first tile (NULL for the others). */
 AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt, const char *kb,
-    int64_t kline, const char *kn, int64_t knline, const char *vb, const float *ks, const float *vs, int64_t nt,
-    state_t *st) {
+    int64_t kline, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st, drip_t *dr) {
     const int64_t d = cc->d;
     float *p = st->p;
-    const int pf = g0 == 0 && st->prefetch; /* the first tile brings the next block in */
-    if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 1, pf, p);
-    else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, kn, knline, ks, nt, gt, 2, pf, p);
+    if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, ks, nt, gt, 1, dr, p);
+    else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, ks, nt, gt, 2, dr, p);
     if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     int16_t wq[TILE_G * TILE_T];
@@ -265,9 +241,9 @@ AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     weights_int16(p, nt, gt, wq, scale);
     float *acc = st->acc + g0 * d;
     int64_t j0 = 0;
-    for (; j0 + 64 <= d; j0 += 64) pv_vnni(acc, d, j0, 64, vb, wq, scale, nt, gt, 2, pf);
-    if (j0 + 32 < d) pv_vnni(acc, d, j0, d - j0, vb, wq, scale, nt, gt, 2, pf);
-    else if (j0 < d) pv_vnni(acc, d, j0, d - j0, vb, wq, scale, nt, gt, 1, pf);
+    for (; j0 + 64 <= d; j0 += 64) pv_vnni(acc, d, j0, 64, vb, wq, scale, nt, gt, 2, dr);
+    if (j0 + 32 < d) pv_vnni(acc, d, j0, d - j0, vb, wq, scale, nt, gt, 2, dr);
+    else if (j0 < d) pv_vnni(acc, d, j0, d - j0, vb, wq, scale, nt, gt, 1, dr);
 }
 
 AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
@@ -281,13 +257,19 @@ AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *
     const char *kb, *kn, *vb;
     const float *ks, *vs;
     block_setup_avx512(ENC_INT8, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
+    /* the next block's key lines then value rows, one line a slot (a score half, a group of a
+     * value row pair: about as many slots as lines) */
+    drip_t room, *dr = drip_next(ENC_INT8, cc, st, cc->dk, kn, knline, vb, phys, nt, 0, &room);
+    if (dr) dr->per = 1;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
+        drip_t *pf = g0 == 0 ? dr : NULL;
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_vnni(cc, qf, h, phys, g0, 4, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 3: tile_vnni(cc, qf, h, phys, g0, 3, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            case 2: tile_vnni(cc, qf, h, phys, g0, 2, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
-            default: tile_vnni(cc, qf, h, phys, g0, 1, kb, kline, kn, knline, vb, ks, vs, nt, st); break;
+            case 4: tile_vnni(cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 3: tile_vnni(cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 2: tile_vnni(cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, pf); break;
+            default: tile_vnni(cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
         }
     }
+    if (dr) drip_rest(dr);
 }
 #endif /* GQA_X86_64 */

@@ -136,9 +136,6 @@ static inline int64_t cache_work(int64_t heads, int64_t positions) { return head
 #ifndef BPIECES
 #define BPIECES 2 /* bfloat16 pieces of a query for BF16 dot products (split_query_bf16) */
 #endif
-#ifndef PREFETCH_BLOCKS
-#define PREFETCH_BLOCKS 1 /* blocks prefetched ahead (docs/design.md: 1 against 2, 4, ...) */
-#endif
 
 
 /* In order of speed. ISA_AVX2: AVX2 with FMA and F16C. ISA_AVX512: F, BW, VL, DQ.
