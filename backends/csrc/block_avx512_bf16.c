@@ -68,8 +68,12 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
         int64_t l = 0;
         for (; 2 * l + 2 < kp; l += 2) {
             const char *row = kb + l * kline * 2;
-            if (dr) drip(dr, 2);
+            if (dr) {
+                drip_slot(dr, 2);
+                drip_line(dr);
+            }
             const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], row);
+            if (dr) drip_line(dr);
             const __m512i k1 = _mm512_maskz_loadu_epi32(mask[0], row + kline * 2);
             for (int g = 0; g < gt; g++)
                 for (int p = 0; p < pieces; p++) {
@@ -80,7 +84,10 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
                 }
         }
         if (2 * l < kp) {
-            if (dr) drip(dr, 1);
+            if (dr) {
+                drip_slot(dr, 1);
+                drip_line(dr);
+            }
             const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], kb + l * kline * 2);
             for (int g = 0; g < gt; g++)
                 for (int p = 0; p < pieces; p++) {
@@ -96,9 +103,12 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
     } else {
         for (int64_t l = 0; 2 * l < kp; l++) {
             const char *row = kb + l * kline * 2;
-            if (dr) drip(dr, 1);
+            if (dr) drip_slot(dr, 1);
             __m512i kw[4];
-            for (int i = 0; i < ng; i++) kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            for (int i = 0; i < ng; i++) {
+                if (dr) drip_line(dr);
+                kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
+            }
             for (int g = 0; g < gt; g++)
                 for (int p = 0; p < pieces; p++) {
                     int32_t word;
@@ -144,7 +154,7 @@ AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc
     for (int64_t t = 0; t < nt; t += 2) {
         const char *r0 = vb + t * d * 2, *r1 = r0 + d * 2;
         const int two = t + 1 < nt;
-        if (dr) drip(dr, two ? 2 : 1);
+        if (dr) drip_slot(dr, two ? 2 : 1);
         __m512 w[2][2];
         for (int g = 0; g < gh; g++)
             for (int k = 0; k < 2; k++) {
@@ -153,7 +163,9 @@ AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc
                 w[g][k] = _mm512_castsi512_ps(_mm512_set1_epi32(word));
             }
         for (int c = 0; c < nc; c++) {
+            if (dr) drip_line(dr);
             const __m512i x = _mm512_loadu_si512(r0 + 64 * c);
+            if (dr) drip_line(dr);
             const __m512i y = two ? _mm512_loadu_si512(r1 + 64 * c) : _mm512_setzero_si512();
             const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
             for (int g = 0; g < gh; g++)

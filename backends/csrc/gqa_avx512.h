@@ -92,37 +92,17 @@ AVX512 static inline __attribute__((always_inline)) void store_finished16(const 
  * sum of its arithmetic and its memory time (docs/design.md, "The next block, asked for a few
  * lines at a time").
  *
- * The widening blocks ask for a slot's lines one before each of its loads (drip_slot, then
- * drip_line): a slot's `per` requests issued together, then its loads, read 10-12% slower cold
- * on a Sapphire Rapids core, where a loop of loads and FMAs read 18.5 GB/s a core with one
- * request before each load and 11.5 with four before every four (docs/design.md, fortieth
- * session). */
+ * A slot's lines are asked for one before each of its loads (drip_slot, then drip_line), what
+ * is left at the block's end (drip_rest): a slot's `per` requests issued together, then its
+ * loads, read 10-12% slower cold on a Sapphire Rapids core, where a loop of loads and FMAs read
+ * 18.5 GB/s a core with one request before each load and 11.5 with four before every four
+ * (docs/design.md, "One request before each load"). */
 typedef struct {
     const char *at, *end; /* the range being asked for */
     const char *v, *vend; /* the value rows, after the keys */
     int64_t per;          /* lines a slot */
     int64_t owed;         /* lines the slots so far have earned and not asked for (drip_line's) */
 } drip_t;
-
-/* The cursor is kept in registers through the slot's lines and stored once: kept in *c, each
- * line's prefetch waited on the store of the one before (a slot's lines a chain of store-to-load
- * forwards), 2-6% of a hot step (docs/design.md, "The drip's cursor in registers"). A slot's
- * lines and those owed by earlier slots, asked for at once. */
-AVX512 static inline __attribute__((always_inline)) void drip(drip_t *c, int64_t slots) {
-    const char *at = c->at, *end = c->end;
-    for (int64_t n = slots == INT64_MAX ? INT64_MAX : c->per * slots + c->owed; n > 0; n--, at += 64) {
-        if (at >= end) {
-            if (c->v >= c->vend) break;
-            at = c->v;
-            end = c->vend;
-            c->v = c->vend;
-        }
-        _mm_prefetch(at, _MM_HINT_T1);
-    }
-    c->owed = 0;
-    c->at = at;
-    c->end = end;
-}
 
 /* `slots` slots begin: their lines are owed, for the loads that follow to ask for (drip_line). */
 static inline __attribute__((always_inline)) void drip_slot(drip_t *c, int64_t slots) { c->owed += c->per * slots; }
@@ -145,9 +125,13 @@ AVX512 static inline __attribute__((always_inline)) void drip_line(drip_t *c) {
     c->at = at + 64;
 }
 
-/* What the slots left of the block's lines (rounding), asked for at once. */
+/* What the slots left of the block's lines (rounding), asked for at once at its end. */
 AVX512 static inline __attribute__((always_inline)) void drip_rest(drip_t *c) {
-    drip(c, INT64_MAX); /* returns once both ranges are asked for */
+    for (const char *at = c->at; at < c->end; at += 64) _mm_prefetch(at, _MM_HINT_T1);
+    for (const char *at = c->v; at < c->vend; at += 64) _mm_prefetch(at, _MM_HINT_T1);
+    c->at = c->end;
+    c->v = c->vend;
+    c->owed = 0;
 }
 
 /* Passes of pv_block_avx512 over a block's value rows for gt query heads. */
