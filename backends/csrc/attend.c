@@ -225,7 +225,7 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
     } else {
         convert_query(cc, h, st.q, call->wide[i]);
     }
-    if (call->deferred[i] == DEFER_HEAD) { /* a dense step's write of this head, by the split that reads the row */
+    if (call->deferred[i] == DEFER_HEAD || call->deferred[i] == DEFER_CODES) { /* this head's write, by the split that reads the row */
         int64_t at = 0;
         for (int64_t r = 0; r < cc->nruns; r++) {
             const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
@@ -235,7 +235,14 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             }
             at += b - a;
         }
-        if (at >= l0 && at < l1) write_head(cc, h, 0);
+        if (at >= l0 && at < l1) {
+            if (call->deferred[i] == DEFER_HEAD) {
+                write_head(cc, h, 0);
+            } else {
+                int8_swap_head(cc, h, 0);
+                int8_store_head(cc, call->coded + call->coded_at[i] * call->wfloats, h);
+            }
+        }
     }
     int64_t base = 0; /* logical position of the current run's start */
     for (int64_t r = 0; r < cc->nruns && base < l1; r++) {

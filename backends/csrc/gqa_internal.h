@@ -387,16 +387,21 @@ typedef struct {
     char *wide;             /* per cache: its ISA's 16-bit row conversions (ISA_AVX2 or ISA_AVX512; 0: scalar) */
     float *wbuf;            /* per thread: int8_write's room, wfloats floats each (thread 0's also the caller's) */
     int64_t wfloats;
+    float *coded;           /* per DEFER_CODES cache: its quantized row, wfloats floats at coded_at[i] */
+    int64_t *coded_at;      /* per cache: its room in coded (floats), or -1 */
     int64_t *ahead; /* per thread (AHEAD_STRIDE apart): the item whose first block its last item
                        prefetched (attend.c), -1: none */
 } call_t;
 #define AHEAD_STRIDE (64 / (int)sizeof(int64_t))
 
 /* Who writes a cache's step row: the caller before the items (DEFER_NONE), the item that reads
- * the row, head by head (DEFER_HEAD: dense caches), or the cache's only item, before its heads
- * (DEFER_ROW: an int8 cache whose heads are one item, so its quantization runs on the pool
- * beside the other caches' instead of one after the other on the caller's thread). */
-enum { DEFER_NONE = 0, DEFER_HEAD = 1, DEFER_ROW = 2 };
+ * the row, head by head (DEFER_HEAD: dense caches; DEFER_CODES: int8 caches whose heads are
+ * several items, the row checked and quantized by the caller before the items, each head's
+ * codes stored by its item: the ~1000 key lines a row's codes touch, cold, no longer on the
+ * caller's path before the items), or the cache's only item, before its heads (DEFER_ROW: an
+ * int8 cache whose heads are one item, so its quantization runs on the pool beside the other
+ * caches' instead of one after the other on the caller's thread). */
+enum { DEFER_NONE = 0, DEFER_HEAD = 1, DEFER_ROW = 2, DEFER_CODES = 3 };
 
 /* block_portable.c, block_avx2.c, block_avx2_int8.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
@@ -477,7 +482,10 @@ GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int
 GQA_INTERNAL void write_head(const gqa_cache_t *cc, int64_t h, int restore);
 GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore);
 GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf);
+GQA_INTERNAL int int8_quantize(const gqa_cache_t *cc, float *buf);
+GQA_INTERNAL void int8_store_head(const gqa_cache_t *cc, const float *buf, int64_t h);
 GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore);
+GQA_INTERNAL void int8_swap_head(const gqa_cache_t *cc, int64_t h, int restore);
 
 /* int8_code.c */
 GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale);

@@ -37,18 +37,18 @@ static int check_cache(const gqa_cache_t *cc, int isa, int64_t *attended, int *c
 
 /* What a call needs besides its per-cache arrays (floats, or counts). */
 typedef struct {
-    int64_t items, heads, parts, scratch, work, wneed, splits;
+    int64_t items, heads, parts, scratch, work, wneed, splits, coded;
 } call_size_t;
 
 /* The per-cache arrays of a call, from the calling thread's ARENA_CACHES. */
 static int call_arrays(call_t *call, gqa_cache_t *caches, int64_t ncaches) {
     const size_t nc = (size_t)ncaches;
-    char *at = arena_get(ARENA_CACHES, 6 * 64 + (6 * nc + 2) * sizeof(int64_t) + nc * (sizeof(block_fn) + 2));
+    char *at = arena_get(ARENA_CACHES, 6 * 64 + (7 * nc + 2) * sizeof(int64_t) + nc * (sizeof(block_fn) + 2));
     if (!at) return -ENOMEM;
-    int64_t *ints = carve(&at, (6 * nc + 2) * sizeof(int64_t));
+    int64_t *ints = carve(&at, (7 * nc + 2) * sizeof(int64_t));
     *call = (call_t){.caches = caches, .ncaches = ncaches, .item_off = ints, .head_off = ints + nc + 1,
                      .nsplit = ints + 2 * nc + 2, .s = ints + 3 * nc + 2, .part_off = ints + 4 * nc + 2,
-                     .hpi = ints + 5 * nc + 2};
+                     .hpi = ints + 5 * nc + 2, .coded_at = ints + 6 * nc + 2};
     call->block = carve(&at, nc * sizeof(block_fn));
     call->wide = carve(&at, nc);
     call->deferred = carve(&at, nc);
@@ -106,6 +106,10 @@ static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *siz
         size->items += (cc->n + call->hpi[i] - 1) / call->hpi[i];
     }
     size->heads += cc->n;
+    /* an int8 row its heads' items store (DEFER_CODES): its quantized row kept until then */
+    call->coded_at[i] = -1;
+    if (cc->enc == ENC_INT8 && cc->write_row >= 0 && !(call->nsplit[i] == 1 && call->hpi[i] >= cc->n))
+        call->coded_at[i] = size->coded++;
 }
 
 /* The call's shared memory (partials, per-thread scratch and int8_write room, the merge
@@ -113,14 +117,16 @@ static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *siz
 static int call_memory(call_t *call, const call_size_t *size, int threads) {
     call->scratch_floats = (size->scratch + 15) / 16 * 16;
     call->wfloats = (size->wneed + 15) / 16 * 16;
-    const size_t bytes = 5 * 64 + (size_t)threads * 64 + (size_t)size->parts * sizeof(float) +
+    const size_t bytes = 6 * 64 + (size_t)threads * 64 + (size_t)size->parts * sizeof(float) +
                          (size_t)(threads * call->scratch_floats) * sizeof(float) +
-                         (size_t)(threads * call->wfloats) * sizeof(float) + (size_t)size->heads * sizeof(atomic_int);
+                         (size_t)((threads + size->coded) * call->wfloats) * sizeof(float) +
+                         (size_t)size->heads * sizeof(atomic_int);
     char *at = arena_get(ARENA_CALL, bytes);
     if (!at) return -ENOMEM;
     call->part = carve(&at, (size_t)size->parts * sizeof(float));
     call->scratch = carve(&at, (size_t)(threads * call->scratch_floats) * sizeof(float));
     call->wbuf = carve(&at, (size_t)(threads * call->wfloats) * sizeof(float));
+    call->coded = carve(&at, (size_t)(size->coded * call->wfloats) * sizeof(float));
     call->done = carve(&at, (size_t)size->heads * sizeof(atomic_int));
     call->ahead = carve(&at, (size_t)threads * 64); /* a cache line each: written by its thread alone */
     for (int x = 0; x < threads; x++) call->ahead[x * AHEAD_STRIDE] = -1;
@@ -139,14 +145,25 @@ static void write_before(call_t *call, int64_t i) {
     if (injected_failure(cc, call->wbuf)) return;
 #endif
     if (cc->write_row < 0) return;
-    if (cc->enc == ENC_INT8) {
-        if (call->nsplit[i] == 1 && call->hpi[i] >= cc->n) call->deferred[i] = DEFER_ROW;
-        else cc->status = int8_write(cc, call->wbuf);
+    if (cc->enc == ENC_INT8 && call->coded_at[i] < 0) { /* its heads are one item */
+        call->deferred[i] = DEFER_ROW;
         return;
     }
     int attended = 0;
     for (int64_t r = 0; r < cc->nruns; r++)
         attended |= cc->write_row >= cc->runs[2 * r] && cc->write_row < cc->runs[2 * r + 1];
+    if (cc->enc == ENC_INT8) { /* checked and quantized now: a refused row is not written at all */
+        float *coded = call->coded + call->coded_at[i] * call->wfloats;
+        cc->status = int8_quantize(cc, coded);
+        if (cc->status) return;
+        if (attended) {
+            call->deferred[i] = DEFER_CODES;
+        } else {
+            int8_swap_row(cc, 0);
+            for (int64_t h = 0; h < cc->n; h++) int8_store_head(cc, coded, h);
+        }
+        return;
+    }
     if (attended) call->deferred[i] = DEFER_HEAD;
     else write_row(cc, 0);
 }

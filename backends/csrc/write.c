@@ -55,48 +55,52 @@ static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
     return cc->dk + 2 * cc->no + cc->d + 2 * ((cc->flags & FLAG_HALF_SCALES) ? 2 : 4);
 }
 
-GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
+/* int8: KV head h's bytes of the new token's row to its part of `saved` (restore: back), in a
+ * test build; nothing in production. */
+GQA_INTERNAL void int8_swap_head(const gqa_cache_t *cc, int64_t h, int restore) {
     if (!KEEP_OVERWRITTEN) return;
-    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const int64_t d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
     const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
-    for (int64_t h = 0; h < n; h++) {
-        char *sv = (char *)cc->saved + h * per;
-        char *cells[4];
-        int64_t sizes[4];
-        int64_t line; /* int8 keys: one code a word, channel j's at column + j * line */
-        char *column = (char *)cc->k + key_block(cc, h, row, &line);
-        for (int64_t j = 0; j < dk; j++) {
-            char *cell = column + j * line;
-            if (restore) *cell = sv[j];
-            else sv[j] = *cell;
-        }
-        for (int64_t o = 0; o < no; o++) {
-            char *cell = (char *)(cc->ko + (h * no + o) * c + row);
-            if (restore) memcpy(cell, sv + dk + 2 * o, 2);
-            else memcpy(sv + dk + 2 * o, cell, 2);
-        }
-        cells[0] = (char *)cc->v + (h * c + row) * d;
-        sizes[0] = d;
-        cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
-        cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
-        sizes[1] = sizes[2] = sel;
-        char *at = sv + dk + 2 * no;
-        for (int x = 0; x < 3; x++) {
-            if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
-            else memcpy(at, cells[x], (size_t)sizes[x]);
-            at += sizes[x];
-        }
+    char *sv = (char *)cc->saved + h * per;
+    char *cells[4];
+    int64_t sizes[4];
+    int64_t line; /* int8 keys: one code a word, channel j's at column + j * line */
+    char *column = (char *)cc->k + key_block(cc, h, row, &line);
+    for (int64_t j = 0; j < dk; j++) {
+        char *cell = column + j * line;
+        if (restore) *cell = sv[j];
+        else sv[j] = *cell;
+    }
+    for (int64_t o = 0; o < no; o++) {
+        char *cell = (char *)(cc->ko + (h * no + o) * c + row);
+        if (restore) memcpy(cell, sv + dk + 2 * o, 2);
+        else memcpy(sv + dk + 2 * o, cell, 2);
+    }
+    cells[0] = (char *)cc->v + (h * c + row) * d;
+    sizes[0] = d;
+    cells[1] = (char *)cc->ks + (h * cc->scale_stride + row) * sel;
+    cells[2] = (char *)cc->vs + (h * cc->scale_stride + row) * sel;
+    sizes[1] = sizes[2] = sel;
+    char *at = sv + dk + 2 * no;
+    for (int x = 0; x < 3; x++) {
+        if (restore) memcpy(cells[x], at, (size_t)sizes[x]);
+        else memcpy(at, cells[x], (size_t)sizes[x]);
+        at += sizes[x];
     }
 }
 
-/* int8: the step's write (the old bytes to saved first in a test build). buf: 2 N D floats and
- * 2 N D + 2 N bytes of room. Keys in the stored order, coded channels quantized, outlier ones as float16;
- * values rotated (FLAG_ROTATE) and quantized. Nothing written when it fails: -EDOM for a
- * value int8_values_ok refuses (checked here, by whichever thread writes the row), -ERANGE
- * if a scale overflows. */
-GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
-    if (!int8_values_ok(cc)) return -EDOM; /* the caller names the tensor */
-    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore) {
+    for (int64_t h = 0; h < cc->n; h++) int8_swap_head(cc, h, restore);
+}
+
+/* int8: the step's row checked and quantized into buf (2 N D floats and 2 N D + 2 N bytes of
+ * room), nothing written to the cache: keys in the stored order, coded channels quantized,
+ * outlier ones kept as float32; values rotated (FLAG_ROTATE) and quantized. -EDOM for a value
+ * int8_values_ok refuses (the caller names the tensor), -ERANGE if a scale overflows; 0 and
+ * the row in buf for int8_store_head otherwise. */
+GQA_INTERNAL int int8_quantize(const gqa_cache_t *cc, float *buf) {
+    if (!int8_values_ok(cc)) return -EDOM;
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no;
     float *keys = buf, *vals = buf + n * d, *ksc = buf + 2 * n * d, *vsc = ksc + n;
     int8_t *kcodes = (int8_t *)(vsc + n), *vcodes = kcodes + n * d;
     float *coded = keys; /* (n, dk) packed, then the outliers (n, no) at keys + n * dk */
@@ -114,33 +118,44 @@ GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
             else vals[h * no + (j - dk)] = x; /* outliers parked in vals for now */
         }
     }
-    float *outl = keys + n * dk;
-    memmove(outl, vals, (size_t)(n * no) * sizeof(float));
+    memmove(keys + n * dk, vals, (size_t)(n * no) * sizeof(float));
     int rc = dk ? quantize_rows(coded, n, dk, cc->flags, kcodes, ksc) : 0;
     if (rc) return rc;
     if (cc->io == ENC_F32) memcpy(vals, cc->new_v, (size_t)(n * d) * sizeof(float));
     else
         for (int64_t x = 0; x < n * d; x++) vals[x] = load_elem(cc->io, cc->new_v, x);
     if (cc->flags & FLAG_ROTATE) gqa_hadamard_rows(vals, n, d, d & -d);
-    rc = quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+    return quantize_rows(vals, n, d, cc->flags, vcodes, vsc);
+}
+
+/* int8: KV head h's part of the row int8_quantize left in buf, stored into ring row write_row
+ * (key codes down their column, outlier channels as float16, value codes, two scales). */
+GQA_INTERNAL void int8_store_head(const gqa_cache_t *cc, const float *buf, int64_t h) {
+    const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
+    const float *outl = buf + n * dk, *ksc = buf + 2 * n * d, *vsc = ksc + n;
+    const int8_t *kcodes = (const int8_t *)(vsc + n), *vcodes = kcodes + n * d;
+    int64_t line;
+    int8_t *column = (int8_t *)cc->k + key_block(cc, h, row, &line);
+    for (int64_t j = 0; j < dk; j++) column[j * line] = kcodes[h * dk + j];
+    for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
+    memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
+    const int64_t at = h * cc->scale_stride + row;
+    if (cc->flags & FLAG_HALF_SCALES) {
+        ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
+        ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
+    } else {
+        ((float *)cc->ks)[at] = ksc[h];
+        ((float *)cc->vs)[at] = vsc[h];
+    }
+}
+
+/* int8: the step's write, whole (the old bytes to saved first in a test build). buf: as
+ * int8_quantize's. Nothing written when it fails (int8_quantize's codes). */
+GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
+    const int rc = int8_quantize(cc, buf);
     if (rc) return rc;
     int8_swap_row(cc, 0);
-    const int half = cc->flags & FLAG_HALF_SCALES;
-    for (int64_t h = 0; h < n; h++) {
-        int64_t line;
-        int8_t *column = (int8_t *)cc->k + key_block(cc, h, row, &line);
-        for (int64_t j = 0; j < dk; j++) column[j * line] = kcodes[h * dk + j];
-        for (int64_t o = 0; o < no; o++) ((uint16_t *)cc->ko)[(h * no + o) * c + row] = float_to_half(outl[h * no + o]);
-        memcpy((int8_t *)cc->v + (h * c + row) * d, vcodes + h * d, (size_t)d);
-        const int64_t at = h * cc->scale_stride + row;
-        if (half) {
-            ((uint16_t *)cc->ks)[at] = float_to_half(ksc[h]);
-            ((uint16_t *)cc->vs)[at] = float_to_half(vsc[h]);
-        } else {
-            ((float *)cc->ks)[at] = ksc[h];
-            ((float *)cc->vs)[at] = vsc[h];
-        }
-    }
+    for (int64_t h = 0; h < cc->n; h++) int8_store_head(cc, buf, h);
     return 0;
 }
 
