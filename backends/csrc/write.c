@@ -1,11 +1,12 @@
 /*
  * The step's write: the new token's key and value into ring row write_row. Dense caches per KV
  * head (by the work item that reads the row, or before the items when the row is not
- * attended); int8 caches whole, before their attention (by the cache's work item when its
- * heads are one, else before the items).
+ * attended); int8 caches quantized whole, before their attention, then stored whole by the
+ * cache's work item when its heads are one (int8_write), else head by head by the items that
+ * read the row (int8_quantize before the items, int8_store_head by them).
  *
  * A step is atomic because nothing can fail once its write has begun: every check, every
- * allocation and int8's quantization come first (run.c, int8_write), and a cache refused there
+ * allocation and int8's quantization come first (run.c, int8_quantize), and a cache refused there
  * is not written at all. So the bytes a write overwrites are kept (in `saved`, for `restore` to
  * put back) only where a failure after the write exists: a test build's injected one
  * (test_hooks.c), which checks that such a failure would leave the cache byte-identical. The
