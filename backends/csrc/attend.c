@@ -70,20 +70,34 @@ GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int
 static void merge_head(const call_t *call, int64_t i, int64_t h, const float *base, int tid);
 static void finish_head(const call_t *call, int64_t i, int64_t h, const state_t *st);
 
+/* Where a block's bytes lie: its `lines` key lines of `span` bytes each, `line` bytes apart from
+ * k (one run of `run` bytes from k), and its value rows, vbytes from v. */
+typedef struct {
+    const char *k, *v;
+    int64_t lines, line, span, run, vbytes;
+} block_bytes_t;
+
+static inline block_bytes_t block_bytes(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt) {
+    const int64_t el = enc_size(cc->enc), lines = key_width(cc) / kpack(cc->enc);
+    int64_t line;
+    const char *k = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
+    const int64_t span = nt * kpack(cc->enc) * el;
+    return (block_bytes_t){.k = k, .v = (const char *)cc->v + (h * cc->c + phys) * cc->d * el, .lines = lines,
+                           .line = line * el, .span = span, .run = (lines - 1) * line * el + span,
+                           .vbytes = nt * cc->d * el};
+}
+
 /* Asks for every line of a block at once (key lines, value rows; locality 3: into L1, 2: L2): the
  * misses then overlap instead of following one another. The key lines of a ring shorter than a
  * block are a few bytes each, many to a cache line: their run is asked for once, line by line. */
 static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache_t *cc, int64_t h, int64_t phys,
                                                                  int64_t nt, const int locality) {
-    const int64_t el = enc_size(cc->enc), d = cc->d, lines = key_width(cc) / kpack(cc->enc);
-    int64_t line;
-    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
-    const int64_t span = nt * kpack(cc->enc) * el, run = (lines - 1) * line * el + span; /* bytes: a line's, all */
-    if ((run + 63) / 64 < lines * ((span + 63) / 64)) /* lines of a short ring: the run, each cache line once */
-        prefetch_lines(kb, run, locality);
+    const block_bytes_t b = block_bytes(cc, h, phys, nt);
+    if ((b.run + 63) / 64 < b.lines * ((b.span + 63) / 64)) /* lines of a short ring: the run, each cache line once */
+        prefetch_lines(b.k, b.run, locality);
     else
-        for (int64_t j = 0; j < lines; j++) prefetch_lines(kb + j * line * el, span, locality);
-    prefetch_lines((const char *)cc->v + (h * cc->c + phys) * d * el, nt * d * el, locality);
+        for (int64_t j = 0; j < b.lines; j++) prefetch_lines(b.k + j * b.line, b.span, locality);
+    prefetch_lines(b.v, b.vbytes, locality);
     if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, locality);
 }
 
@@ -138,16 +152,12 @@ static int drips(block_fn b) {
  * int8 block's scales and outlier channel runs (a few lines) asked for now. */
 static void after_block(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st) {
     if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, 2);
-    const int64_t el = enc_size(cc->enc), lines = key_width(cc) / kpack(cc->enc);
-    int64_t line;
-    const char *kb = (const char *)cc->k + key_block(cc, h, phys, &line) * el;
-    const uintptr_t k0 = (uintptr_t)kb & ~(uintptr_t)63, k1 = (uintptr_t)kb + (lines - 1) * line * el + nt * kpack(cc->enc) * el;
-    const uintptr_t v0 = (uintptr_t)((const char *)cc->v + (h * cc->c + phys) * cc->d * el) & ~(uintptr_t)63,
-                    v1 = (uintptr_t)((const char *)cc->v + (h * cc->c + phys + nt) * cc->d * el);
+    const block_bytes_t b = block_bytes(cc, h, phys, nt);
+    const uintptr_t k0 = (uintptr_t)b.k & ~(uintptr_t)63, v0 = (uintptr_t)b.v & ~(uintptr_t)63;
     st->after_k = (const char *)k0;
-    st->after_kbytes = (int64_t)(k1 - k0);
+    st->after_kbytes = (int64_t)((uintptr_t)b.k + b.run - k0);
     st->after_v = (const char *)v0;
-    st->after_vbytes = (int64_t)(v1 - v0);
+    st->after_vbytes = (int64_t)((uintptr_t)b.v + b.vbytes - v0);
 }
 
 /* The first block of work item j, when j is an item of a several-split cache (else 0): its
@@ -239,7 +249,6 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
             if (call->deferred[i] == DEFER_HEAD) {
                 write_head(cc, h, 0);
             } else {
-                int8_swap_head(cc, h, 0);
                 int8_store_head(cc, call->coded + call->coded_at[i] * call->wfloats, h);
             }
         }

@@ -251,7 +251,7 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
     __mmask16 mask[4];
     for (int i = 0; i < 4; i++) mask[i] = lanes16(nt, i);
     for (int g = 0; g < gt; g++) {
-        if (dr) drip_slot(dr, DRIP_SOFTMAX); /* asked for by the value sum's loads (or its next drip) */
+        if (dr) drip_slot(dr, DRIP_SOFTMAX); /* asked for by the value sum's loads */
         float *pg = p + g * TILE_T;
         __m512 mx = _mm512_max_ps(_mm512_max_ps(_mm512_loadu_ps(pg), _mm512_loadu_ps(pg + 16)),
                                   _mm512_max_ps(_mm512_loadu_ps(pg + 32), _mm512_loadu_ps(pg + 48)));

@@ -484,8 +484,8 @@ GQA_INTERNAL void write_row(const gqa_cache_t *cc, int restore);
 GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf);
 GQA_INTERNAL int int8_quantize(const gqa_cache_t *cc, float *buf);
 GQA_INTERNAL void int8_store_head(const gqa_cache_t *cc, const float *buf, int64_t h);
+GQA_INTERNAL void int8_store(const gqa_cache_t *cc, const float *buf);
 GQA_INTERNAL void int8_swap_row(const gqa_cache_t *cc, int restore);
-GQA_INTERNAL void int8_swap_head(const gqa_cache_t *cc, int64_t h, int restore);
 
 /* int8_code.c */
 GQA_INTERNAL int quantize_rows(const float *x, int64_t rows, int64_t len, int flags, int8_t *codes, float *scale);

@@ -156,12 +156,8 @@ static void write_before(call_t *call, int64_t i) {
         float *coded = call->coded + call->coded_at[i] * call->wfloats;
         cc->status = int8_quantize(cc, coded);
         if (cc->status) return;
-        if (attended) {
-            call->deferred[i] = DEFER_CODES;
-        } else {
-            int8_swap_row(cc, 0);
-            for (int64_t h = 0; h < cc->n; h++) int8_store_head(cc, coded, h);
-        }
+        if (attended) call->deferred[i] = DEFER_CODES;
+        else int8_store(cc, coded);
         return;
     }
     if (attended) call->deferred[i] = DEFER_HEAD;

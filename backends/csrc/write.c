@@ -58,7 +58,7 @@ static int64_t int8_saved_bytes(const gqa_cache_t *cc) {
 
 /* int8: KV head h's bytes of the new token's row to its part of `saved` (restore: back), in a
  * test build; nothing in production. */
-GQA_INTERNAL void int8_swap_head(const gqa_cache_t *cc, int64_t h, int restore) {
+static void int8_swap_head(const gqa_cache_t *cc, int64_t h, int restore) {
     if (!KEEP_OVERWRITTEN) return;
     const int64_t d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
     const int64_t sel = (cc->flags & FLAG_HALF_SCALES) ? 2 : 4, per = int8_saved_bytes(cc);
@@ -130,8 +130,10 @@ GQA_INTERNAL int int8_quantize(const gqa_cache_t *cc, float *buf) {
 }
 
 /* int8: KV head h's part of the row int8_quantize left in buf, stored into ring row write_row
- * (key codes down their column, outlier channels as float16, value codes, two scales). */
+ * (key codes down their column, outlier channels as float16, value codes, two scales; the old
+ * bytes to saved first in a test build). */
 GQA_INTERNAL void int8_store_head(const gqa_cache_t *cc, const float *buf, int64_t h) {
+    int8_swap_head(cc, h, 0);
     const int64_t n = cc->n, d = cc->d, dk = cc->dk, no = cc->no, c = cc->c, row = cc->write_row;
     const float *outl = buf + n * dk, *ksc = buf + 2 * n * d, *vsc = ksc + n;
     const int8_t *kcodes = (const int8_t *)(vsc + n), *vcodes = kcodes + n * d;
@@ -150,14 +152,17 @@ GQA_INTERNAL void int8_store_head(const gqa_cache_t *cc, const float *buf, int64
     }
 }
 
-/* int8: the step's write, whole (the old bytes to saved first in a test build). buf: as
- * int8_quantize's. Nothing written when it fails (int8_quantize's codes). */
+/* int8: every head's part of the row int8_quantize left in buf, stored (int8_store_head). */
+GQA_INTERNAL void int8_store(const gqa_cache_t *cc, const float *buf) {
+    for (int64_t h = 0; h < cc->n; h++) int8_store_head(cc, buf, h);
+}
+
+/* int8: the step's write, whole. buf: as int8_quantize's. Nothing written when it fails
+ * (int8_quantize's codes). */
 GQA_INTERNAL int int8_write(const gqa_cache_t *cc, float *buf) {
     const int rc = int8_quantize(cc, buf);
-    if (rc) return rc;
-    int8_swap_row(cc, 0);
-    for (int64_t h = 0; h < cc->n; h++) int8_store_head(cc, buf, h);
-    return 0;
+    if (!rc) int8_store(cc, buf);
+    return rc;
 }
 
 /* A key column's `words` words of `word` bytes (a line's P channels of one position), one per
