@@ -57,14 +57,19 @@ def _isa_param(isa: str, d: int = 128):
     )
 
 
-def _cpu_flags() -> set[str] | None:
-    """This CPU's feature flags as Linux names them, or None off Linux or off x86-64."""
+def _cpu_field(name: str) -> str | None:
+    """A field of /proc/cpuinfo's first processor ("vendor_id", "cpu family"), or None."""
     try:
         with open("/proc/cpuinfo") as f:
-            line = next(row for row in f if row.startswith("flags"))
+            return next(row for row in f if row.split(":")[0].strip() == name).partition(":")[2].strip()
     except (OSError, StopIteration):
         return None
-    return set(line.partition(":")[2].split())
+
+
+def _cpu_flags() -> set[str] | None:
+    """This CPU's feature flags as Linux names them, or None off Linux or off x86-64."""
+    flags = _cpu_field("flags")
+    return None if flags is None else set(flags.split())
 
 
 @pytest.mark.skipif(_cpu_flags() is None, reason="no /proc/cpuinfo flags (not Linux on x86-64)")
@@ -78,15 +83,6 @@ def test_each_isa_runs_exactly_where_the_cpu_has_its_instructions():
     assert KERNEL.isas(128) == want
     assert KERNEL.isas(8) == ["portable"] + ["avx2"] * avx2  # AVX-512 blocks: D a multiple of 16
     assert KERNEL.isas(4) == ["portable"]
-
-
-def _cpu_field(name: str) -> str | None:
-    """A field of /proc/cpuinfo's first processor ("vendor_id", "cpu family"), or None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(row for row in f if row.split(":")[0].strip() == name).partition(":")[2].strip()
-    except (OSError, StopIteration):
-        return None
 
 
 @pytest.mark.skipif(_cpu_flags() is None, reason="no /proc/cpuinfo flags (not Linux on x86-64)")
