@@ -73,6 +73,7 @@ FLAG_FAIL_AFTER_WRITE = 2  # test builds only: fail after the write (the kernel 
 FLAG_ROTATE = 4  # int8: values stored Hadamard-rotated (the step rotates the new value and the output)
 FLAG_RECIPROCAL = 8  # int8, float32 scales: codes = round(x * (127 / absmax)), bitsandbytes' rounding
 MAX_RUNS = 4
+SPLIT_T = 1024  # positions per split (csrc/gqa_internal.h): a split's partial is merged in split order
 FLAG_ISA_SHIFT = 4  # flags bits 4-6: a cache's own ISA (0: the call's)
 # a descriptor's policy (the C enum), as backends.policy.PolicyKind values
 POLICY = {"none": 0, "strict": 1, "greedy": 2, "sink": 3}
@@ -378,6 +379,7 @@ def layout_mirror() -> list[tuple[str, int]]:
     fields = [("sizeof(gqa_cache_t)", ctypes.sizeof(CacheDesc))]
     fields += [(f"offsetof({name})", getattr(CacheDesc, name).offset) for name, _ in CacheDesc._fields_]
     fields.append(("MAX_RUNS", MAX_RUNS))
+    fields.append(("SPLIT_T", SPLIT_T))
     fields += [(f"ISA_{k.upper()}", v) for k, v in ISA.items()]
     fields += [(f"ENC_{k.upper()}", v) for k, v in ENC.items()]
     fields += [

@@ -3,7 +3,7 @@ batched entry (``backends.batch.step_many``).
 
 Each implementation (portable C, AVX-512) against the float64 oracle over head widths, group
 sizes around the kernel's tile of 4 query heads, lengths around its 64-position blocks and
-512-position splits, and every policy's run shapes; outputs bit-identical alone, in batches of
+splits (``native.SPLIT_T`` positions), and every policy's run shapes; outputs bit-identical alone, in batches of
 1, 7 and 64, and on 1 or 2 threads; the batch contract (refusals alone, distinct caches,
 read-only inputs, several Python threads at once); and the torch fallback when the library is
 unavailable.
@@ -91,7 +91,7 @@ def _full_step(dtype, d, g, s, isa, seed):
 @pytest.mark.parametrize("isa,d,g", list(_params()))
 def test_single_run_matches_oracle(isa, d, g, dtype):
     """Policy none: one run from row 0; S (the attended count) around blocks and splits."""
-    lengths = [1, 64, 97, 513] + ([4096] if d in (64, 128) else [])
+    lengths = [1, 64, 97, native.SPLIT_T + 1] + ([4096] if d in (64, 128) else [])
     for s in lengths:
         out, ref = _full_step(dtype, d, g, s, isa, seed=s + d)
         assert out.dtype == dtype and out.shape == (1, HKV * g, d)
@@ -108,7 +108,7 @@ def test_bfloat16_outputs_are_the_exact_attention_rounded(isa, d, g):
     bfloat16 in all but the elements float32's error puts across a rounding boundary (0.1% here).
     The dtype's tolerance cannot see a weight rounded to one bfloat16 piece (40% of the elements
     then round differently), nor any other loss of precision short of a bfloat16 step."""
-    for s in (97, 513, 4096):
+    for s in (97, native.SPLIT_T + 1, 4096):
         out, ref = _full_step(torch.bfloat16, d, g, s, isa, seed=s + g)
         rounded = torch.as_tensor(ref, dtype=torch.float64).to(torch.bfloat16)
         same = float((out == rounded).double().mean())
@@ -211,12 +211,12 @@ def test_outputs_are_bit_identical_alone_batched_and_on_any_thread_count(pool_si
 
 
 def _long_steps(dtype):
-    """Two long caches of 8 KV heads and one step for each: policy none over 4001 positions (8
-    splits of 512 per head), and 512 sinks then a wrapped window (a split that starts exactly
-    where a run starts); the same for the same dtype."""
+    """Two long caches of 8 KV heads and one step for each: policy none over 4001 positions (4
+    splits a head), and SPLIT_T sinks then a wrapped window (a split that starts exactly where a
+    run starts); the same for the same dtype."""
     gen = torch.Generator().manual_seed(24)
     steps = []
-    for policy, prefill in ((EvictionPolicy.none(4001), 4000), (EvictionPolicy.sink(2600, 512), 4000)):
+    for policy, prefill in ((EvictionPolicy.none(4001), 4000), (EvictionPolicy.sink(2600, native.SPLIT_T), 4000)):
         cache = DenseCache(CacheSpec(1, 32, 8, 64, dtype, policy), "native")
         kv = [torch.randn(1, 8, prefill, 64, generator=gen).to(dtype) for _ in range(2)]
         cache.prefill(*kv)
@@ -228,7 +228,7 @@ def _long_steps(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dt)
 def test_long_caches_read_by_items_of_several_splits_are_bit_identical(pool_size, dtype):
     """A long cache's work item reads several consecutive splits of one head (run.c's
-    splits_per_item: 8, 4 and 2 here on 1, 2 and 3 threads); every grouping gives the same bits,
+    splits_per_item: 4, 2 and 1 here on 1, 2 and 3 threads); every grouping gives the same bits,
     alone or batched with a short cache, and the oracle's output."""
     outs = {}
     for threads in (1, 2, 3):

@@ -728,19 +728,20 @@ def test_native_step_stores_and_outputs_what_the_python_step_does(dtype, scale_d
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=lambda d: str(d)[6:])
 def test_native_step_over_several_splits_stores_what_the_python_step_does(dtype, monkeypatch):
-    """A step attending more than one split (512 positions) has its row checked and quantized
+    """A step attending more than one split (native.SPLIT_T positions) has its row checked and quantized
     before the work items and each head's codes stored by the item that reads them
     (csrc/run.c, DEFER_CODES): the same codes bit for bit and the same outputs as the Python
     path, through the ring's wrap."""
-    spec = CacheSpec(1, 8, 2, 64, dtype, EvictionPolicy.sink(600, 3))
+    cap = native.SPLIT_T + 88  # two splits a head once past SPLIT_T positions
+    spec = CacheSpec(1, 8, 2, 64, dtype, EvictionPolicy.sink(cap, 3))
     native_cache = Int8Backend().create_cache(spec)
     python_cache = Int8Backend().create_cache(spec)
     monkeypatch.setattr(python_cache, "_step_native", lambda *a: None)  # None: the Python path
     gen = torch.Generator().manual_seed(8)
-    keys, values = (torch.randn(1, 2, 560, 64, generator=gen).to(dtype) for _ in range(2))
+    keys, values = (torch.randn(1, 2, cap - 40, 64, generator=gen).to(dtype) for _ in range(2))
     native_cache.prefill(keys, values)
     python_cache.prefill(keys, values)
-    for step in range(80):  # 561 to 640 positions seen: the window wraps at 603
+    for step in range(80):  # cap - 39 to cap + 40 positions seen: the window wraps at cap + 3
         q, k, v = (torch.randn(1, h, 64, generator=gen).to(dtype) for h in (8, 2, 2))
         a, b = native_cache.step(q, k, v), python_cache.step(q, k, v)
         assert torch.equal(a.output, b.output), step

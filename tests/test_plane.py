@@ -454,9 +454,10 @@ def test_cacheset_refuses_tensors_off_its_caches_device():
     assert cset.caches(0)[0].tokens_seen == 0
 
 
-# Windows on either side of a 64-position block and a 512-position split (attend.c's grid), so
-# that a ring wraps, a run starts and a split ends at every kind of boundary.
-_EDGES = (1, 2, 63, 64, 65, 511, 512, 513, 700)
+# Windows on either side of a 64-position block and a split (native.SPLIT_T positions: attend.c's
+# grid), so that a ring wraps, a run starts and a split ends at every kind of boundary.
+_SPLIT = native.SPLIT_T
+_EDGES = (1, 2, 63, 64, 65, _SPLIT - 1, _SPLIT, _SPLIT + 1, _SPLIT + 190)
 
 
 @st.composite
@@ -487,7 +488,9 @@ _PLANE_OPS = st.lists(
 @given(
     encoding=st.sampled_from(ENCODINGS[:5]),
     caches=st.lists(
-        st.tuples(_boundary_policies(), st.sampled_from((0, 1, 40, 63, 64, 65, 512, 513, 1100))), min_size=1, max_size=5
+        st.tuples(_boundary_policies(), st.sampled_from((0, 1, 40, 63, 64, 65, _SPLIT, _SPLIT + 1, 2 * _SPLIT + 76))),
+        min_size=1,
+        max_size=5,
     ),
     ops=_PLANE_OPS,
 )

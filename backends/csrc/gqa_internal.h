@@ -116,9 +116,16 @@
 
 #define TILE_T 64   /* positions per block: 64 int8 codes of one channel are one cache line */
 #define TILE_G 4    /* query heads scored together against one block */
+/* Positions per split: fixed, so results never depend on how the work is shared. Each split
+ * costs its own partial (written, then read by the merge) and set-up: 1024 against 512 took a
+ * cold step 1-5% less time in every encoding at S = 2048 and 8192, and 64 mixed caches 1.5-3.5%
+ * (docs/design.md, forty-first session); the pool still gets 2 splits a head from S = 1025. */
 #ifndef SPLIT_T
-#define SPLIT_T 512 /* positions per work item: fixed, so results never depend on the split */
+#define SPLIT_T 1024
 #endif
+/* A one-split cache's heads share a work item up to this many positions in all (its set-up paid
+ * once for them all), so a cache of a few hundred positions still makes an item a head or two. */
+#define HEADS_ITEM_T 512
 #define ITEMS_PER_THREAD 8     /* a long call's work items per thread (run.c: splits_per_item) */
 #define MAX_SPLITS_PER_ITEM 16 /* a head's consecutive splits one item reads at most */
 #define MAX_RUNS 4
@@ -376,7 +383,7 @@ typedef struct {
     int64_t *item_off; /* ncaches + 1: first work item of each cache */
     int64_t *head_off; /* ncaches + 1: first (cache, head) of each cache, for the merge */
     int64_t *nsplit, *s, *part_off;
-    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit SPLIT_T),
+    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit HEADS_ITEM_T),
                      or a head's consecutive splits per work item (several-split caches) */
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */

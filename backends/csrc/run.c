@@ -100,8 +100,8 @@ static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *siz
         call->hpi[i] = splits_per_item(call->nsplit[i], size->splits, threads);
         size->items += cc->n * ((call->nsplit[i] + call->hpi[i] - 1) / call->hpi[i]);
         size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
-    } else { /* heads per item: as many as make up one split's positions */
-        const int64_t per = SPLIT_T / (call->s[i] ? call->s[i] : 1);
+    } else { /* heads per item: as many as make up HEADS_ITEM_T positions */
+        const int64_t per = HEADS_ITEM_T / (call->s[i] ? call->s[i] : 1);
         call->hpi[i] = per < 1 ? 1 : per > cc->n ? cc->n : per;
         size->items += (cc->n + call->hpi[i] - 1) / call->hpi[i];
     }
