@@ -237,9 +237,8 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     const int64_t kp = kpack(enc);
-    drip_t room;
-    drip_t *pf = drip_next(enc, cc, st, key_width(cc) / kp, kn, knline, vb, phys, nt,
-                           nt <= 8 ? 0 : (cc->dk + kp - 1) / kp, &room);
+    drip_t dr = drip_next(enc, cc, st, key_width(cc) / kp, kn, knline, vb, phys, nt, nt <= 8 ? 0 : (cc->dk + kp - 1) / kp);
+    drip_t *pf = &dr;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
@@ -248,7 +247,7 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
             default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
         }
     }
-    if (pf) drip_rest(pf);
+    drip_rest(pf);
 }
 
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {

@@ -239,8 +239,8 @@ AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     const float *ks, *vs;
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     const int64_t krows = key_width(cc) / 2; /* each a slot of the scores loop */
-    drip_t room;
-    drip_t *pf = drip_next(enc, cc, st, krows, kn, knline, vb, phys, nt, krows, &room);
+    drip_t dr = drip_next(enc, cc, st, krows, kn, knline, vb, phys, nt, krows);
+    drip_t *pf = &dr;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_dot(enc, cc, g0, 4, kb, kline, vb, vs, nt, st, pf); break;
@@ -249,7 +249,7 @@ AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
             default: tile_dot(enc, cc, g0, 1, kb, kline, vb, vs, nt, st, pf); break;
         }
     }
-    if (pf) drip_rest(pf);
+    drip_rest(pf);
 }
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
                                            int64_t nt, state_t *st) {

@@ -259,10 +259,11 @@ AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *
     block_setup_avx512(ENC_INT8, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     /* the next block's key lines then value rows, one line a slot (a score half, a group of a
      * value row pair: about as many slots as lines) */
-    drip_t room, *dr = drip_next(ENC_INT8, cc, st, cc->dk, kn, knline, vb, phys, nt, 0, &room);
-    if (dr) dr->per = 1;
+    drip_t next = drip_next(ENC_INT8, cc, st, cc->dk, kn, knline, vb, phys, nt, 0), *dr = &next;
+    if (dr->per) dr->per = 1;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
-        drip_t *pf = g0 == 0 ? dr : NULL;
+        drip_t *pf = dr;
+        if (g0) dr->per = 0; /* asked for by the first tile */
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
             case 4: tile_vnni(cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
             case 3: tile_vnni(cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, pf); break;
@@ -270,6 +271,6 @@ AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *
             default: tile_vnni(cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
         }
     }
-    if (dr) drip_rest(dr);
+    drip_rest(dr);
 }
 #endif /* GQA_X86_64 */

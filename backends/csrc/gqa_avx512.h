@@ -100,7 +100,7 @@ AVX512 static inline __attribute__((always_inline)) void store_finished16(const 
 typedef struct {
     const char *at, *end; /* the range being asked for */
     const char *v, *vend; /* the value rows, after the keys */
-    int64_t per;          /* lines a slot */
+    int64_t per;          /* lines a slot (0: none, an idle drip or a tile after the first) */
     int64_t owed;         /* lines the slots so far have earned and not asked for (drip_line's) */
 } drip_t;
 
@@ -139,14 +139,18 @@ static inline int64_t pv_passes(int enc, int64_t d, int64_t gt) {
     return d == 128 && enc != ENC_F16 ? (gt + 1) / 2 : d / 64 + (d % 64) / 16;
 }
 
-/* The drip of the block after [phys, phys + nt) of a head, in *room, when the item reads that
- * block (st->prefetch; else NULL): its key rows (krows of knline elements from kn), then its
- * value rows (after this block's nt from vb, a block's worth or up to the ring's end), spread
- * over this block's slots in every tile: kslots key rows (0 where the scores do not drip), each
- * head's softmax, each pass of the value sum over the nt rows. */
-static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const state_t *st, int64_t krows,
-                                const char *kn, int64_t knline, const char *vb, int64_t phys, int64_t nt,
-                                int64_t kslots, drip_t *room) {
+/* The drip of the block after [phys, phys + nt) of a head, when the item reads that block
+ * (st->prefetch; else an idle drip, per 0, which asks for nothing): its key rows (krows of
+ * knline elements from kn), then its value rows (after this block's nt from vb, a block's worth
+ * or up to the ring's end), spread over this block's slots in every tile: kslots key rows (0
+ * where the scores do not drip), each head's softmax, each pass of the value sum over the nt
+ * rows. Returned by value: a block keeps it in a local whose address only its inlined code
+ * sees, so the compiler keeps its fields in registers (in memory, each slot's bookkeeping was
+ * a chain of stores and reloads through the whole block). */
+static inline __attribute__((always_inline)) drip_t drip_next(const int enc, const gqa_cache_t *cc,
+                                                              const state_t *st, int64_t krows, const char *kn,
+                                                              int64_t knline, const char *vb, int64_t phys,
+                                                              int64_t nt, int64_t kslots) {
     const int64_t d = cc->d;
     const char *k = kn, *v = vb + nt * d * enc_size(enc);
     int64_t kbytes, vbytes;
@@ -160,7 +164,7 @@ static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const stat
         v = st->after_v;
         vbytes = st->after_vbytes;
     } else {
-        return NULL;
+        return (drip_t){k, k, v, v, 0, 0};
     }
     const int64_t lines = (kbytes + 63) / 64 + (vbytes + 63) / 64;
     int64_t slots = 0;
@@ -168,8 +172,7 @@ static inline drip_t *drip_next(const int enc, const gqa_cache_t *cc, const stat
         const int64_t gt = cc->g - g0 < TILE_G ? cc->g - g0 : TILE_G;
         slots += kslots + gt * DRIP_SOFTMAX + pv_passes(enc, d, gt) * nt;
     }
-    *room = (drip_t){k, k + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines, 0};
-    return room;
+    return (drip_t){k, k + kbytes, v, v + vbytes, slots > 0 ? (lines + slots - 1) / slots : lines, 0};
 }
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)
