@@ -37,7 +37,7 @@ AVX512 static inline __attribute__((always_inline)) void scores_int8_finish(
 AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t nt, const int gt, const int ng, drip_t *dr, float *out) {
-    /* kb: the block's keys, channel lines kline elements apart; dr: the next block's drip (or NULL) */
+    /* kb: the block's keys, channel lines kline elements apart; dr: the next block's drip (an idle one asks for nothing) */
     /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, else 4 */
     const int64_t dq = dk + no, el = enc_size(enc);
     __m512 acc[TILE_G][4];
@@ -50,12 +50,10 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         int64_t j = 0;
         for (; j + 2 <= dk; j += 2) {
             const char *row = kb + j * kline * el;
-            if (dr) {
-                drip_slot(dr, 2);
-                drip_line(dr);
-            }
+            drip_slot(dr, 2);
+            drip_line(dr);
             const __m512 k0 = widen16(enc, row, mask[0]);
-            if (dr) drip_line(dr);
+            drip_line(dr);
             const __m512 k1 = widen16(enc, row + kline * el, mask[0]);
             for (int g = 0; g < gt; g++) {
                 acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
@@ -63,10 +61,8 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
             }
         }
         if (j < dk) {
-            if (dr) {
-                drip_slot(dr, 1);
-                drip_line(dr);
-            }
+            drip_slot(dr, 1);
+            drip_line(dr);
             const __m512 k0 = widen16(enc, kb + j * kline * el, mask[0]);
             for (int g = 0; g < gt; g++) acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + j]), k0, acc[g][0]);
         }
@@ -78,10 +74,10 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + j * kline * el;
             /* a slot of the next block's drip (gqa_avx512.h) */
-            if (dr) drip_slot(dr, 1);
+            drip_slot(dr, 1);
             __m512 kf[4];
             for (int i = 0; i < ng; i++) {
-                if (dr) drip_line(dr);
+                drip_line(dr);
                 kf[i] = widen16(enc, row + 16 * i * el, mask[i]);
             }
             for (int g = 0; g < gt; g++) {
@@ -92,10 +88,10 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + l * kline * 2;
-            if (dr) drip_slot(dr, 1);
+            drip_slot(dr, 1);
             __m512i kw[4];
             for (int i = 0; i < ng; i++) {
-                if (dr) drip_line(dr);
+                drip_line(dr);
                 kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
             }
             for (int r = 0; r < 2; r++) {
@@ -238,16 +234,15 @@ AVX512 static inline __attribute__((always_inline)) void block_avx512_enc(
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     const int64_t kp = kpack(enc);
     drip_t dr = drip_next(enc, cc, st, key_width(cc) / kp, kn, knline, vb, phys, nt, nt <= 8 ? 0 : (cc->dk + kp - 1) / kp);
-    drip_t *pf = &dr;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
-            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, pf); break;
-            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, pf); break;
-            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 4: tile_avx512(enc, cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, &dr); break;
+            case 3: tile_avx512(enc, cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, &dr); break;
+            case 2: tile_avx512(enc, cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, &dr); break;
+            default: tile_avx512(enc, cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, &dr); break;
         }
     }
-    drip_rest(pf);
+    drip_rest(&dr);
 }
 
 AVX512 GQA_INTERNAL void block_avx512_f32(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt, state_t *st) {

@@ -68,12 +68,10 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
         int64_t l = 0;
         for (; 2 * l + 2 < kp; l += 2) {
             const char *row = kb + l * kline * 2;
-            if (dr) {
-                drip_slot(dr, 2);
-                drip_line(dr);
-            }
+            drip_slot(dr, 2);
+            drip_line(dr);
             const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], row);
-            if (dr) drip_line(dr);
+            drip_line(dr);
             const __m512i k1 = _mm512_maskz_loadu_epi32(mask[0], row + kline * 2);
             for (int g = 0; g < gt; g++)
                 for (int p = 0; p < pieces; p++) {
@@ -84,10 +82,8 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
                 }
         }
         if (2 * l < kp) {
-            if (dr) {
-                drip_slot(dr, 1);
-                drip_line(dr);
-            }
+            drip_slot(dr, 1);
+            drip_line(dr);
             const __m512i k0 = _mm512_maskz_loadu_epi32(mask[0], kb + l * kline * 2);
             for (int g = 0; g < gt; g++)
                 for (int p = 0; p < pieces; p++) {
@@ -103,10 +99,10 @@ AVX512DOT static inline __attribute__((always_inline)) void scores_dpbf16(
     } else {
         for (int64_t l = 0; 2 * l < kp; l++) {
             const char *row = kb + l * kline * 2;
-            if (dr) drip_slot(dr, 1);
+            drip_slot(dr, 1);
             __m512i kw[4];
             for (int i = 0; i < ng; i++) {
-                if (dr) drip_line(dr);
+                drip_line(dr);
                 kw[i] = _mm512_maskz_loadu_epi32(mask[i], row + 64 * i);
             }
             for (int g = 0; g < gt; g++)
@@ -154,7 +150,7 @@ AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc
     for (int64_t t = 0; t < nt; t += 2) {
         const char *r0 = vb + t * d * 2, *r1 = r0 + d * 2;
         const int two = t + 1 < nt;
-        if (dr) drip_slot(dr, two ? 2 : 1);
+        drip_slot(dr, two ? 2 : 1);
         __m512 w[2][2];
         for (int g = 0; g < gh; g++)
             for (int k = 0; k < 2; k++) {
@@ -163,9 +159,9 @@ AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc
                 w[g][k] = _mm512_castsi512_ps(_mm512_set1_epi32(word));
             }
         for (int c = 0; c < nc; c++) {
-            if (dr) drip_line(dr);
+            drip_line(dr);
             const __m512i x = _mm512_loadu_si512(r0 + 64 * c);
-            if (dr) drip_line(dr);
+            drip_line(dr);
             const __m512i y = two ? _mm512_loadu_si512(r1 + 64 * c) : _mm512_setzero_si512();
             const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x, y), hi = (__m512bh)_mm512_unpackhi_epi16(x, y);
             for (int g = 0; g < gh; g++)
@@ -240,16 +236,15 @@ AVX512DOT static inline __attribute__((always_inline)) void block_dot_enc(
     block_setup_avx512(enc, cc, h, phys, nt, st, &kb, &kline, &kn, &knline, &vb, &ks, &vs);
     const int64_t krows = key_width(cc) / 2; /* each a slot of the scores loop */
     drip_t dr = drip_next(enc, cc, st, krows, kn, knline, vb, phys, nt, krows);
-    drip_t *pf = &dr;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_dot(enc, cc, g0, 4, kb, kline, vb, vs, nt, st, pf); break;
-            case 3: tile_dot(enc, cc, g0, 3, kb, kline, vb, vs, nt, st, pf); break;
-            case 2: tile_dot(enc, cc, g0, 2, kb, kline, vb, vs, nt, st, pf); break;
-            default: tile_dot(enc, cc, g0, 1, kb, kline, vb, vs, nt, st, pf); break;
+            case 4: tile_dot(enc, cc, g0, 4, kb, kline, vb, vs, nt, st, &dr); break;
+            case 3: tile_dot(enc, cc, g0, 3, kb, kline, vb, vs, nt, st, &dr); break;
+            case 2: tile_dot(enc, cc, g0, 2, kb, kline, vb, vs, nt, st, &dr); break;
+            default: tile_dot(enc, cc, g0, 1, kb, kline, vb, vs, nt, st, &dr); break;
         }
     }
-    drip_rest(pf);
+    drip_rest(&dr);
 }
 AVX512DOT GQA_INTERNAL void block_dot_bf16(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
                                            int64_t nt, state_t *st) {

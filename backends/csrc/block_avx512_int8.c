@@ -89,7 +89,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void pairs16(const char 
 
 /* One channel pair (r1 NULL: the odd last channel alone) of the block's nh halves into the
  * gt heads' accumulators: query word l of each head (words apart); each half a slot of the
- * next block's drip dr (NULL: none), its line asked for before the half's loads. */
+ * next block's drip dr, its line asked for before the half's loads. */
 AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i acc[TILE_G][4], const int32_t *qw,
                                                                          int64_t words, int64_t l, const char *r0,
                                                                          const char *r1, const __mmask32 *m32,
@@ -97,10 +97,8 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
     __m512i qb[TILE_G];
     for (int g = 0; g < gt; g++) qb[g] = word_bcast(qw + g * words + l);
     for (int s = 0; s < nh; s++) {
-        if (dr) {
-            drip_slot(dr, 1);
-            drip_line(dr);
-        }
+        drip_slot(dr, 1);
+        drip_line(dr);
         __m512i lo, hi;
         pairs16(r0 + 32 * s, r1 ? r1 + 32 * s : NULL, m32[s], &lo, &hi);
         for (int g = 0; g < gt; g++) {
@@ -112,7 +110,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void score_pair(__m512i 
 
 /* Scores of `gt` query heads (from g0) against one block to out[g * TILE_T + t] (-inf past nt):
  * the coded channels two lines at a time; nh (a constant): the block's 32-position halves;
- * dr: the next block's drip (or NULL), a slot a half (score_pair). */
+ * dr: the next block's drip, a slot a half (score_pair). */
 AVX512VNNI static inline __attribute__((always_inline)) void scores_vnni(
     const gqa_cache_t *cc, const float *qf, const state_t *st, int64_t g0, int64_t h, int64_t phys,
     const char *kb, int64_t kline, const float *ks, int64_t nt, const int gt, const int nh, drip_t *dr, float *out) {
@@ -175,17 +173,15 @@ AVX512VNNI static inline __attribute__((always_inline)) void weights_int16(const
 
 /* Value rows t and t + 1 (r1 NULL: zeros) of nc groups of 32 channels into the gt heads'
  * accumulators, times the weights of t and t + 1 (wq[t + 1] is 0 past nt); each group a slot
- * of the drip dr (or NULL), its line asked for before the group's loads. */
+ * of the drip dr, its line asked for before the group's loads. */
 AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i acc[TILE_G][4], const char *r0,
                                                                          const char *r1, const int16_t *wq, int64_t t,
                                                                          const __mmask32 *m32, const int gt, const int nc,
                                                                          drip_t *dr) {
     __m512i lo[2], hi[2];
     for (int c = 0; c < nc; c++) {
-        if (dr) {
-            drip_slot(dr, 1);
-            drip_line(dr);
-        }
+        drip_slot(dr, 1);
+        drip_line(dr);
         pairs16(r0 + 32 * c, r1 ? r1 + 32 * c : NULL, m32[c], &lo[c], &hi[c]);
     }
     for (int g = 0; g < gt; g++) {
@@ -199,7 +195,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void value_pair(__m512i 
 
 /* acc[g][j0 : j0 + n] += scale[g] x sum_t wq[g][t] value[t][j0 : ...], n <= 64 channels in nc
  * (a constant) groups of 32: two value rows at a time, the sums in int32 registers; dr: the
- * next block's drip (or NULL), a slot a group of a row pair (value_pair). */
+ * next block's drip, a slot a group of a row pair (value_pair). */
 AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
     float *acc_mem, int64_t d, int64_t j0, int64_t n, const char *vb, const int16_t *wq, const float *scale,
     int64_t nt, const int gt, const int nc, drip_t *dr) {
@@ -226,7 +222,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void pv_vnni(
 }
 
 /* Scores, online softmax and the weighted sum of the values for one query tile; dr: the next
- * block's drip, asked for by the first tile (NULL for the others). */
+ * block's drip, asked for by the first tile (per 0 for the others). */
 AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t g0, const int gt, const char *kb,
     int64_t kline, const char *vb, const float *ks, const float *vs, int64_t nt, state_t *st, drip_t *dr) {
@@ -262,13 +258,12 @@ AVX512VNNI GQA_INTERNAL void block_dot_int8(const gqa_cache_t *cc, const float *
     drip_t next = drip_next(ENC_INT8, cc, st, cc->dk, kn, knline, vb, phys, nt, 0), *dr = &next;
     if (dr->per) dr->per = 1;
     for (int64_t g0 = 0; g0 < cc->g; g0 += TILE_G) {
-        drip_t *pf = dr;
         if (g0) dr->per = 0; /* asked for by the first tile */
         switch (cc->g - g0 >= TILE_G ? TILE_G : (int)(cc->g - g0)) {
-            case 4: tile_vnni(cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, pf); break;
-            case 3: tile_vnni(cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, pf); break;
-            case 2: tile_vnni(cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, pf); break;
-            default: tile_vnni(cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, pf); break;
+            case 4: tile_vnni(cc, qf, h, phys, g0, 4, kb, kline, vb, ks, vs, nt, st, dr); break;
+            case 3: tile_vnni(cc, qf, h, phys, g0, 3, kb, kline, vb, ks, vs, nt, st, dr); break;
+            case 2: tile_vnni(cc, qf, h, phys, g0, 2, kb, kline, vb, ks, vs, nt, st, dr); break;
+            default: tile_vnni(cc, qf, h, phys, g0, 1, kb, kline, vb, ks, vs, nt, st, dr); break;
         }
     }
     drip_rest(dr);

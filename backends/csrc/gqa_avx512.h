@@ -177,8 +177,8 @@ static inline __attribute__((always_inline)) drip_t drip_next(const int enc, con
 
 /* acc[g][j0 : j0 + 16 nv] += sum_t p[g][t] * value[t][j0 : ...] for a block: nv (at most 8)
  * registers of 16 channels per query head, gt x nv at most 16, all constants after inlining so
- * the accumulators stay in registers. Every row of every pass is a slot of the drip dr
- * (NULL: none). out (or NULL): the block is its heads' only one (st->out, a dense cache): the
+ * the accumulators stay in registers. Every row of every pass is a slot of the drip dr.
+ * out (or NULL): the block is its heads' only one (st->out, a dense cache): the
  * sums start at 0 in registers (acc_mem is not read) and end as the heads' output rows (gt rows
  * of d in the stream's dtype from out), finished as finish_rows_avx512 does: the same bits,
  * without clearing, storing and reading the accumulators again. */
@@ -191,10 +191,10 @@ AVX512 static inline __attribute__((always_inline)) void pv_avx512(
         for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_mem + g * d + j0 + 16 * i);
     for (int64_t t = 0; t < nt; t++) {
         const char *row = vb + (t * d + j0) * el;
-        if (dr) drip_slot(dr, 1);
+        drip_slot(dr, 1);
         __m512 vf[8];
         for (int i = 0; i < nv; i++) {
-            if (dr) drip_line(dr);
+            drip_line(dr);
             vf[i] = widen16(enc, row + 16 * i * el, 0xFFFF);
         }
         for (int g = 0; g < gt; g++) {
