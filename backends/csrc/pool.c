@@ -135,9 +135,6 @@ static void await_call(uint64_t seen) {
 
 static void *pool_worker(void *arg) {
     const int idx = (int)(intptr_t)arg; /* 1 .. started */
-    char name[16]; /* named for top -H, perf and /proc: else each is one more "python" */
-    snprintf(name, sizeof name, "gqa-pool-%d", idx);
-    pthread_setname_np(pthread_self(), name);
     pthread_mutex_lock(&pool.m);
     uint64_t seen = pool.start_gen; /* the generation before its first task, however late it runs */
     uint64_t alerted = pool.alert;
@@ -183,6 +180,12 @@ static void pool_start_locked(void) { /* call_lock held, no workers running */
     pool.nallowed = sched_getaffinity(0, sizeof pool.allowed, &pool.allowed) ? 0 : CPU_COUNT(&pool.allowed);
     for (int i = 0; i < want && i < MAX_THREADS - 1; i++) {
         if (pthread_create(&pool.tids[i], NULL, pool_worker, (void *)(intptr_t)(i + 1))) break; /* fewer: still correct */
+        /* named for top -H, perf and /proc (else each is one more "python"), by the thread that
+         * starts it: named by itself, a worker that had not run yet when a call ended (it finds
+         * the items taken) was still "python" after that call */
+        char name[16];
+        snprintf(name, sizeof name, "gqa-pool-%d", i + 1);
+        pthread_setname_np(pool.tids[i], name);
         pool.started = i + 1;
     }
 }
