@@ -502,20 +502,32 @@ def test_decode_step_reply_short_varints_are_the_wire_encoding():
         assert _varint(n) == varint(n), n
 
 
-@pytest.mark.parametrize("rid", [0, 1, 2**63 + 5])
-@pytest.mark.parametrize("layer", [0, 7])
+# a step's numbers (tokens_seen, resident, first, last, rollback reach, compute_ns): small ones, and
+# ones at and past the edges of the varint table (2^14) and of the three-byte writer (2^21)
+_REPLY_NUMBERS = [
+    (300, 5, 295, 299, 4, 123_456),
+    (1, 1, 0, 0, 1, 0),
+    (2**14, 2**14 - 1, 1, 2**14 - 1, 2**14, 2**14 - 1),
+    (2**21 + 3, 2**21, 3, 2**21 + 2, 2**21 - 1, 2**40 + 9),
+]
+
+
+@pytest.mark.parametrize("rid", [0, 1, 2**14, 2**63 + 5])
+@pytest.mark.parametrize("layer", [0, 7, 2**14 + 1])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("evicted", [0, 3])
-def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dtype, evicted):
+@pytest.mark.parametrize("evicted", [0, 3, 2**14])
+@pytest.mark.parametrize("numbers", _REPLY_NUMBERS, ids=lambda n: f"T{n[0]}")
+def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dtype, evicted, numbers):
     """The step reply the servicer encodes itself (around the output's bytes) is upb's message."""
     from backends.contract import StepOutcome
     from service.engine.report import StepReport
     from service.engine.tensors import NAME_TO_DTYPE
     from service.transport.decode_step import StepReply
 
+    t, resident, first, last, reach, compute_ns = numbers
     out = torch.randn(2, 4, 8).to(dtype)
-    outcome = StepOutcome(out, 300, 5, 295, 299, evicted, 512, 0)
-    report = StepReport(outcome, 123_456, 4)
+    outcome = StepOutcome(out, t, resident, first, last, evicted, 512, 0)
+    report = StepReport(outcome, compute_ns, reach)
     enum = NAME_TO_DTYPE[str(dtype)[6:]]
     raw = StepReply(rid, layer, (2, 4, 8), enum, out.numel() * out.element_size())(report, 0.0)
     want = gqa_pb2.DecodeResponse(request_id=rid)
@@ -523,9 +535,9 @@ def test_decode_step_reply_bytes_parse_to_the_message_upb_builds(rid, layer, dty
     r.status.SetInParent()
     r.layer = layer
     r.output.CopyFrom(to_proto(out))
-    r.tokens_seen, r.resident, r.first_position, r.last_position = 300, 5, 295, 299
+    r.tokens_seen, r.resident, r.first_position, r.last_position = t, resident, first, last
     r.evicted, r.evicted_tokens = evicted > 0, evicted
-    r.compute_ns, r.rollback_reach = 123_456, 4
+    r.compute_ns, r.rollback_reach = compute_ns, reach
     got = gqa_pb2.DecodeResponse.FromString(raw)
     assert got == want and got.step.HasField("status")
     assert len(raw) == want.ByteSize()

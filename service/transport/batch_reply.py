@@ -19,7 +19,7 @@ from ..engine.plane import FIELDS, StepResult
 from ..errors import ServiceError
 from ..vocab import TORCH_TO_DTYPE
 from . import bytes_in_place
-from .wire import packed_varints, tensor_field_head, varint
+from .wire import SMALL_VARINTS, packed_varints, tensor_field_head, varint
 
 __all__ = ["OK", "status", "sequence_refusal", "step_reply_bytes", "StepReply"]
 
@@ -48,12 +48,11 @@ _TAG_REFUSAL = b"\x52"  # BatchStepResult.refusals = 10
 _TAG_COMPUTE = b"\x58"  # BatchStepResult.compute_ns = 11 (varint)
 
 
-# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: a reply's per-sequence fields
-# of a session whose counts are below it are joined from this table by a C loop (``map``)
-# rather than by a dozen numpy calls, which cost more than the work for a few sequences and
-# far more when the step arrives with the caches cold.
-_SMALL = 1 << 14
-_VARINTS = [varint(i) for i in range(_SMALL)]
+# A reply's per-sequence fields of a session whose counts are below 2^14 are joined from the
+# table of their varints by a C loop (``map``) rather than by a dozen numpy calls, which cost
+# more than the work for a few sequences and far more when the step arrives with the caches cold.
+_VARINTS = SMALL_VARINTS
+_SMALL = len(_VARINTS)
 
 
 def _packed_fields(fields) -> list[bytes]:

@@ -16,7 +16,7 @@ from ..engine.report import StepReport, classify_step_error
 from ..engine.tensors import from_proto
 from ..errors import InvalidArgument, ServiceError
 from ..vocab import NAME_TO_DTYPE, TORCH_DTYPES
-from .wire import DecodeStepLayout, tensor_field_head, varint
+from .wire import SMALL_VARINTS, DecodeStepLayout, tensor_field_head, varint
 
 __all__ = ["StepShape", "StepReply", "step_refusal", "step_input_error"]
 
@@ -65,16 +65,16 @@ def output_field(shape: tuple[int, ...], dtype: int, nbytes: int) -> bytes:
     return tensor_field_head(b"\x1a", dtype, shape, nbytes)
 
 
-_ONE_BYTE = [bytes((i,)) for i in range(0x80)]
+_VARINTS = SMALL_VARINTS
+_SMALL = len(_VARINTS)
 
 
 def _varint(n: int) -> bytes:
-    """``wire.varint`` for the non-negative ints of a step's numbers, the short ones without a loop."""
-    if n < 0x80:
-        return _ONE_BYTE[n]
-    if n < 0x4000:
-        return bytes(((n & 0x7F) | 0x80, n >> 7))
-    if n < 0x200000:  # a reply's length, compute_ns up to 2 ms
+    """``wire.varint`` for the non-negative ints of a step's numbers: the table's below 2^14,
+    three bytes without a loop below 2^21 (a reply's length, compute_ns up to 2 ms)."""
+    if n < _SMALL:
+        return _VARINTS[n]
+    if n < 0x200000:
         return bytes(((n & 0x7F) | 0x80, ((n >> 7) & 0x7F) | 0x80, n >> 14))
     return varint(n)
 
@@ -85,16 +85,15 @@ class StepReply:
     (tests/test_service.py checks the bytes parse to what upb builds). ``encode`` takes the
     step's numbers (``backends.batch_bytes``: tokens_seen, resident, first and last position,
     evicted tokens, rollback reach) and output bytes; calling it takes a ``StepReport`` or a
-    refusal. A refusal is a message (rare: upb builds it)."""
+    refusal. A refusal is a message (rare: upb builds it). One is made per step, so it only
+    keeps what it is given; ``encode`` writes every field, the numbers below 2^14 looked up
+    rather than encoded by a call."""
 
-    __slots__ = ("rid", "layer", "output_field", "nbytes", "head_fields", "rid_field")
+    __slots__ = ("rid", "layer", "output_field", "nbytes")
 
     def __init__(self, rid: int, layer: int, shape: tuple[int, ...], dtype: int, nbytes: int, field: bytes = b""):
         self.rid, self.layer, self.nbytes = rid, layer, nbytes
         self.output_field = field or output_field(shape, dtype, nbytes)
-        # status (present, OK) and the layer; the request id and the step field's tag
-        self.head_fields = b"\x0a\x00" + (b"\x10" + _varint(layer) if layer else b"")
-        self.rid_field = b"\x08" + _varint(rid) + b"\x1a" if rid else b"\x1a"
 
     def __call__(self, value: StepReport | ServiceError, queue_seconds: float):
         if isinstance(value, ServiceError):
@@ -109,26 +108,35 @@ class StepReply:
 
     def encode(self, fields, compute_ns: int, output) -> bytes:
         t, resident, first, last, evicted, reach = fields
-        v = _varint
+        v, small, layer = _VARINTS, _SMALL, self.layer
         # StepResult: status = 1 (present, OK), layer = 2, output = 3, tokens_seen = 4,
         # resident = 5, first_position = 6, last_position = 7, evicted = 8, evicted_tokens = 9,
         # compute_ns = 10, rollback_reach = 11; zeros omitted as proto3 does. After a step
         # tokens_seen and resident are at least 1.
-        parts = [self.head_fields, b"\x20", v(t), b"\x28", v(resident)]
+        parts = [
+            b"\x0a\x00\x10" + (v[layer] if layer < small else _varint(layer)) if layer else b"\x0a\x00",
+            b"\x20",
+            v[t] if t < small else _varint(t),
+            b"\x28",
+            v[resident] if resident < small else _varint(resident),
+        ]
         if first:
-            parts += (b"\x30", v(first))
+            parts += (b"\x30", v[first] if first < small else _varint(first))
         if last:
-            parts += (b"\x38", v(last))
+            parts += (b"\x38", v[last] if last < small else _varint(last))
         if evicted > 0:
-            parts += (b"\x40\x01\x48", v(evicted))
+            parts += (b"\x40\x01\x48", v[evicted] if evicted < small else _varint(evicted))
         if compute_ns:
-            parts += (b"\x50", v(compute_ns))
+            parts += (b"\x50", v[compute_ns] if compute_ns < small else _varint(compute_ns))
         if reach:
-            parts += (b"\x58", v(reach))
+            parts += (b"\x58", v[reach] if reach < small else _varint(reach))
         parts.append(self.output_field)
         body = b"".join(parts)
-        # DecodeResponse: request_id = 1, step = 3
-        head = self.rid_field + v(len(body) + self.nbytes)
+        # DecodeResponse: request_id = 1 (omitted when 0), step = 3
+        rid = self.rid
+        head = b"\x1a" + _varint(len(body) + self.nbytes)
+        if rid:
+            head = b"\x08" + (v[rid] if rid < small else _varint(rid)) + head
         if not self.nbytes:
             return head + body
         return b"".join((head, body, output))

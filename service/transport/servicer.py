@@ -199,11 +199,14 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         reads it field by field; anything else is parsed."""
         found = shape.layout.locate(raw)
         if found is not None:
-            return [await session.computing(self._step_raw(stream, shape, raw, *found))]
-        fast = read_decode_step(raw)
-        if fast is not None:
-            return [await session.computing(self._step(stream, shape, fast[1], fast[0]))]
-        return await self._handle(session, stream, shape, _parse(raw))
+            future = self._step_raw(stream, shape, raw, *found)
+        else:
+            fast = read_decode_step(raw)
+            if fast is None:
+                return await self._handle(session, stream, shape, _parse(raw))
+            future = self._step(stream, shape, fast[1], fast[0])
+        # a step computed where it was placed is answered without a turn through the session
+        return [future.result() if future.done() else await session.computing(future)]
 
     def _stream_config(self, request: gqa_pb2.OpenStream):
         if request.dtype and request.dtype not in DTYPE_NAMES:

@@ -32,6 +32,7 @@ __all__ = [
     "BatchStepLayout",
     "varint",
     "packed_varints",
+    "SMALL_VARINTS",
 ]
 
 _U64 = (1 << 64) - 1
@@ -76,6 +77,13 @@ def varint(n: int) -> bytes:
         n >>= 7
     out.append(n)
     return bytes(out)
+
+
+# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: the reply writers look a
+# number below it up instead of encoding it (a lone stream's step runs its Python with the
+# caches cold, where a call more per number shows; docs/design.md, "A lone Decode stream's
+# step, call by call").
+SMALL_VARINTS = [varint(i) for i in range(1 << 14)]
 
 
 def tensor_field_head(tag: bytes, dtype: int, shape, nbytes: int) -> bytes:
