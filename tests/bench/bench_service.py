@@ -5,8 +5,8 @@
 - service: the gqa-serve server (its own process, default settings, metrics on as deployed), CPU backend,
   float32, Hq=32, Hkv=8, D=128, a stream whose layer holds S cached tokens (S=1: empty start;
   S=2048: a strict window of 2049 prefilled with 2048 tokens, so every step attends S+1 keys).
-  The process counts its batches (``EngineObserver.batch_done``) into a stats file, which gives
-  each cell's mean batch size.
+  Each cell's mean batch size is read from its own metrics (``gqa_batch_size``, between cells):
+  the server runs nothing of the benchmark's.
 
 Clients are grpc.aio streams in this process, each closed-loop (send, wait, send). Reported:
 p50/p99 round trip, steps/s, each server's CPU time a step (all its threads; the clients share
@@ -35,6 +35,7 @@ import asyncio
 import os
 import subprocess
 import time
+import urllib.request
 
 import grpc
 import torch
@@ -143,15 +144,11 @@ asyncio.run(main())
 
 
 SERVICE_SERVER = r"""
-import asyncio, os, sys, threading, time
+import asyncio, sys
 from service.config import from_args
-from service.engine.engine import EngineObserver
 from service.server import Server
 
-STATS = sys.argv[1]
-counts = [0, 0]  # batches, steps
-
-if sys.argv[2:] == ["stub"]:  # the ablation: every step's computation replaced by a stored result
+if sys.argv[1:] == ["stub"]:  # the ablation: every step's computation replaced by a stored result
     import backends.batch_bytes  # the batcher's entry for steps read from the wire
     computed = {}
     real = backends.batch_bytes.step_bytes
@@ -163,25 +160,9 @@ if sys.argv[2:] == ["stub"]:  # the ablation: every step's computation replaced 
 
     backends.batch_bytes.step_bytes = stub
 
-class Counting(EngineObserver):
-    def batch_done(self, backend, dtype, size):
-        counts[0] += 1
-        counts[1] += size
-
-def dump():
-    written = None
-    while True:
-        if counts != written:
-            written = list(counts)
-            with open(STATS + ".tmp", "w") as f:
-                f.write(f"{written[0]} {written[1]}")
-            os.replace(STATS + ".tmp", STATS)
-        time.sleep(0.1)
-
 async def main():
-    server = Server(from_args(None), observer=Counting())
+    server = Server(from_args(None))
     await server.start()
-    threading.Thread(target=dump, daemon=True).start()
     print("ready", flush=True)
     await server.wait()
 
@@ -195,9 +176,8 @@ def start(kind: str, tmpdir: str) -> tuple[subprocess.Popen, str]:
         with open(reply, "wb") as f:
             f.write(reply_bytes())
         return start_server(["-c", ECHO_SERVER, reply])
-    os.makedirs(os.path.join(tmpdir, kind), exist_ok=True)
     return start_server(
-        ["-c", SERVICE_SERVER, os.path.join(tmpdir, kind, "stats"), *(["stub"] if kind == "stub" else [])],
+        ["-c", SERVICE_SERVER, *(["stub"] if kind == "stub" else [])],
         metrics=True,  # as deployed
     )
 
@@ -273,15 +253,23 @@ def _medians(rounds: list[dict]) -> dict:
     return {k: spread([r[k] for r in rounds])[0] for k in rounds[0]}
 
 
-def batch_counts(tmpdir: str) -> tuple[int, int]:
-    """(batches, steps) the service has computed so far (its stats file, 100 ms fresh)."""
-    time.sleep(0.25)
+def batch_counts(proc) -> tuple[int, int]:
+    """(batches, steps) the service (``start_server``'s process, metrics on) has computed so far:
+    its own ``gqa_batch_size`` histogram's count and sum, every series, read from its /metrics
+    between cells. Nothing of the benchmark's runs inside the server: an observer of its own
+    there (with a thread writing the counts out) cost a lone stream's step 7% of the server's CPU
+    and 6% of its round trip (docs/design.md, forty-second session)."""
+    batches = steps = 0.0
     try:
-        with open(os.path.join(tmpdir, "service", "stats")) as f:
-            batches, steps = f.read().split()
-        return int(batches), int(steps)
+        with urllib.request.urlopen(f"http://127.0.0.1:{proc.metrics_port}/metrics", timeout=10) as page:
+            for line in page.read().decode().splitlines():
+                if line.startswith("gqa_batch_size_count{"):
+                    batches += float(line.rsplit(" ", 1)[1])
+                elif line.startswith("gqa_batch_size_sum{"):
+                    steps += float(line.rsplit(" ", 1)[1])
     except (OSError, ValueError):
         return 0, 0
+    return int(batches), int(steps)
 
 
 def in_process_step_seconds(s: int, threads: int) -> float:
@@ -324,7 +312,7 @@ def run(report) -> None:
                 local[s] = in_process_step_seconds(s, ServerConfig().torch_threads)
                 report.add(S=s, in_process_step_us=local[s] * 1e6)
                 for c in CONCURRENCY:
-                    before = batch_counts(tmp)
+                    before = batch_counts(procs["service"][0])
                     if s == 1 and c in (1, 64):
                         kinds, rounds = ("echo", "service", "stub"), ROUNDS
                     else:
@@ -334,7 +322,7 @@ def run(report) -> None:
                         for kind in kinds:
                             proc, address = procs[kind]
                             per_round[kind].append(loop.run_until_complete(drive(address, s, c, proc.pid)))
-                    after = batch_counts(tmp)
+                    after = batch_counts(procs["service"][0])
                     batches = after[0] - before[0]
                     for kind in kinds:
                         results[(kind, s, c)] = _medians(per_round[kind])
