@@ -79,10 +79,9 @@ def varint(n: int) -> bytes:
     return bytes(out)
 
 
-# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: the reply writers look a
-# number below it up instead of encoding it (a lone stream's step runs its Python with the
-# caches cold, where a call more per number shows; docs/design.md, "A lone Decode stream's
-# step, call by call").
+# The varints of 0 .. 2^14 - 1 (one and two bytes), built once: both reply writers look a
+# number below it up instead of encoding it by a call (docs/design.md, "Where a Decode step's
+# time goes beside the echo server's").
 SMALL_VARINTS = [varint(i) for i in range(1 << 14)]
 
 
