@@ -218,3 +218,26 @@ def test_the_separate_plane_note_says_how_near_its_floor_the_batched_call_must_r
     assert "4.4x the floor" in near and "plane/floor <= 1.10x (it is 2.00x)" in near, near
     (far,) = _reach_note(times(2.0, 3.0, 1.0))
     assert "faster than moving its bytes once" in far, far
+
+
+@pytest.mark.slow
+def test_the_service_ab_probe_compares_its_variants(tmp_path):
+    """tests/bench/service_ab.py (a probe, not in `make bench`): a line per variant, every figure
+    positive, the first variant's ratios 1; a file variant's file runs in its server; a variant
+    that names nothing is refused before any server starts."""
+    from tests.bench import service_ab
+
+    marker = tmp_path / "ran"
+    patch = tmp_path / "patch.py"
+    patch.write_text(f"open({str(marker)!r}, 'w').write('yes')\n")
+    lines = service_ab.compare(["same", f"file:{patch}"], rounds=2, steps=10)
+    assert len(lines) == 3 and lines[0].startswith("1 stream(s) at S=1, 2 rounds of 10 steps"), lines
+    assert lines[1].startswith("same: ") and lines[1].count("(1 [1-1])") == 3, lines[1]
+    number = r"([0-9.]+(?:e[+-]?[0-9]+)?)"
+    m = re.fullmatch(
+        rf"file:\S+: server CPU {number} us a step \(.+\), {number} steps/s \(.+\), p50 {number} us \(.+\)", lines[2]
+    )
+    assert m and all(float(x) > 0 for x in m.groups()), lines[2]
+    assert marker.read_text() == "yes"
+    with pytest.raises(SystemExit, match="is not same"):
+        service_ab.compare([f"dir:{tmp_path / 'absent'}", "same"], rounds=1, steps=1)

@@ -212,10 +212,10 @@ async def run_steps(
     return len(times)
 
 
-async def drive(address: str, s: int, concurrency: int, pid: int | None = None) -> dict:
+async def drive(address: str, s: int, concurrency: int, pid: int | None = None, steps: int | None = None) -> dict:
     """One cell's round: ``concurrency`` streams opened (and a warm-up one), then their steps
-    timed; ``server_cpu_us``: the CPU time process ``pid`` (the server) spent a step while they
-    ran (NaN without ``pid``)."""
+    timed (``steps`` each, ``STEPS[concurrency]`` unless given); ``server_cpu_us``: the CPU time
+    process ``pid`` (the server) spent a step while they ran (NaN without ``pid``)."""
     opening = open_bytes(s)
     requests = [step_bytes(i) for i in range(8)]
     options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.max_send_message_length", 64 << 20)]
@@ -230,7 +230,7 @@ async def drive(address: str, s: int, concurrency: int, pid: int | None = None) 
         cpu = process_cpu_seconds(pid) if pid else 0.0
         t0 = time.perf_counter()
         counts = await asyncio.gather(
-            *(run_steps(call, requests, STEPS[concurrency], latencies, deadline, computes) for call in calls)
+            *(run_steps(call, requests, steps or STEPS[concurrency], latencies, deadline, computes) for call in calls)
         )
         wall = time.perf_counter() - t0
         cpu = process_cpu_seconds(pid) - cpu if pid else float("nan")

@@ -529,15 +529,18 @@ def hot_rounds(
 # -- servers in their own processes, on loopback ------------------------------------------------
 
 
-def start_server(args: list[str], *, metrics: bool = False) -> tuple[subprocess.Popen, str]:
-    """``python *args`` in its own process, serving on a free loopback port it reads from
-    ``GQA_ADDRESS`` (warnings only, as gqa-serve reads them), and its address once it accepts
-    calls; stop it with ``stop_server``. Metrics off, or with ``metrics`` on as deployed
-    (recorded, and served on another free port: ``proc.metrics_port``, 0 when off)."""
+def start_server(
+    args: list[str], *, metrics: bool = False, cwd: str | None = None, env: dict | None = None
+) -> tuple[subprocess.Popen, str]:
+    """``python *args`` in its own process (in ``cwd``, with ``env`` added to this one's),
+    serving on a free loopback port it reads from ``GQA_ADDRESS`` (warnings only, as gqa-serve
+    reads them), and its address once it accepts calls; stop it with ``stop_server``. Metrics
+    off, or with ``metrics`` on as deployed (recorded, and served on another free port:
+    ``proc.metrics_port``, 0 when off)."""
     address = f"127.0.0.1:{free_port()}"
     metrics_port = str(free_port()) if metrics else "0"
-    env = dict(os.environ, GQA_ADDRESS=address, GQA_METRICS_PORT=metrics_port, GQA_LOG_LEVEL="WARNING")
-    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL)
+    env = dict(os.environ, **(env or {}), GQA_ADDRESS=address, GQA_METRICS_PORT=metrics_port, GQA_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, *args], env=env, stdout=subprocess.DEVNULL, cwd=cwd)
     proc.metrics_port = int(metrics_port)
     try:
         with grpc.insecure_channel(address) as channel:
