@@ -324,6 +324,39 @@ def test_a_step_batched_on_the_loop_after_stop_is_refused_and_changes_nothing(mo
         engine.stop()
 
 
+def test_only_a_step_sent_to_the_workers_is_announced_as_queued(monkeypatch):
+    """``submit_step``'s ``queued`` (what makes a Decode session read ahead) is called for a
+    step that goes to the compute workers, and not for one computed at once or in the loop's
+    batch: those are answered by the loop's next turn, with nothing to overlap."""
+    monkeypatch.setattr(placement, "CONCURRENT_WINDOW_S", 60.0)  # as above: "with others", untimed
+    engine = Engine(dataclasses.replace(BASE, inline_step_bytes=10**6))
+    try:
+        config = engine.stream_config(
+            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+            num_layers=1, policy="strict", window=4, capacity=0, sink_tokens=0,
+        )  # fmt: skip
+        a, b, c = engine.open(config), engine.open(config), engine.open(config)
+        g = torch.Generator().manual_seed(6)
+        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        announced = []
+
+        async def run():
+            here = engine.submit_step(a, 0, *x, queued=lambda: announced.append("a"))  # alone
+            soon = engine.submit_step(b, 0, *x, queued=lambda: announced.append("b"))  # the loop's batch
+            assert here.done() and not soon.done() and announced == []
+            # every step to the workers (the placement reads the option at every step)
+            engine.placement.config = dataclasses.replace(engine.config, inline_step_bytes=0)
+            queued = engine.submit_step(c, 0, *x, queued=lambda: announced.append("c"))
+            assert announced == ["c"]
+            return await here, await soon, await queued
+
+        results = asyncio.run(run())
+        assert [r.outcome.tokens_seen for r in results] == [1, 1, 1]
+        assert announced == ["c"]
+    finally:
+        engine.stop()
+
+
 def test_a_batch_message_runs_on_the_loop_beside_another_sessions_work():
     """A Batch session's short message runs on the event loop (``Placement.message``) even
     while another session's message computes on a worker: with 4 sessions, one message sent

@@ -45,7 +45,7 @@ from ..errors import (
 )
 from ..vocab import TORCH_DTYPES
 from .batcher import Batcher, PendingJob, PendingStep
-from .placement import Placement
+from .placement import HERE, QUEUED, Placement
 from .plane import SequenceSet, SetShape
 from .report import EngineObserver, StepReport
 from .stream import Activity, Admission, Stream, StreamConfig, build_caches, validate_config
@@ -400,13 +400,15 @@ class Engine:
         received: float | None = None,
         reply=None,
         raw=None,
+        queued: Callable[[], None] | None = None,
     ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
         itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
         (checked by the caller), or, with ``raw``, spans of one buffer (``PendingStep.raw``:
         then ``reply.encode`` builds the answer); a closed stream or a layer out of range
-        raise at once."""
+        raise at once. ``queued`` is called when the step goes to the compute workers (not
+        computed on the loop, at once or at its next turn): what a caller may overlap with it."""
         if stream.closed:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
@@ -423,8 +425,11 @@ class Engine:
             reply,
             raw=raw,
         )
-        if self.placement.step(pending):
+        where = self.placement.step(pending)
+        if where == HERE:
             future.set_result(pending.result)
+        elif where == QUEUED and queued is not None:
+            queued()
         return future
 
     def close(self, stream: Stream, reason: str = "closed") -> bool:

@@ -8,7 +8,11 @@ from __future__ import annotations
 from ..config import ServerConfig
 from .batcher import Batcher, PendingJob, PendingStep
 
-__all__ = ["Placement"]
+__all__ = ["Placement", "HERE", "SOON", "QUEUED"]
+
+# Where Placement.step sent a step: computed already, in the loop's batch at its next turn, or
+# queued for the compute workers (the only place worth reading a stream's next request ahead).
+HERE, SOON, QUEUED = 0, 1, 2
 
 # Steps of different streams submitted closer together than this count as concurrent.
 CONCURRENT_WINDOW_S = 1e-3
@@ -58,26 +62,27 @@ class Placement:
         self.batcher.submit(job)
         return False
 
-    def step(self, pending: PendingStep) -> bool:
-        """Places a Decode step; True when it already ran here (``pending.result`` is set). A
-        step runs at once when its stream steps alone (no other step queued or computing, no
-        other stream's step within ``CONCURRENT_WINDOW_S``) and reads under
-        ``ALONE_STEP_BYTES``, as a lone Batch session's message does; else a small one in the
-        loop's batch at its next turn (at most ``LOOP_BATCH_STEPS`` x --inline-step-bytes of
-        cache a turn), a larger one on the workers."""
+    def step(self, pending: PendingStep) -> int:
+        """Places a Decode step: ``HERE`` when it already ran here (``pending.result`` is set),
+        ``SOON`` in the loop's batch, ``QUEUED`` on the workers. A step runs at once when its
+        stream steps alone (no other step queued or computing, no other stream's step within
+        ``CONCURRENT_WINDOW_S``) and reads under ``ALONE_STEP_BYTES``, as a lone Batch
+        session's message does; else a small one in the loop's batch at its next turn (at most
+        ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn), a larger one on the
+        workers."""
         stream, cache = pending.stream, pending.cache
         alone = self._alone(stream, pending.received)
         inline = self.config.inline_step_bytes
         if not inline:
             self.batcher.submit(pending)
-            return False
+            return QUEUED
         cost = (cache.resident_length + 1) * cache.row_bytes
         if alone and cost < ALONE_STEP_BYTES and self.batcher.run_inline(pending):
-            return True
+            return HERE
         if cost < inline and self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
-            return False
+            return SOON
         self.batcher.submit(pending)
-        return False
+        return QUEUED
 
     def _alone(self, owner: object, now: float) -> bool:
         """Whether ``owner`` (a stream or a Batch session) steps alone: the last step placed was

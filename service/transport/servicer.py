@@ -199,12 +199,12 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         reads it field by field; anything else is parsed."""
         found = shape.layout.locate(raw)
         if found is not None:
-            future = self._step_raw(stream, shape, raw, *found)
+            future = self._step_raw(session, stream, shape, raw, *found)
         else:
             fast = read_decode_step(raw)
             if fast is None:
                 return await self._handle(session, stream, shape, _parse(raw))
-            future = self._step(stream, shape, fast[1], fast[0])
+            future = self._step(session, stream, shape, fast[1], fast[0])
         # a step computed where it was placed is answered without a turn through the session
         return [future.result() if future.done() else await session.computing(future)]
 
@@ -319,7 +319,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         kind = request.WhichOneof("kind")
         rid = request.request_id
         if kind == "step":
-            return [await session.computing(self._step(stream, shape, request.step, rid))]
+            return [await session.computing(self._step(session, stream, shape, request.step, rid))]
         if kind == "rollback":
             return [self._rollback(stream, request.rollback, rid)]
         if kind == "snapshot":
@@ -346,7 +346,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
             ]
         return [gqa_pb2.DecodeResponse(request_id=rid, snapshot=chunk) for chunk in chunks]
 
-    def _step(self, stream: Stream, shape: StepShape, step, rid: int) -> asyncio.Future:
+    def _step(self, session: StreamSession, stream: Stream, shape: StepShape, step, rid: int) -> asyncio.Future:
         """Integer checks here; tensors, compute and the reply message where the step computes.
         The future of the reply (answered already when refused here or computed at once)."""
         received = time.perf_counter()
@@ -362,6 +362,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
                 step.new_value.data,
                 received=received,
                 reply=shape.reply(rid, layer),
+                queued=session.step_queued,
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
@@ -369,7 +370,7 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         return future
 
     def _step_raw(
-        self, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int
+        self, session: StreamSession, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int
     ) -> asyncio.Future:
         """A step in the stream's layout (its dtype and shapes checked by the layout): its
         tensors go to the worker as offsets into ``raw``."""
@@ -377,7 +378,15 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         spans = (raw, q_at, q_at + shape.layout.k_from_q, q_at + shape.layout.v_from_q)
         try:
             future = self.engine.submit_step(
-                stream, layer, None, None, None, received=received, reply=shape.reply(rid, layer), raw=spans
+                stream,
+                layer,
+                None,
+                None,
+                None,
+                received=received,
+                reply=shape.reply(rid, layer),
+                raw=spans,
+                queued=session.step_queued,
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)

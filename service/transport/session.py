@@ -87,6 +87,7 @@ class StreamSession:
         self._reading = False  # the handler waits in its own read
         self._cut_read = False  # ... and a forced close cancelled it out of that read
         self._computing = False  # the handler waits for a step computing on the workers
+        self._ahead = False  # ... and the step it is about to wait for went to them
         self._loop = asyncio.get_running_loop()
         self._task = asyncio.current_task()
         self._reader: asyncio.Task | None = None  # reading ahead; None when no read is in flight
@@ -128,12 +129,21 @@ class StreamSession:
         self._touch()
         return EOF if request is self._end else request
 
+    def step_queued(self) -> None:
+        """The step about to be awaited went to the compute workers (``Engine.submit_step``'s
+        ``queued``): ``computing`` reads ahead while it waits for it."""
+        self._ahead = True
+
     async def computing(self, future: asyncio.Future):
         """``await future`` (a step's answer), reading ahead meanwhile if the step computes on
-        the workers: one turn of the loop later it is either answered (computed on the loop)
-        or still computing elsewhere."""
+        the workers (``step_queued``; a step in the loop's batch is answered at the loop's
+        next turn, with nothing to overlap): one turn later, if it is still computing."""
         if future.done():
+            self._ahead = False
             return future.result()
+        if not self._ahead:
+            return await future
+        self._ahead = False
         self._computing = True
         self._loop.call_soon(self._read_ahead_for, future)
         try:
