@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import random
 import threading
+import time
 
 import grpc
 import pytest
@@ -357,6 +358,73 @@ def test_only_a_step_sent_to_the_workers_is_announced_as_queued(monkeypatch):
         engine.stop()
 
 
+def test_a_lone_raw_step_is_answered_at_once_and_a_busy_batcher_gets_a_future(monkeypatch):
+    """``Engine.step_raw`` (a Decode step read from the wire): a lone stream's step comes back
+    as its reply, computed on the calling thread with no future (the same bits as the tensor
+    step of a twin stream); a step the kernel refuses (no room under policy none) is answered
+    with its refusal at once, its cache as it was; while a step computes on a worker, the next
+    stream's comes back as a future, answered by the loop's batch."""
+    from service.api import gqa_pb2
+    from service.transport.decode_step import StepShape
+
+    monkeypatch.setattr(placement, "CONCURRENT_WINDOW_S", 0.0)  # alone unless the batcher is busy
+    engine = Engine(dataclasses.replace(BASE, workers=1, inline_step_bytes=10**6))
+    try:
+
+        def config(**policy):
+            return engine.stream_config(
+                backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+                num_layers=1, sink_tokens=0, **{"policy": "strict", "window": 6, "capacity": 0, **policy},
+            )  # fmt: skip
+
+        g = torch.Generator().manual_seed(7)
+        lone, twin, late, blocker = (engine.open(config()) for _ in range(4))
+        full = engine.open(
+            config(policy="none", capacity=2),
+            prefill={0: (torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g))},
+        )
+        before = full.caches[0].tokens_seen, *full.caches[0].export()
+        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        data = b"".join(t.numpy().tobytes() for t in x)
+        spans = (data, 0, x[0].nbytes, x[0].nbytes + x[1].nbytes)
+        shape = StepShape(lone)
+        want = twin.step(0, *x).outcome.output
+
+        async def alone():
+            answered = engine.step_raw(lone, 0, spans, shape.reply(9, 0), received=time.perf_counter())
+            refused = engine.step_raw(full, 0, spans, shape.reply(10, 0), received=time.perf_counter())
+            return answered, refused
+
+        answered, refused = asyncio.run(alone())
+        assert isinstance(answered, bytes)
+        got = gqa_pb2.DecodeResponse.FromString(answered)
+        assert got.request_id == 9 and got.step.status.code == 0 and got.step.tokens_seen == 1
+        assert torch.equal(from_proto(got.step.output, "output"), want)
+        assert refused.request_id == 10 and refused.step.status.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        after = full.caches[0].tokens_seen, *full.caches[0].export()
+        assert before[0] == after[0] and torch.equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+        gate = _Gate(monkeypatch)
+
+        async def busy():
+            engine.placement.config = dataclasses.replace(engine.config, inline_step_bytes=0)  # to the worker
+            first = engine.submit_step(blocker, 0, *x)
+            await asyncio.get_running_loop().run_in_executor(None, gate.entered[0].wait, 10)
+            engine.placement.config = engine.config
+            later = engine.step_raw(late, 0, spans, shape.reply(11, 0), received=time.perf_counter())
+            assert isinstance(later, asyncio.Future) and not later.done()
+            gate.release[0].set()
+            gate.release[1].set()
+            await first
+            return await later
+
+        got = gqa_pb2.DecodeResponse.FromString(asyncio.run(busy()))
+        assert gate.calls == [1, 1]
+        assert got.request_id == 11 and torch.equal(from_proto(got.step.output, "output"), want)
+    finally:
+        engine.stop()
+
+
 def test_a_batch_message_runs_on_the_loop_beside_another_sessions_work():
     """A Batch session's short message runs on the event loop (``Placement.message``) even
     while another session's message computes on a worker: with 4 sessions, one message sent
@@ -448,11 +516,20 @@ def test_a_lone_sessions_slow_message_runs_on_the_loop_and_a_shared_one_on_a_wor
         engine.stop()
 
 
-@pytest.mark.parametrize("limit, at_once", [(1 << 30, True), (1, False)])
-def test_a_lone_streams_step_past_inline_step_bytes_runs_at_once_below_the_alone_limit(monkeypatch, limit, at_once):
-    """``Placement.step``: a lone Decode stream's step that reads more than --inline-step-bytes
-    runs at once on the loop while it reads under ``ALONE_STEP_BYTES``, else on a worker; both
-    compute the step."""
+# One row of the stream below is 128 bytes and its bound (a full layer and the new row) 2176:
+# under 1 << 30 the step's cost is not computed at all; 256 is under the bound, so the step's own
+# cost (one row) is computed and is under it; 1 is under any step.
+@pytest.mark.parametrize("limit, at_once", [(1 << 30, True), (256, True), (1, False)])
+@pytest.mark.parametrize("entry", ["submit_step", "step_raw"])
+def test_a_lone_streams_step_past_inline_step_bytes_runs_at_once_below_the_alone_limit(
+    monkeypatch, limit, at_once, entry
+):
+    """``Placement.decide``: a lone Decode stream's step that reads more than
+    --inline-step-bytes runs at once on the loop while it reads under ``ALONE_STEP_BYTES``, else
+    on a worker; both compute the step, given as tensors or read from the wire."""
+    from service.api import gqa_pb2
+    from service.transport.decode_step import StepShape
+
     monkeypatch.setattr(placement, "ALONE_STEP_BYTES", limit)
     engine = Engine(dataclasses.replace(BASE, inline_step_bytes=1))  # every step past it
     try:
@@ -461,16 +538,24 @@ def test_a_lone_streams_step_past_inline_step_bytes_runs_at_once_below_the_alone
             num_layers=1, policy="none", window=0, capacity=16, sink_tokens=0,
         )  # fmt: skip
         stream = engine.open(config)
+        assert stream.caches[0].row_bytes == 128 and stream.step_bytes_bound == 17 * 128
         g = torch.Generator().manual_seed(6)
         x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        data = b"".join(t.numpy().tobytes() for t in x)
 
         async def run():
-            step = engine.submit_step(stream, 0, *x)
-            done = step.done()
-            return done, await step
+            if entry == "submit_step":
+                step = engine.submit_step(stream, 0, *x)
+                done = step.done()
+                return done, (await step).outcome.tokens_seen
+            spans = (data, 0, x[0].nbytes, x[0].nbytes + x[1].nbytes)
+            answer = engine.step_raw(stream, 0, spans, StepShape(stream).reply(1, 0), received=time.perf_counter())
+            done = not isinstance(answer, asyncio.Future)
+            raw = answer if done else await answer
+            return done, gqa_pb2.DecodeResponse.FromString(raw).step.tokens_seen
 
-        done, report = asyncio.run(run())
+        done, tokens_seen = asyncio.run(run())
         assert done is at_once
-        assert report.outcome.tokens_seen == 1 and stream.caches[0].tokens_seen == 1
+        assert tokens_seen == 1 and stream.caches[0].tokens_seen == 1
     finally:
         engine.stop()

@@ -168,6 +168,40 @@ class Batcher:
         self._run([step], "an inline step")
         return True
 
+    def compute_here(self, stream: "Stream", layer: int, cache: LayerCache, raw: tuple, reply, received: float):
+        """A lone stream's step read from the wire (``PendingStep.raw``, ``reply`` with its
+        ``encode``) computed on the calling thread now, as ``run_inline`` would, with no
+        ``PendingStep``, future or batch around it: its answer, or None (nothing done) when a
+        step is queued or computing, or after ``stop``."""
+        key = id(stream)
+        with self._lock:
+            if self._queue or self._in_flight or self._stopped:
+                return None
+            self._in_flight = 1
+            self._running.add(key)
+        t0 = time.perf_counter_ns()
+        try:
+            done = batch_bytes.step_bytes([batch_bytes.ByteStep(cache, *raw)])
+            compute_ns = time.perf_counter_ns() - t0
+            answer = self._span_answer(
+                done, 0, stream, layer, cache, reply, received, t0 * 1e-9, compute_ns, done.output
+            )
+            if answer.__class__ is not _Refused:
+                self.observer.batch_done(stream.config.backend, stream.config.dtype, 1)
+                return answer
+            return answer.reply
+        except BaseException:
+            log.exception("an inline step failed as a whole")
+            return self._reply_to(reply, Internal(), 0.0)
+        finally:
+            elapsed = time.perf_counter_ns() - t0
+            with self._lock:
+                self._in_flight -= 1
+                self._busy_ns += elapsed
+                self._running.discard(key)
+                if self._queue:
+                    self._cond.notify()
+
     def run_message_inline(self, job: "PendingJob") -> bool:
         """Computes the message ``job`` on the calling thread (the event loop) beside whatever
         the workers compute, unless its session has a message queued or computing, or after
@@ -344,30 +378,44 @@ class Batcher:
         from its row of numbers and its output's bytes."""
         done = batch_bytes.step_bytes([batch_bytes.ByteStep(s.cache, *s.raw) for s in steps])
         compute_ns = time.perf_counter_ns() - t0
-        started, compute_s = t0 * 1e-9, compute_ns * 1e-9
+        started = t0 * 1e-9
         offsets, output, n = done.offsets, done.output, len(steps)
         for i, step in enumerate(steps):
-            queue_seconds = max(0.0, started - step.received)
-            stream = step.stream
-            exc = done.refused.get(i)
-            if exc is not None:
-                error = classify_step_error(exc, f"stream {stream.id}: step on layer {step.layer}")
-                self.observer.steps_refused(stream.labels, error.code)
-                step.result = self._reply(step, error, queue_seconds)
-                continue
-            fields = done.fields[i]
-            evicted = fields[4]
-            self.observer.steps_done(
-                stream.labels, 1, queue_seconds, compute_s, evicted, 1 if evicted else 0, step.cache.row_bytes
-            )
             end = offsets[i + 1] if i + 1 < n else len(output)
-            try:
-                step.result = step.reply.encode(fields, compute_ns, output[offsets[i] : end])
-            except Exception as exc:  # building the reply failed: the step still gets an answer
-                log.exception("building a step reply failed")
-                step.result = exc
-            key = (stream.config.backend, stream.config.dtype)
+            answer = self._span_answer(
+                done, i, step.stream, step.layer, step.cache, step.reply, step.received, started, compute_ns,
+                output[offsets[i] : end],
+            )  # fmt: skip
+            if answer.__class__ is _Refused:
+                step.result = answer.reply
+                continue
+            step.result = answer
+            key = (step.stream.config.backend, step.stream.config.dtype)
             groups[key] = groups.get(key, 0) + 1
+
+    def _span_answer(
+        self, done, i: int, stream: "Stream", layer: int, cache: LayerCache, reply, received: float,
+        started: float, compute_ns: int, output,
+    ):  # fmt: skip
+        """Row ``i`` of ``step_bytes``' ``done``: its reply (or the exception building it
+        raised), counted on the observer; a ``_Refused`` around the refusal's reply when the
+        kernel refused the step (nothing written)."""
+        queue_seconds = max(0.0, started - received)
+        exc = done.refused.get(i)
+        if exc is not None:
+            error = classify_step_error(exc, f"stream {stream.id}: step on layer {layer}")
+            self.observer.steps_refused(stream.labels, error.code)
+            return _Refused(self._reply_to(reply, error, queue_seconds))
+        fields = done.fields[i]
+        evicted = fields[4]
+        self.observer.steps_done(
+            stream.labels, 1, queue_seconds, compute_ns * 1e-9, evicted, 1 if evicted else 0, cache.row_bytes
+        )
+        try:
+            return reply.encode(fields, compute_ns, output)
+        except Exception as exc:  # building the reply failed: the step still gets an answer
+            log.exception("building a step reply failed")
+            return exc
 
     def _compute_tensors(self, steps: list[PendingStep], t0: int, groups: dict) -> None:
         """Steps given as tensors (or bytes of whole tensors): one ``step_many`` call."""
@@ -416,11 +464,17 @@ class Batcher:
     def _reply(step, value, queue_seconds: float):
         if step.__class__ is PendingJob:  # failed as a whole before its run answered
             return value
-        if step.reply is None:
+        return Batcher._reply_to(step.reply, value, queue_seconds)
+
+    @staticmethod
+    def _reply_to(reply, value, queue_seconds: float):
+        """``reply(value, queue_seconds)`` (``value`` itself without ``reply``), or the exception
+        building it raised: the step still gets an answer."""
+        if reply is None:
             return value
         try:
-            return step.reply(value, queue_seconds)
-        except Exception as exc:  # building the reply failed: the step still gets an answer
+            return reply(value, queue_seconds)
+        except Exception as exc:
             log.exception("building a step reply failed")
             return exc
 
@@ -435,6 +489,16 @@ class Batcher:
                 loop.call_soon_threadsafe(_resolve, group)
             except RuntimeError:  # the loop is closed: nobody waits for these answers
                 pass
+
+
+class _Refused:
+    """A step the kernel refused (``Batcher._span_answer``): its reply, told apart from a
+    computed step's (only those count in a batch's size)."""
+
+    __slots__ = ("reply",)
+
+    def __init__(self, reply):
+        self.reply = reply
 
 
 def _resolve(steps: list[PendingStep]) -> None:

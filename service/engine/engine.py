@@ -14,7 +14,9 @@ build then drops what it allocated instead of registering the stream. ``active_s
 counts admissions being built, so ``max_streams`` holds against concurrent opens.
 
 Steps go through the batcher (``service.engine.batcher``): ``submit_step`` queues one and returns an
-asyncio future; a compute worker runs the steps of many streams in one ``step_many`` call.
+asyncio future; a compute worker runs the steps of many streams in one ``step_many`` call. A step
+read from the wire goes to ``step_raw``, which answers a lone stream's step at once on the calling
+thread and places any other as ``submit_step`` does (``service.engine.placement``).
 The stream record itself (configuration, caches, step, rollback) is ``service.engine.stream``.
 """
 
@@ -399,16 +401,15 @@ class Engine:
         *,
         received: float | None = None,
         reply=None,
-        raw=None,
         queued: Callable[[], None] | None = None,
     ) -> "asyncio.Future":
         """Queues one step for the batcher; call on the event loop. Returns a future of
         ``reply(report_or_error, queue_seconds)`` (or of the ``StepReport``/``ServiceError``
         itself without ``reply``). The tensors may be raw bytes of the stream's step shapes
-        (checked by the caller), or, with ``raw``, spans of one buffer (``PendingStep.raw``:
-        then ``reply.encode`` builds the answer); a closed stream or a layer out of range
-        raise at once. ``queued`` is called when the step goes to the compute workers (not
-        computed on the loop, at once or at its next turn): what a caller may overlap with it."""
+        (checked by the caller); a step read from the wire as spans of its request goes to
+        ``step_raw`` instead. A closed stream or a layer out of range raise at once. ``queued``
+        is called when the step goes to the compute workers (not computed on the loop, at once
+        or at its next turn): what a caller may overlap with it."""
         if stream.closed:
             raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
         cache = stream._layer(layer)
@@ -423,12 +424,42 @@ class Engine:
             time.perf_counter() if received is None else received,
             future,
             reply,
-            raw=raw,
         )
         where = self.placement.step(pending)
         if where == HERE:
             future.set_result(pending.result)
         elif where == QUEUED and queued is not None:
+            queued()
+        return future
+
+    def step_raw(
+        self,
+        stream: Stream,
+        layer: int,
+        raw: tuple,
+        reply,
+        *,
+        received: float,
+        queued: Callable[[], None] | None = None,
+    ):
+        """A Decode step read from the wire (``raw``: ``PendingStep.raw``'s spans of its
+        request, checked by the caller; ``reply`` with its ``encode``, which builds the answer
+        from the step's numbers and output bytes); call on the event loop. Its answer when it
+        computed at once (a lone stream's step, ``Placement.decide``: no future or
+        ``PendingStep`` made), else the future of it, ``queued`` called as ``submit_step``
+        calls it. Raises as ``submit_step`` does."""
+        if stream.closed:
+            raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
+        cache = stream._layer(layer)
+        placement = self.placement
+        here, cost = placement.decide(stream, cache, received)
+        if here:
+            answer = self.batcher.compute_here(stream, layer, cache, raw, reply, received)
+            if answer is not None:
+                return answer
+        future = asyncio.get_running_loop().create_future()
+        pending = PendingStep(stream, layer, cache, None, None, None, received, future, reply, raw=raw)
+        if placement.elsewhere(pending, cost) == QUEUED and queued is not None:
             queued()
         return future
 

@@ -64,21 +64,39 @@ class Placement:
 
     def step(self, pending: PendingStep) -> int:
         """Places a Decode step: ``HERE`` when it already ran here (``pending.result`` is set),
-        ``SOON`` in the loop's batch, ``QUEUED`` on the workers. A step runs at once when its
-        stream steps alone (no other step queued or computing, no other stream's step within
-        ``CONCURRENT_WINDOW_S``) and reads under ``ALONE_STEP_BYTES``, as a lone Batch
-        session's message does; else a small one in the loop's batch at its next turn (at most
-        ``LOOP_BATCH_STEPS`` x --inline-step-bytes of cache a turn), a larger one on the
-        workers."""
-        stream, cache = pending.stream, pending.cache
-        alone = self._alone(stream, pending.received)
-        inline = self.config.inline_step_bytes
-        if not inline:
-            self.batcher.submit(pending)
-            return QUEUED
-        cost = (cache.resident_length + 1) * cache.row_bytes
-        if alone and cost < ALONE_STEP_BYTES and self.batcher.run_inline(pending):
+        ``SOON`` in the loop's batch, ``QUEUED`` on the workers (``decide``, then
+        ``Batcher.run_inline`` or ``elsewhere``)."""
+        here, cost = self.decide(pending.stream, pending.cache, pending.received)
+        if here and self.batcher.run_inline(pending):
             return HERE
+        return self.elsewhere(pending, cost)
+
+    def decide(self, stream, cache, received: float) -> tuple[bool, int]:
+        """(at once, cost) for a Decode step of ``stream`` on ``cache`` received at
+        ``received``, its cost the cache bytes it reads; recorded as the last step placed. A
+        step runs at once when its stream steps alone (no other step queued or computing, no
+        other stream's step within ``CONCURRENT_WINDOW_S``) and reads under
+        ``ALONE_STEP_BYTES``, as a lone Batch session's message does, if the batcher then finds
+        nothing queued or computing (``Batcher.run_inline``, ``Batcher.compute_here``); else
+        ``elsewhere`` places it. The cost is -1 (not computed) for a step at once of a stream
+        whose ``step_bytes_bound`` is under ``ALONE_STEP_BYTES``."""
+        alone = self._alone(stream, received)
+        if not self.config.inline_step_bytes:
+            return False, 0
+        if alone and stream.step_bytes_bound < ALONE_STEP_BYTES:
+            return True, -1  # no step of the stream reads that much: its cost is not needed yet
+        cost = (cache.resident_length + 1) * cache.row_bytes
+        return alone and cost < ALONE_STEP_BYTES, cost
+
+    def elsewhere(self, pending: PendingStep, cost: int) -> int:
+        """Places a step that does not run at once: a small one (``cost`` under
+        --inline-step-bytes) in the loop's batch at its next turn (at most ``LOOP_BATCH_STEPS``
+        x --inline-step-bytes of cache a turn): ``SOON``; a larger one, or every step with
+        --inline-step-bytes 0, on the workers: ``QUEUED``."""
+        inline = self.config.inline_step_bytes
+        if cost < 0:  # not computed by decide
+            cache = pending.cache
+            cost = (cache.resident_length + 1) * cache.row_bytes
         if cost < inline and self.batcher.run_soon(pending, cost, LOOP_BATCH_STEPS * inline):
             return SOON
         self.batcher.submit(pending)

@@ -91,6 +91,9 @@ class Stream:
     def __post_init__(self) -> None:
         # (backend, dtype, policy): the metrics' labels of every step, made once
         self.labels: tuple[str, str, str] = (self.config.backend, self.config.dtype, self.config.policy.kind.value)
+        # the most cache bytes one step of this stream can read (a full layer and its new row):
+        # under a placement bound, no step's own cost needs computing (Placement.decide)
+        self.step_bytes_bound: int = max(((c.spec.capacity + 1) * c.row_bytes for c in self.caches), default=0)
 
     def bytes_in_use(self) -> int:
         return sum(c.resident_length * c.row_bytes for c in self.caches)

@@ -200,6 +200,8 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
         found = shape.layout.locate(raw)
         if found is not None:
             future = self._step_raw(session, stream, shape, raw, *found)
+            if not isinstance(future, asyncio.Future):  # answered: computed at once, or refused here
+                return [future]
         else:
             fast = read_decode_step(raw)
             if fast is None:
@@ -371,27 +373,20 @@ class AttentionServicer(gqa_pb2_grpc.AttentionServiceServicer):
 
     def _step_raw(
         self, session: StreamSession, stream: Stream, shape: StepShape, raw: bytes, rid: int, layer: int, q_at: int
-    ) -> asyncio.Future:
+    ):
         """A step in the stream's layout (its dtype and shapes checked by the layout): its
-        tensors go to the worker as offsets into ``raw``."""
+        tensors go to the engine as offsets into ``raw``. Its reply when answered at once
+        (computed, or refused here), else the future of it."""
         received = time.perf_counter()
-        spans = (raw, q_at, q_at + shape.layout.k_from_q, q_at + shape.layout.v_from_q)
+        lay = shape.layout
+        spans = (raw, q_at, q_at + lay.k_from_q, q_at + lay.v_from_q)
         try:
-            future = self.engine.submit_step(
-                stream,
-                layer,
-                None,
-                None,
-                None,
-                received=received,
-                reply=shape.reply(rid, layer),
-                raw=spans,
-                queued=session.step_queued,
+            return self.engine.step_raw(
+                stream, layer, spans, shape.reply(rid, layer), received=received, queued=session.step_queued
             )
         except ServiceError as exc:
             self.engine.observer.steps_refused(stream.labels, exc.code)
-            return _answered(step_refusal(rid, layer, exc))
-        return future
+            return step_refusal(rid, layer, exc)
 
     def _rollback(self, stream: Stream, request: gqa_pb2.Rollback, rid: int) -> gqa_pb2.DecodeResponse:
         status = _OK
