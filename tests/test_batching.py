@@ -154,6 +154,21 @@ class _Gate:
         return original(steps)
 
 
+def _tiny_config(engine: Engine, **policy):
+    """A one-layer float32 stream of B=1, Hq=4, Hkv=2, D=8 (strict, window 4, unless ``policy``
+    says otherwise)."""
+    return engine.stream_config(
+        backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
+        num_layers=1, sink_tokens=0, **{"policy": "strict", "window": 4, "capacity": 0, **policy},
+    )  # fmt: skip
+
+
+def _tiny_step(seed: int) -> list[torch.Tensor]:
+    """A step's query, new key and new value for ``_tiny_config``'s streams."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+
+
 def test_a_refused_step_in_a_batch_leaves_its_batch_mates_alone(monkeypatch):
     """Engine level, no gRPC: a blocker holds the only worker while three steps queue; they run
     as one batch in which the middle one is refused (no room under policy none)."""
@@ -302,13 +317,8 @@ def test_a_step_batched_on_the_loop_after_stop_is_refused_and_changes_nothing(mo
     monkeypatch.setattr(placement, "CONCURRENT_WINDOW_S", 60.0)
     engine = Engine(dataclasses.replace(BASE, inline_step_bytes=10**6))
     try:
-        config = engine.stream_config(
-            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
-            num_layers=1, policy="strict", window=4, capacity=0, sink_tokens=0,
-        )  # fmt: skip
-        a, b = engine.open(config), engine.open(config)
-        g = torch.Generator().manual_seed(5)
-        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        a, b = engine.open(_tiny_config(engine)), engine.open(_tiny_config(engine))
+        x = _tiny_step(5)
 
         async def run():
             first = engine.submit_step(a, 0, *x)  # alone: computed at once
@@ -332,13 +342,8 @@ def test_only_a_step_sent_to_the_workers_is_announced_as_queued(monkeypatch):
     monkeypatch.setattr(placement, "CONCURRENT_WINDOW_S", 60.0)  # as above: "with others", untimed
     engine = Engine(dataclasses.replace(BASE, inline_step_bytes=10**6))
     try:
-        config = engine.stream_config(
-            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
-            num_layers=1, policy="strict", window=4, capacity=0, sink_tokens=0,
-        )  # fmt: skip
-        a, b, c = engine.open(config), engine.open(config), engine.open(config)
-        g = torch.Generator().manual_seed(6)
-        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        a, b, c = (engine.open(_tiny_config(engine)) for _ in range(3))
+        x = _tiny_step(6)
         announced = []
 
         async def run():
@@ -370,21 +375,14 @@ def test_a_lone_raw_step_is_answered_at_once_and_a_busy_batcher_gets_a_future(mo
     monkeypatch.setattr(placement, "CONCURRENT_WINDOW_S", 0.0)  # alone unless the batcher is busy
     engine = Engine(dataclasses.replace(BASE, workers=1, inline_step_bytes=10**6))
     try:
-
-        def config(**policy):
-            return engine.stream_config(
-                backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
-                num_layers=1, sink_tokens=0, **{"policy": "strict", "window": 6, "capacity": 0, **policy},
-            )  # fmt: skip
-
         g = torch.Generator().manual_seed(7)
-        lone, twin, late, blocker = (engine.open(config()) for _ in range(4))
+        lone, twin, late, blocker = (engine.open(_tiny_config(engine)) for _ in range(4))
         full = engine.open(
-            config(policy="none", capacity=2),
+            _tiny_config(engine, policy="none", capacity=2),
             prefill={0: (torch.randn(1, 2, 2, 8, generator=g), torch.randn(1, 2, 2, 8, generator=g))},
         )
         before = full.caches[0].tokens_seen, *full.caches[0].export()
-        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        x = _tiny_step(8)
         data = b"".join(t.numpy().tobytes() for t in x)
         spans = (data, 0, x[0].nbytes, x[0].nbytes + x[1].nbytes)
         shape = StepShape(lone)
@@ -533,14 +531,9 @@ def test_a_lone_streams_step_past_inline_step_bytes_runs_at_once_below_the_alone
     monkeypatch.setattr(placement, "ALONE_STEP_BYTES", limit)
     engine = Engine(dataclasses.replace(BASE, inline_step_bytes=1))  # every step past it
     try:
-        config = engine.stream_config(
-            backend="cpu", dtype="float32", batch_size=1, num_query_heads=4, num_kv_heads=2, head_dim=8,
-            num_layers=1, policy="none", window=0, capacity=16, sink_tokens=0,
-        )  # fmt: skip
-        stream = engine.open(config)
+        stream = engine.open(_tiny_config(engine, policy="none", window=0, capacity=16))
         assert stream.caches[0].row_bytes == 128 and stream.step_bytes_bound == 17 * 128
-        g = torch.Generator().manual_seed(6)
-        x = [torch.randn(1, 4, 8, generator=g), torch.randn(1, 2, 8, generator=g), torch.randn(1, 2, 8, generator=g)]
+        x = _tiny_step(6)
         data = b"".join(t.numpy().tobytes() for t in x)
 
         async def run():
