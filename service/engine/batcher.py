@@ -160,11 +160,8 @@ class Batcher:
     def run_inline(self, step: "PendingStep | PendingJob") -> bool:
         """Computes ``step`` on the calling thread if no step is queued or computing (then a
         thread hop would cost more than a small step); False, and nothing done, otherwise."""
-        with self._lock:
-            if self._queue or self._in_flight or self._stopped:
-                return False
-            self._in_flight = 1
-            self._running.add(id(step.stream))
+        if not self._claim_alone(id(step.stream)):
+            return False
         self._run([step], "an inline step")
         return True
 
@@ -174,11 +171,8 @@ class Batcher:
         ``PendingStep``, future or batch around it: its answer, or None (nothing done) when a
         step is queued or computing, or after ``stop``."""
         key = id(stream)
-        with self._lock:
-            if self._queue or self._in_flight or self._stopped:
-                return None
-            self._in_flight = 1
-            self._running.add(key)
+        if not self._claim_alone(key):
+            return None
         t0 = time.perf_counter_ns()
         try:
             done = batch_bytes.step_bytes([batch_bytes.ByteStep(cache, *raw)])
@@ -194,13 +188,29 @@ class Batcher:
             log.exception("an inline step failed as a whole")
             return self._reply_to(reply, Internal(), 0.0)
         finally:
-            elapsed = time.perf_counter_ns() - t0
-            with self._lock:
-                self._in_flight -= 1
-                self._busy_ns += elapsed
+            self._release((key,), time.perf_counter_ns() - t0)
+
+    def _claim_alone(self, key: int) -> bool:
+        """Takes the batcher for one step of stream ``key`` on the calling thread: True (the
+        step counted in flight, its stream running) when nothing is queued or computing and
+        ``stop`` has not come; release with ``_release``."""
+        with self._lock:
+            if self._queue or self._in_flight or self._stopped:
+                return False
+            self._in_flight = 1
+            self._running.add(key)
+        return True
+
+    def _release(self, keys, elapsed_ns: int) -> None:
+        """The end of a computation of one step of each stream in ``keys`` (their ``id``s) that
+        took ``elapsed_ns``: no longer in flight or running; wakes a worker if steps are queued."""
+        with self._lock:
+            self._in_flight -= len(keys)
+            self._busy_ns += elapsed_ns
+            for key in keys:
                 self._running.discard(key)
-                if self._queue:
-                    self._cond.notify()
+            if self._queue:
+                self._cond.notify()
 
     def run_message_inline(self, job: "PendingJob") -> bool:
         """Computes the message ``job`` on the calling thread (the event loop) beside whatever
@@ -340,14 +350,7 @@ class Batcher:
                 if step.result is None:
                     step.result = self._reply(step, Internal(), 0.0)
         finally:
-            elapsed = time.perf_counter_ns() - t0
-            with self._lock:
-                self._in_flight -= len(steps)
-                self._busy_ns += elapsed
-                for step in steps:
-                    self._running.discard(id(step.stream))
-                if self._queue:
-                    self._cond.notify()
+            self._release([id(step.stream) for step in steps], time.perf_counter_ns() - t0)
 
     def _compute(self, steps: list, t0: int) -> None:
         started = t0 * 1e-9

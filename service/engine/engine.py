@@ -410,9 +410,7 @@ class Engine:
         ``step_raw`` instead. A closed stream or a layer out of range raise at once. ``queued``
         is called when the step goes to the compute workers (not computed on the loop, at once
         or at its next turn): what a caller may overlap with it."""
-        if stream.closed:
-            raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
-        cache = stream._layer(layer)
+        cache = _open_layer(stream, layer)
         future = asyncio.get_running_loop().create_future()
         pending = PendingStep(
             stream,
@@ -448,9 +446,7 @@ class Engine:
         computed at once (a lone stream's step, ``Placement.decide``: no future or
         ``PendingStep`` made), else the future of it, ``queued`` called as ``submit_step``
         calls it. Raises as ``submit_step`` does."""
-        if stream.closed:
-            raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
-        cache = stream._layer(layer)
+        cache = _open_layer(stream, layer)
         placement = self.placement
         here, cost = placement.decide(stream, cache, received)
         if here:
@@ -515,3 +511,11 @@ class Engine:
                 if stream.on_forced_close is not None:
                     stream.on_forced_close(error)
         return closed
+
+
+def _open_layer(stream: Stream, layer: int):
+    """The cache a step of ``stream`` on ``layer`` goes to; ``Unavailable`` for a closed stream,
+    ``InvalidArgument`` for a layer out of range (``submit_step``, ``step_raw``)."""
+    if stream.closed:
+        raise Unavailable(f"stream {stream.id} is closed ({stream.close_reason})")
+    return stream._layer(layer)
