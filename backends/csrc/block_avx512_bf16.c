@@ -190,14 +190,18 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     float *p = st->p;
     const uint16_t *qb = st->qb + g0 * BPIECES * kp;
     /* the pieces and the groups of 16 positions as constants: the accumulators stay in registers */
+    const int ng = nt <= 16 ? 1 : nt <= 32 ? 2 : 4;
     if (st->qpieces == 1) {
-        if (nt <= 16) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        if (ng == 1) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        else if (ng == 2) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 2, pf, p);
         else scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
     } else {
-        if (nt <= 16) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        if (ng == 1) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
+        else if (ng == 2) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 2, pf, p);
         else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
     }
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    if (ng == 1) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    else if (ng == 2) softmax_avx512(p, nt, vs, d, gt, 2, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     void *out = st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL; /* as tile_avx512 */
     if (out || d % 32 || d > 32 * PV_DP_MAX_NC) { /* a head's only block (finished in registers), other widths */
