@@ -90,9 +90,9 @@ def _full_step(dtype, d, g, s, isa, seed):
 @pytest.mark.parametrize("dtype", DTYPES, ids=_dt)
 @pytest.mark.parametrize("isa,d,g", list(_params()))
 def test_single_run_matches_oracle(isa, d, g, dtype):
-    """Policy none: one run from row 0; S (the attended count) around blocks and splits (17
-    and 32: the two groups of 16 positions a block of 17-32 computes, 97: 64 + 33, four)."""
-    lengths = [1, 17, 32, 64, 97, native.SPLIT_T + 1] + ([4096] if d in (64, 128) else [])
+    """Policy none: one run from row 0; S (the attended count) around blocks and splits, and
+    around the groups of 16 positions a block computes (17, 32: two; 48 and 97 = 64 + 33: three)."""
+    lengths = [1, 17, 32, 48, 64, 97, native.SPLIT_T + 1] + ([4096] if d in (64, 128) else [])
     for s in lengths:
         out, ref = _full_step(dtype, d, g, s, isa, seed=s + d)
         assert out.dtype == dtype and out.shape == (1, HKV * g, d)

@@ -32,8 +32,9 @@ KERNEL = native.load()  # this project's machines have a C compiler: failing to 
 ISAS = ["portable", "avx2", "avx512", "avx512dot"]
 HEAD_DIMS = [16, 48, 80, 128, 256]  # 48, 80: a 64-channel tile plus a 16-channel remainder
 GROUPS = [1, 3, 4, 5, 8]  # query heads per KV head, around the tile of 4
-# 7, 9: around the short blocks (at most 8 positions); 20: a block of two groups of 16 (17-32)
-LENGTHS = [1, 7, 9, 20, 63, 64, 65, 1000]
+# 7, 9: around the short blocks (at most 8 positions); from the test's start (37), 20: a block of
+# two groups of 16 positions, 60: 27 then 33 positions, two groups then three
+LENGTHS = [1, 7, 9, 20, 60, 63, 64, 65, 1000]
 # float32 sums in a different order than float64: relative L2 of the output
 RTOL = 1e-5
 # The integer paths (avx2's vpmaddwd, avx512dot's vpdpwssd: the query and each block's weights

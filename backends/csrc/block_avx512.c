@@ -38,7 +38,7 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t nt, const int gt, const int ng, drip_t *dr, float *out) {
     /* kb: the block's keys, channel lines kline elements apart; dr: the next block's drip (an idle one asks for nothing) */
-    /* ng (a constant): groups of 16 positions computed, 1 for a block of up to 16, 2 up to 32, else 4 */
+    /* ng (a constant): the groups of 16 positions computed, ceil(nt / 16) (1 to 4) */
     const int64_t dq = dk + no, el = enc_size(enc);
     __m512 acc[TILE_G][4];
     __mmask16 mask[4];
@@ -205,12 +205,14 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
         scores_lines_avx2_call(enc, q, cc->dk, dq, kb, nt, gt, p);
     else if (nt <= 8) /* its key rows are the drip's from the softmax on (kslots 0) */
         scores8_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, p);
-    else if (nt <= 16)
-        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 1, pf, p);
-    else if (nt <= 32) /* a short ring's, or a head's last block: the empty groups not multiplied */
-        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 2, pf, p);
-    else
-        scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 4, pf, p);
+    else /* the groups of 16 positions that hold the block's: a short ring's or a head's last
+          * block multiplies no empty group */
+        switch ((nt + 15) / 16) {
+            case 1: scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 1, pf, p); break;
+            case 2: scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 2, pf, p); break;
+            case 3: scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 3, pf, p); break;
+            default: scores_avx512(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, nt, gt, 4, pf, p); break;
+        }
     if (enc == ENC_F32 && st->smul != 1.0f) { /* an unscaled query's scores (attend.c) */
         const __m512 s = _mm512_set1_ps(st->smul);
         for (int g = 0; g < gt; g++)
@@ -220,9 +222,7 @@ AVX512 static inline __attribute__((always_inline)) void tile_avx512(
                 _mm512_storeu_ps(at, _mm512_mask_mul_ps(x, lanes16(nt, i), x, s));
             }
     }
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
-    else if (nt <= 32) softmax_avx512(p, nt, vs, d, gt, 2, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    softmax_groups(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     /* a dense head's only block: its rows finished here (st->out) */
     void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL;
     pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);

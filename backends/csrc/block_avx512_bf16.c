@@ -182,6 +182,15 @@ AVX512DOT static inline __attribute__((always_inline)) void pv_dpbf16(float *acc
         }
 }
 
+/* scores_dpbf16 with the query's pieces as a constant (the accumulators then stay in
+ * registers), ng groups of 16 positions. */
+AVX512DOT static inline __attribute__((always_inline)) void tile_dot_scores(
+    const uint16_t *qb, const state_t *st, int64_t kp, const char *kb, int64_t kline, int64_t nt, const int gt,
+    const int ng, drip_t *pf, float *p) {
+    if (st->qpieces == 1) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, ng, pf, p);
+    else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, ng, pf, p);
+}
+
 /* tile_avx512 for bfloat16 with its scores by vdpbf16ps (the query split once per work item). */
 AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     const int enc, const gqa_cache_t *cc, int64_t g0, const int gt, const char *kb, int64_t kline, const char *vb,
@@ -190,19 +199,13 @@ AVX512DOT static inline __attribute__((always_inline)) void tile_dot(
     float *p = st->p;
     const uint16_t *qb = st->qb + g0 * BPIECES * kp;
     /* the pieces and the groups of 16 positions as constants: the accumulators stay in registers */
-    const int ng = nt <= 16 ? 1 : nt <= 32 ? 2 : 4;
-    if (st->qpieces == 1) {
-        if (ng == 1) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
-        else if (ng == 2) scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 2, pf, p);
-        else scores_dpbf16(qb, 1, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
-    } else {
-        if (ng == 1) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 1, pf, p);
-        else if (ng == 2) scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 2, pf, p);
-        else scores_dpbf16(qb, BPIECES, st->qmul, kp, kb, kline, nt, gt, 4, pf, p);
+    switch ((nt + 15) / 16) { /* the groups of 16 positions that hold the block's (1 to 4) */
+        case 1: tile_dot_scores(qb, st, kp, kb, kline, nt, gt, 1, pf, p); break;
+        case 2: tile_dot_scores(qb, st, kp, kb, kline, nt, gt, 2, pf, p); break;
+        case 3: tile_dot_scores(qb, st, kp, kb, kline, nt, gt, 3, pf, p); break;
+        default: tile_dot_scores(qb, st, kp, kb, kline, nt, gt, 4, pf, p); break;
     }
-    if (ng == 1) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
-    else if (ng == 2) softmax_avx512(p, nt, vs, d, gt, 2, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
+    softmax_groups(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d, pf);
     void *out = st->out ? (char *)st->out + g0 * d * enc_size(enc) : NULL; /* as tile_avx512 */
     if (out || d % 32 || d > 32 * PV_DP_MAX_NC) { /* a head's only block (finished in registers), other widths */
         pv_block_avx512(enc, st->acc + g0 * d, d, vb, p, nt, gt, pf, out, st->l + g0);

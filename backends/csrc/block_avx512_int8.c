@@ -230,9 +230,7 @@ AVX512VNNI static inline __attribute__((always_inline)) void tile_vnni(
     float *p = st->p;
     if (nt <= 32) scores_vnni(cc, qf, st, g0, h, phys, kb, kline, ks, nt, gt, 1, dr, p);
     else scores_vnni(cc, qf, st, g0, h, phys, kb, kline, ks, nt, gt, 2, dr, p);
-    if (nt <= 16) softmax_avx512(p, nt, vs, d, gt, 1, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
-    else if (nt <= 32) softmax_avx512(p, nt, vs, d, gt, 2, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
-    else softmax_avx512(p, nt, vs, d, gt, 4, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
+    softmax_groups(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     int16_t wq[TILE_G * TILE_T];
     float scale[TILE_G];
     weights_int16(p, nt, gt, wq, scale);

@@ -280,6 +280,19 @@ AVX512 static inline __attribute__((always_inline)) void softmax_avx512(
     }
 }
 
+/* softmax_avx512 over the groups of 16 positions that hold a block's nt (1 to 4, each a
+ * constant there). */
+AVX512 static inline __attribute__((always_inline)) void softmax_groups(float *p, int64_t nt, const float *vs, int64_t d,
+                                                                        const int gt, float *ms, float *ls, float *accs,
+                                                                        drip_t *dr) {
+    switch ((nt + 15) / 16) {
+        case 1: softmax_avx512(p, nt, vs, d, gt, 1, ms, ls, accs, dr); break;
+        case 2: softmax_avx512(p, nt, vs, d, gt, 2, ms, ls, accs, dr); break;
+        case 3: softmax_avx512(p, nt, vs, d, gt, 3, ms, ls, accs, dr); break;
+        default: softmax_avx512(p, nt, vs, d, gt, 4, ms, ls, accs, dr); break;
+    }
+}
+
 /* A block's addresses: its keys kb (lines kline elements apart), the next block's kn (knline;
  * kb when the item does not read it), its values vb, and int8's scales as float32 (ks, vs). */
 AVX512 static inline __attribute__((always_inline)) void block_setup_avx512(
