@@ -85,6 +85,24 @@ AVX512 static inline __attribute__((always_inline)) void scores_avx512(
                 for (int i = 0; i < ng; i++) acc[g][i] = _mm512_fmadd_ps(qj, kf[i], acc[g][i]);
             }
         }
+    } else if (ng == 1) { /* bfloat16, one register of positions a head: the low halves (even
+                            * channels) and the high ones in two chains of sums, as above */
+        for (int64_t l = 0; 2 * l < dk; l++) {
+            const char *row = kb + l * kline * 2;
+            drip_slot(dr, 1);
+            drip_line(dr);
+            const __m512i kw = _mm512_maskz_loadu_epi32(mask[0], row);
+            const __m512 k0 = _mm512_castsi512_ps(_mm512_slli_epi32(kw, 16));
+            const __m512 k1 = _mm512_castsi512_ps(_mm512_and_si512(kw, _mm512_set1_epi32((int)0xFFFF0000u)));
+            for (int g = 0; g < gt; g++) {
+                acc[g][0] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + 2 * l]), k0, acc[g][0]);
+                if (2 * l + 1 < dk) acc[g][1] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * dq + 2 * l + 1]), k1, acc[g][1]);
+            }
+        }
+        for (int g = 0; g < gt; g++) {
+            acc[g][0] = _mm512_add_ps(acc[g][0], acc[g][1]);
+            acc[g][1] = _mm512_setzero_ps();
+        }
     } else { /* bfloat16, lines of 2 channels a word: the low half, then the high */
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + l * kline * 2;
