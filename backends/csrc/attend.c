@@ -101,12 +101,11 @@ static inline __attribute__((always_inline)) void prefetch_block(const gqa_cache
     if (cc->enc == ENC_INT8) prefetch_int8_side(cc, h, phys, nt, locality);
 }
 
-/* A one-split head's first block into L2 (its positions from the ring's first run), and with
- * `inputs` its query and new key and value rows too. */
-static inline __attribute__((always_inline)) void prefetch_head_start(const gqa_cache_t *cc, int64_t h, int inputs) {
+/* A one-split head's first block into L2 (its positions from the ring's first run), its query
+ * and new key and value rows too. */
+static inline __attribute__((always_inline)) void prefetch_head_start(const gqa_cache_t *cc, int64_t h) {
     const int64_t a = cc->runs[0], to_grid = TILE_T - a % TILE_T, first = cc->runs[1] - a;
     prefetch_block(cc, h, a, first < to_grid ? first : to_grid, 2);
-    if (!inputs) return;
     const int64_t io = enc_size(cc->io), row = cc->d * io;
     prefetch_lines((const char *)cc->q + h * cc->g * row, cc->g * row, 2);
     if (cc->write_row >= 0) {
@@ -122,7 +121,7 @@ static void prefetch_item_start(const call_t *call, int64_t j) {
     const int64_t i = find_cache(call->item_off, call->ncaches, j);
     const gqa_cache_t *cc = &call->caches[i];
     if (call->nsplit[i] != 1 || cc->status || call->s[i] < 1) return;
-    prefetch_head_start(cc, (j - call->item_off[i]) * call->hpi[i], 1);
+    prefetch_head_start(cc, (j - call->item_off[i]) * call->hpi[i]);
 }
 
 /* Of cache i with several splits, its work item `local` (counted from the cache's first): the
@@ -332,13 +331,13 @@ static void attend_item_(void *ctx, int64_t item, int tid) {
     }
     const int64_t h0 = local * call->hpi[i], h1 = h0 + call->hpi[i] < cc->n ? h0 + call->hpi[i] : cc->n;
     for (int64_t h = h0; h < h1; h++) {
-        /* the next head's first block on its way to L2 while this one computes: a short cache's
-         * heads are each a few KiB apart in memory, each a fresh start for the hardware's
-         * prefetcher (a cold step of many short caches otherwise waits on every head's first
-         * lines); the last head asks for this thread's next item's first head, its query and
-         * new rows with it */
-        if (h + 1 < h1) prefetch_head_start(cc, h + 1, 0);
-        else prefetch_item_start(call, tid == 0 ? item + 1 : item - 1);
+        /* the last head asks for this thread's next item's first head (its first block, query
+         * and new rows) while it computes: the next cache is elsewhere in memory, a fresh start
+         * for the hardware's prefetcher. Within an item nothing is asked for: a cache's heads
+         * follow one another in its key and value storage, two streams the hardware follows,
+         * and asking for each next head's lines as well cost 5-15% of a short cache's head hot
+         * and saved nothing cold (docs/design.md, forty-fourth session) */
+        if (h + 1 == h1) prefetch_item_start(call, tid == 0 ? item + 1 : item - 1);
         attend_head(call, i, h, 0, call->s[i], 0, tid, -1);
     }
 }
