@@ -125,9 +125,27 @@ static void prefetch_item_start(const call_t *call, int64_t j) {
 }
 
 /* Of cache i with several splits, its work item `local` (counted from the cache's first): the
- * head and the splits [*sp0, *sp1) it reads. */
+ * head and the splits [*sp0, *sp1) it reads. Items of one split: the first half of the heads'
+ * splits but their last, then every head's last split (the shortest, often one position), then
+ * the other heads' splits but their last, so that the threads, one ascending and the others
+ * descending (pool.c), meet among the short items rather than in the middle of a long one. */
 static void item_splits(const call_t *call, int64_t i, int64_t local, int64_t *h, int64_t *sp0, int64_t *sp1) {
     const int64_t nsplit = call->nsplit[i], spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi;
+    if (spi == 1) {
+        const int64_t n = call->caches[i].n, full = nsplit - 1, first = n / 2 * full;
+        if (local < first) {
+            *h = local / full;
+            *sp0 = local % full;
+        } else if (local < first + n) {
+            *h = local - first;
+            *sp0 = full;
+        } else {
+            *h = n / 2 + (local - first - n) / full;
+            *sp0 = (local - first - n) % full;
+        }
+        *sp1 = *sp0 + 1;
+        return;
+    }
     *h = local / per_head;
     *sp0 = local % per_head * spi;
     *sp1 = *sp0 + spi < nsplit ? *sp0 + spi : nsplit;
