@@ -42,6 +42,21 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
                     : _mm256_maskload_epi32((const int *)(row + 32), _mm256_castps_si256(lanes8(nt16 - 8)));
 }
 
+/* The next block's lines [x, x + per) below `asks` asked for (kn's, 64 bytes each). `asking`, a
+ * constant: 0 none (no next block), 1 at most one (per 1, the usual geometry: one test, no
+ * loop), 2 any number. A loop of asks inside a row loop made GCC copy the loop's sums
+ * register to register at its end and spill one to the stack (the int8 value sum's: a fifth
+ * of its samples on the add after that reload), so each kind of asking gets a row loop of its
+ * own (docs/design.md, "Row loops without a loop of asks inside (AVX2)"). */
+AVX2 static inline __attribute__((always_inline)) void ask_lines(const char *kn, int64_t x, int64_t per, int64_t asks,
+                                                                  const int asking) {
+    if (asking == 1) {
+        if (x < asks) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+    } else if (asking == 2) {
+        for (int64_t e = x + per; x < e && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+    }
+}
+
 /* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
@@ -51,10 +66,10 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
  * kn (or NULL): the next block's keys (krows lines knline elements apart, one contiguous run):
  * the block's (nt + 15) / 16 passes ask for its cache lines in ascending order, this pass its
  * share, a few with each key line it reads. */
-AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
+AVX2 static inline __attribute__((always_inline)) void scores16_asking(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kend,
-    const char *kn, int64_t knline, float *out) {
+    const char *kn, int64_t knline, float *out, const int asking) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
     const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
     const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
@@ -64,8 +79,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     if (kpack(enc) == 1) {
         for (int64_t j = 0; j < dk; j++) {
             const char *row = kb + (j * kline + t0) * el;
-            if (kn)
-                for (int64_t x = ask0 + j * per; x < ask0 + (j + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+            ask_lines(kn, ask0 + j * per, per, asks, asking);
             __m256 k0, k1;
             if (nreg == 2) key16(enc, row, row + 16 * el <= kend ? 16 : left, &k0, &k1);
             else key16(enc, row, left >= 8 || row + 8 * el <= kend ? 8 : left, &k0, &k1);
@@ -79,8 +93,7 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
         const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
         for (int64_t l = 0; 2 * l < dk; l++) {
             const char *row = kb + (l * kline + 2 * t0) * 2;
-            if (kn)
-                for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+            ask_lines(kn, ask0 + l * per, per, asks, asking);
             __m256i w0, w1;
             if (nreg == 2) words16(row, row + 64 <= kend ? 16 : left, &w0, &w1);
             else words16(row, left >= 8 || row + 32 <= kend ? 8 : left, &w0, &w1);
@@ -104,6 +117,18 @@ AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     }
     scores16_finish(acc, q, dq, dk, enc == ENC_INT8 ? no : 0, kob, c, t0, nreg == 2 || left < 8 ? left : 8, attended, gt,
                     out);
+}
+
+/* scores16_asking with its kind of asking (ask_lines): kn (or NULL) the next block's keys. */
+AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
+    const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
+    int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kend,
+    const char *kn, int64_t knline, float *out) {
+    const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
+    const int64_t asks = (krows * knline * enc_size(enc) + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
+    if (!kn) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 0);
+    else if (per == 1) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 1);
+    else scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 2);
 }
 
 /* 16 float32 channels at m as their even channels (0, 2, .., 14) and their odd ones: the lane
@@ -267,6 +292,27 @@ AVX2 static inline __attribute__((always_inline)) void store_pairs16(uint16_t *d
                         _mm256_or_si256(narrow8_bits(ENC_BF16, even), _mm256_slli_epi32(narrow8_bits(ENC_BF16, odd), 16)));
 }
 
+/* One value row's slice of 8 nv channels (pv_avx2's) into the gt heads' accumulators, times
+ * their weights p[g * TILE_T] (p at the row's position). */
+AVX2 static inline __attribute__((always_inline)) void pv_row(const int enc, __m256 acc[TILE_G][4], const char *row,
+                                                               const float *p, const int gt, const int nv,
+                                                               const int pairs) {
+    const int64_t el = enc_size(enc);
+    __m256 vf[4];
+    if (pairs)
+        for (int i = 0; i < nv; i += 2) {
+            const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * i * el));
+            vf[i] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+            vf[i + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32((int)0xFFFF0000u)));
+        }
+    else
+        for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
+    for (int g = 0; g < gt; g++) {
+        const __m256 w = _mm256_broadcast_ss(p + g * TILE_T);
+        for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
+    }
+}
+
 /* acc[g][j0 : j0 + 8 nv] += sum_t p[g][t] * value[t][j0 : ...] for gt (<= 4) query heads and
  * nv (<= 4, gt * nv <= 8) registers of 8 channels, constants after inlining (the accumulators
  * in registers).
@@ -287,28 +333,23 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
      * where the accumulators hold each slice's even channels, then its odd ones (the state's
      * order for this block: store_row puts a row back in channel order, unpair_row_avx2) */
     const int pairs = enc == ENC_BF16 && nv % 2 == 0;
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     __m256 acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < nv; i++) acc[g][i] = out ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_mem + g * d + j0 + 8 * i);
-    for (int64_t t = 0; t < nt; t++) {
-        const char *row = vb + (t * d + j0) * el;
-        if (vn)
-            for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
-        __m256 vf[4];
-        if (pairs)
-            for (int i = 0; i < nv; i += 2) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(row + 8 * i * el));
-                vf[i] = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
-                vf[i + 1] = _mm256_castsi256_ps(_mm256_and_si256(w, high));
-            }
-        else
-            for (int i = 0; i < nv; i++) vf[i] = widen8(enc, row + 8 * i * el);
-        for (int g = 0; g < gt; g++) {
-            const __m256 w = _mm256_broadcast_ss(p + g * TILE_T + t);
-            for (int i = 0; i < nv; i++) acc[g][i] = _mm256_fmadd_ps(w, vf[i], acc[g][i]);
+    /* each kind of asking its own row loop (ask_lines): one ask a row at most when the passes'
+     * rows outnumber the next block's lines */
+    if (!vn)
+        for (int64_t t = 0; t < nt; t++) pv_row(enc, acc, vb + (t * d + j0) * el, p + t, gt, nv, pairs);
+    else if (slots * 64 >= vbytes)
+        for (int64_t t = 0; t < nt; t++) {
+            ask_lines(vn, slot0 + t, 1, vbytes / 64, 1);
+            pv_row(enc, acc, vb + (t * d + j0) * el, p + t, gt, nv, pairs);
         }
-    }
+    else
+        for (int64_t t = 0; t < nt; t++) {
+            for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
+            pv_row(enc, acc, vb + (t * d + j0) * el, p + t, gt, nv, pairs);
+        }
     if (out) {
         for (int g = 0; g < gt; g++) {
             const __m256 vinv = _mm256_set1_ps(1.0f / l[g]);

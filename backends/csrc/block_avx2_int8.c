@@ -100,11 +100,19 @@ AVX2 static inline __attribute__((always_inline)) void scores16_int8(
     const int64_t per = (asks + passes * words - 1) / (passes * words), ask0 = t0 / 16 * words * per;
     __m256i acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_si256();
-    for (int64_t l = 0; l < dk / 2; l++) {
-        if (kn)
+    if (kn && per > 1) /* several asks a channel pair */
+        for (int64_t l = 0; l < dk / 2; l++) {
             for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-        score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
-    }
+            score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
+        }
+    else if (kn) /* one ask a pair (the last line again past the asks): no loop of asks, as pv_int8 */
+        for (int64_t l = 0; l < dk / 2; l++) {
+            const int64_t x = ask0 + l;
+            _mm_prefetch(kn + (x < asks ? x : asks - 1) * 64, _MM_HINT_T1);
+            score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
+        }
+    else
+        for (int64_t l = 0; l < dk / 2; l++) score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
     if (dk % 2) score_pair(acc, qw, words, dk / 2, kb + (dk - 1) * kline + t0, kline, left, 0, gt);
     const __m256 s0 = _mm256_loadu_ps(ks + t0), s1 = _mm256_loadu_ps(ks + t0 + 8);
     __m256 y[TILE_G][2];
@@ -135,10 +143,14 @@ AVX2 static inline __attribute__((always_inline)) void weights_int16_avx2(const 
 }
 
 /* Value rows t and t + 1 (pair 0: row t alone) of nc groups of 16 channels at r0 into the gt
- * heads' accumulators, times the weights of t and t + 1. */
+ * heads' accumulators, times the weights of t and t + 1: wb[g], head g's pair of weights in
+ * every int32 lane (weight_pairs), read by the multiply itself. Broadcast here, the gt x 2
+ * registers of weights and the 8 accumulators outgrew AVX2's 16: one accumulator went to the
+ * stack and its loop-carried sum through a store and a reload (docs/design.md, "The int8 value
+ * sum's spilled accumulator"). */
 AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TILE_G][4], const char *r0, int64_t d,
-                                                                   const int16_t *wq, int64_t t, const int pair,
-                                                                   const int gt, const int nc) {
+                                                                   const __m256i *wb, const int pair, const int gt,
+                                                                   const int nc) {
     __m256i lo[2], hi[2];
     for (int i = 0; i < nc; i++) {
         const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(r0 + 16 * i)));
@@ -146,15 +158,24 @@ AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TI
         lo[i] = _mm256_unpacklo_epi16(x, y);
         hi[i] = _mm256_unpackhi_epi16(x, y);
     }
-    for (int g = 0; g < gt; g++) {
-        int32_t wpair;
-        memcpy(&wpair, wq + g * TILE_T + t, sizeof wpair);
-        const __m256i w = _mm256_set1_epi32(wpair);
+    for (int g = 0; g < gt; g++)
         for (int i = 0; i < nc; i++) {
-            acc[g][2 * i] = _mm256_add_epi32(acc[g][2 * i], _mm256_madd_epi16(lo[i], w));
-            acc[g][2 * i + 1] = _mm256_add_epi32(acc[g][2 * i + 1], _mm256_madd_epi16(hi[i], w));
+            acc[g][2 * i] = _mm256_add_epi32(acc[g][2 * i], _mm256_madd_epi16(lo[i], _mm256_load_si256(wb + g)));
+            acc[g][2 * i + 1] = _mm256_add_epi32(acc[g][2 * i + 1], _mm256_madd_epi16(hi[i], _mm256_load_si256(wb + g)));
         }
-    }
+}
+
+/* The weights of rows t and t + 1 of each of gt heads (wq: weights_int16_avx2's) as one int32
+ * word in all 8 lanes: wb[(t / 2) * TILE_G + g], for every pair of the block's nt rows (the odd
+ * last row's partner is wq's 0). */
+AVX2 static inline __attribute__((always_inline)) void weight_pairs(const int16_t *wq, int64_t nt, const int gt,
+                                                                     __m256i *wb) {
+    for (int64_t t = 0; t < nt; t += 2)
+        for (int g = 0; g < gt; g++) {
+            int32_t wpair;
+            memcpy(&wpair, wq + g * TILE_T + t, sizeof wpair);
+            _mm256_store_si256(wb + (t / 2) * TILE_G + g, _mm256_set1_epi32(wpair));
+        }
 }
 
 /* acc[g][j0 : j0 + 16 nc] += scale[g] x sum_t wq[g][t] value[t][j0 : ...] for gt heads, nc (1 or
@@ -162,25 +183,34 @@ AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TI
  * vn (or NULL): the next block's values (vbytes), asked for a line per row read across the
  * passes (row t: lines slot0 + t, slot0 + t + slots, ...). */
 AVX2 static inline __attribute__((always_inline)) void pv_int8(float *acc_mem, int64_t d, int64_t j0, const char *vb,
-                                                                const int16_t *wq, const float *scale, int64_t nt,
+                                                                const __m256i *wb, const float *scale, int64_t nt,
                                                                 const int gt, const int nc, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     __m256i acc[TILE_G][4];
     for (int g = 0; g < gt; g++)
         for (int i = 0; i < 2 * nc; i++) acc[g][i] = _mm256_setzero_si256();
     int64_t t = 0;
-    for (; t + 1 < nt; t += 2) {
-        if (vn)
+    if (vn && slots * 64 < vbytes) /* rows that ask for several lines each (a short block's) */
+        for (; t + 1 < nt; t += 2) {
             for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) {
                 _mm_prefetch(vn + x, _MM_HINT_T1);
                 if (x + 64 < vbytes) _mm_prefetch(vn + x + 64, _MM_HINT_T1);
             }
-        value_pair(acc, vb + t * d + j0, d, wq, t, 1, gt, nc);
-    }
+            value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
+        }
+    else if (vn) /* one line a row at most (and the next): no loop of asks, so the loop's sums stay in registers */
+        for (; t + 1 < nt; t += 2) {
+            const int64_t x = (slot0 + t) * 64, last = vbytes - 64;
+            _mm_prefetch(vn + (x < last ? x : last), _MM_HINT_T1);
+            _mm_prefetch(vn + (x + 64 < last ? x + 64 : last), _MM_HINT_T1);
+            value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
+        }
+    else
+        for (; t + 1 < nt; t += 2) value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
     if (t < nt) { /* the odd last row, paired with zeros */
         if (vn)
             for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
-        value_pair(acc, vb + t * d + j0, d, wq, t, 0, gt, nc);
+        value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 0, gt, nc);
     }
     for (int g = 0; g < gt; g++) {
         const __m256 s = _mm256_set1_ps(scale[g]);
@@ -216,12 +246,14 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8(const gqa_cache
     _Alignas(32) int16_t wq[TILE_G * TILE_T];
     float scale[TILE_G];
     weights_int16_avx2(p, nt, gt, wq, scale);
+    _Alignas(32) __m256i wb[TILE_T / 2 * TILE_G];
+    weight_pairs(wq, nt, gt, wb);
     const int nc = gt >= 3 ? 1 : 2;
     const int64_t w = 16 * nc, slots = (d / w + d % w / 16) * nt;
     const char *vn = kn ? vb + nt * d : NULL;
     int64_t j0 = 0, slot0 = 0;
-    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wq, scale, nt, gt, nc, vn, TILE_T * d, slot0, slots);
-    for (; j0 < d; j0 += 16, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wq, scale, nt, gt, 1, vn, TILE_T * d, slot0, slots);
+    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wb, scale, nt, gt, nc, vn, TILE_T * d, slot0, slots);
+    for (; j0 < d; j0 += 16, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wb, scale, nt, gt, 1, vn, TILE_T * d, slot0, slots);
 }
 
 AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
