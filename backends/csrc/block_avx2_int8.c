@@ -144,10 +144,10 @@ AVX2 static inline __attribute__((always_inline)) void weights_int16_avx2(const 
 
 /* Value rows t and t + 1 (pair 0: row t alone) of nc groups of 16 channels at r0 into the gt
  * heads' accumulators, times the weights of t and t + 1: wb[g], head g's pair of weights in
- * every int32 lane (weight_pairs), read by the multiply itself. Broadcast here, the gt x 2
- * registers of weights and the 8 accumulators outgrew AVX2's 16: one accumulator went to the
- * stack and its loop-carried sum through a store and a reload (docs/design.md, "The int8 value
- * sum's spilled accumulator"). */
+ * every int32 lane (weight_pairs), read by the multiply itself: broadcast in the loop, the
+ * heads' weight registers beside the 8 accumulators and the rows' left AVX2's 16 registers
+ * short, and the block ran ~10% slower (docs/design.md, "Row loops without a loop of asks
+ * inside (AVX2)"). */
 AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TILE_G][4], const char *r0, int64_t d,
                                                                    const __m256i *wb, const int pair, const int gt,
                                                                    const int nc) {
