@@ -54,6 +54,10 @@ GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int
         gather_rows_avx512(cc->io, (const char *)cc->q + h * G * d * enc_size(cc->io), order, G, d, cc->qscale, qf);
         return;
     }
+    if (order && wide == ISA_AVX2) { /* int8: the stored key order's runs, 8 lanes at a time */
+        gather_rows_avx2(cc->io, (const char *)cc->q + h * G * d * enc_size(cc->io), order, G, d, cc->qscale, qf);
+        return;
+    }
 #endif
     if (order && cc->io == ENC_F32) { /* int8 with float32 tensors: a plain gather */
         const float *restrict q = (const float *)cc->q + h * G * d;

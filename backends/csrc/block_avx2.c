@@ -482,6 +482,31 @@ AVX2 GQA_INTERNAL void widen_row_avx2(const int enc, const uint16_t *src, float 
     for (; x < n; x++) dst[x] = load_elem(enc, src, x) * scale;
 }
 
+/* G rows of d elements of encoding enc (float32, float16 or bfloat16; src, one after another)
+ * to float32 times scale, each row's elements taken in `order`: dst[g * d + j] =
+ * load_elem(enc, src, g * d + order[j]) * scale, as gather_rows_avx512 moves them: run by run
+ * (consecutive channels to consecutive places), 8 lanes at a time, a run's last few one by one.
+ * An int8 cache's key order is its coded channels ascending with the outliers cut out, then the
+ * outliers: a few long runs. */
+AVX2 GQA_INTERNAL void gather_rows_avx2(const int enc, const void *src, const int64_t *order, int64_t G, int64_t d,
+                                        float scale, float *dst) {
+    const __m256 s = _mm256_set1_ps(scale);
+    const int64_t el = enc_size(enc);
+    for (int64_t j = 0; j < d;) {
+        const int64_t from = order[j];
+        int64_t len = 1;
+        while (j + len < d && order[j + len] == from + len) len++;
+        for (int64_t g = 0; g < G; g++) {
+            const char *a = (const char *)src + (g * d + from) * el;
+            float *b = dst + g * d + j;
+            int64_t x = 0;
+            for (; x + 8 <= len; x += 8) _mm256_storeu_ps(b + x, _mm256_mul_ps(widen8(enc, a + x * el), s));
+            for (; x < len; x++) b[x] = load_elem(enc, a, x) * scale;
+        }
+        j += len;
+    }
+}
+
 /* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem. */
 AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t *dst, int64_t n) {
     int64_t x = 0;
