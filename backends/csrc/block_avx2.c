@@ -507,6 +507,18 @@ AVX2 GQA_INTERNAL void gather_rows_avx2(const int enc, const void *src, const in
     }
 }
 
+/* Whether n float32 values at p are all within +-limit (NaN: not), 8 at a time. */
+AVX2 GQA_INTERNAL int within_f32_avx2(const float *p, int64_t n, float limit) {
+    const __m256 lim = _mm256_set1_ps(limit), magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+    __m256 bad = _mm256_setzero_ps();
+    int64_t x = 0;
+    for (; x + 8 <= n; x += 8) /* not (|a| <= limit): NaN too */
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_and_ps(_mm256_loadu_ps(p + x), magnitude), lim, _CMP_NLE_UQ));
+    int ok = _mm256_movemask_ps(bad) == 0;
+    for (; x < n; x++) ok &= fabsf(p[x]) <= limit;
+    return ok;
+}
+
 /* n float32 elements to float16/bfloat16 (enc), bit for bit as store_elem. */
 AVX2 GQA_INTERNAL void narrow_row_avx2(const int enc, const float *src, uint16_t *dst, int64_t n) {
     int64_t x = 0;

@@ -422,6 +422,7 @@ AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *, const float *, i
 AVX2 GQA_INTERNAL void widen_row_avx2(int enc, const uint16_t *src, float *dst, int64_t n, float scale);
 AVX2 GQA_INTERNAL void gather_rows_avx2(int enc, const void *src, const int64_t *order, int64_t G, int64_t d,
                                         float scale, float *dst);
+AVX2 GQA_INTERNAL int within_f32_avx2(const float *p, int64_t n, float limit);
 AVX2 GQA_INTERNAL void narrow_row_avx2(int enc, const float *src, uint16_t *dst, int64_t n);
 AVX2 GQA_INTERNAL void unpair_row_avx2(float *o, int64_t d);
 AVX2 GQA_INTERNAL void finish_rows_avx2(int enc, const float *acc, const float *l, int64_t gn, int64_t d, void *out);

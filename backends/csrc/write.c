@@ -28,6 +28,7 @@ static int within(int enc, const void *p, int64_t n, float limit) {
     int ok = 1; /* no early exit: the loops vectorize (NaN compares false, so fails too) */
 #if GQA_X86_64
     if (enc == ENC_F32 && gqa_avx512_usable()) return within_f32_avx512(p, n, limit);
+    if (enc == ENC_F32 && gqa_avx2_usable()) return within_f32_avx2(p, n, limit);
 #endif
     if (enc == ENC_F32) {
         const float *f = p;
