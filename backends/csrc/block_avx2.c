@@ -42,37 +42,21 @@ AVX2 static inline __attribute__((always_inline)) void words16(const char *row, 
                     : _mm256_maskload_epi32((const int *)(row + 32), _mm256_castps_si256(lanes8(nt16 - 8)));
 }
 
-/* The next block's lines [x, x + per) below `asks` asked for (kn's, 64 bytes each). `asking`, a
- * constant: 0 none (no next block), 1 at most one (per 1, the usual geometry: one test, no
- * loop), 2 any number. A loop of asks inside a row loop made GCC copy the loop's sums
- * register to register at its end and spill one to the stack (the int8 value sum's: a fifth
- * of its samples on the add after that reload), so each kind of asking gets a row loop of its
- * own (docs/design.md, "Row loops without a loop of asks inside (AVX2)"). */
-AVX2 static inline __attribute__((always_inline)) void ask_lines(const char *kn, int64_t x, int64_t per, int64_t asks,
-                                                                  const int asking) {
-    if (asking == 1) {
-        if (x < asks) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-    } else if (asking == 2) {
-        for (int64_t e = x + per; x < e && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
-    }
-}
-
 /* Scores of `gt` query heads against positions [t0, t0 + 16) of a block of nt, into
  * out[g * TILE_T + t0 ...] (-inf past nt); int8: times the key scales ks (zero-padded to
  * TILE_T), plus the float16 outlier channels (rows of kob, c apart). `full`: the 16 positions
  * lie inside the block's lines (those past nt are read, then masked), so whole registers load.
  * nreg 1: the pass holds at most 8 positions (t0 + 8 >= nt), so only the first register of them
  * is read and summed (`full`: 8 positions inside the lines), the second left at -inf.
- * kn (or NULL): the next block's keys (krows lines knline elements apart, one contiguous run):
- * the block's (nt + 15) / 16 passes ask for its cache lines in ascending order, this pass its
- * share, a few with each key line it reads. */
+ * kn (or NULL): the next block's keys (one contiguous run of `asks` cache lines): the block's
+ * (nt + 15) / 16 passes ask for its lines in ascending order, this pass its share, `per` with
+ * each key line it reads (ask_lines, as `asking` says: scores16_avx2 below). */
 AVX2 static inline __attribute__((always_inline)) void scores16_asking(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kend,
-    const char *kn, int64_t knline, float *out, const int asking) {
+    const char *kn, int64_t asks, int64_t per, float *out, const int asking) {
     const int64_t dq = dk + no, el = enc_size(enc), left = full ? 16 : nt - t0, attended = nt - t0;
-    const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
-    const int64_t asks = (krows * knline * el + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
+    const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc);
     const int64_t ask0 = t0 / 16 * krows * per;
     __m256 acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_ps();
@@ -119,16 +103,17 @@ AVX2 static inline __attribute__((always_inline)) void scores16_asking(
                     out);
 }
 
-/* scores16_asking with its kind of asking (ask_lines): kn (or NULL) the next block's keys. */
+/* scores16_asking with its kind of asking (ask_lines): kn (or NULL) the next block's keys, krows
+ * lines knline elements apart. */
 AVX2 static inline __attribute__((always_inline)) void scores16_avx2(
     const int enc, const float *q, int64_t dk, int64_t no, const char *kb, int64_t kline, const uint16_t *kob,
     int64_t c, const float *ks, int64_t t0, int64_t nt, const int gt, const int full, const int nreg, const char *kend,
     const char *kn, int64_t knline, float *out) {
     const int64_t krows = (dk + kpack(enc) - 1) / kpack(enc), passes = (nt + 15) / 16;
     const int64_t asks = (krows * knline * enc_size(enc) + 63) / 64, per = (asks + passes * krows - 1) / (passes * krows);
-    if (!kn) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 0);
-    else if (per == 1) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 1);
-    else scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, knline, out, 2);
+    if (!kn) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, asks, per, out, 0);
+    else if (per == 1) scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, asks, per, out, 1);
+    else scores16_asking(enc, q, dk, no, kb, kline, kob, c, ks, t0, nt, gt, full, nreg, kend, kn, asks, per, out, 2);
 }
 
 /* 16 float32 channels at m as their even channels (0, 2, .., 14) and their odd ones: the lane
@@ -493,9 +478,7 @@ AVX2 GQA_INTERNAL void gather_rows_avx2(const int enc, const void *src, const in
     const __m256 s = _mm256_set1_ps(scale);
     const int64_t el = enc_size(enc);
     for (int64_t j = 0; j < d;) {
-        const int64_t from = order[j];
-        int64_t len = 1;
-        while (j + len < d && order[j + len] == from + len) len++;
+        const int64_t from = order[j], len = order_run(order, j, d);
         for (int64_t g = 0; g < G; g++) {
             const char *a = (const char *)src + (g * d + from) * el;
             float *b = dst + g * d + j;

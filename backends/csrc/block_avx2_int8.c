@@ -100,15 +100,14 @@ AVX2 static inline __attribute__((always_inline)) void scores16_int8(
     const int64_t per = (asks + passes * words - 1) / (passes * words), ask0 = t0 / 16 * words * per;
     __m256i acc[TILE_G][2];
     for (int g = 0; g < gt; g++) acc[g][0] = acc[g][1] = _mm256_setzero_si256();
-    if (kn && per > 1) /* several asks a channel pair */
+    if (kn && per > 1) /* each kind of asking its own loop (ask_lines) */
         for (int64_t l = 0; l < dk / 2; l++) {
-            for (int64_t x = ask0 + l * per; x < ask0 + (l + 1) * per && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+            ask_lines(kn, ask0 + l * per, per, asks, 2);
             score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
         }
-    else if (kn) /* one ask a pair (the last line again past the asks): no loop of asks, as pv_int8 */
+    else if (kn)
         for (int64_t l = 0; l < dk / 2; l++) {
-            const int64_t x = ask0 + l;
-            _mm_prefetch(kn + (x < asks ? x : asks - 1) * 64, _MM_HINT_T1);
+            ask_lines(kn, ask0 + l, 1, asks, 1);
             score_pair(acc, qw, words, l, kb + 2 * l * kline + t0, kline, left, 1, gt);
         }
     else
@@ -198,11 +197,10 @@ AVX2 static inline __attribute__((always_inline)) void pv_int8(float *acc_mem, i
             }
             value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
         }
-    else if (vn) /* one line a row at most (and the next): no loop of asks, so the loop's sums stay in registers */
+    else if (vn) /* one line a row at most: no loop of asks (ask_lines), so the loop's sums stay in registers */
         for (; t + 1 < nt; t += 2) {
-            const int64_t x = (slot0 + t) * 64, last = vbytes - 64;
-            _mm_prefetch(vn + (x < last ? x : last), _MM_HINT_T1);
-            _mm_prefetch(vn + (x + 64 < last ? x + 64 : last), _MM_HINT_T1);
+            ask_lines(vn, slot0 + t, 1, vbytes / 64, 1);
+            ask_lines(vn, slot0 + t + 1, 1, vbytes / 64, 1);
             value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
         }
     else

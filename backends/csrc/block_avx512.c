@@ -337,9 +337,7 @@ AVX512 GQA_INTERNAL void gather_rows_avx512(const int enc, const void *src, cons
     const __m512 s = _mm512_set1_ps(scale);
     const int64_t el = enc_size(enc);
     for (int64_t j = 0; j < d;) {
-        const int64_t from = order[j];
-        int64_t len = 1;
-        while (j + len < d && order[j + len] == from + len) len++;
+        const int64_t from = order[j], len = order_run(order, j, d);
         for (int64_t g = 0; g < G; g++) {
             const char *a = (const char *)src + (g * d + from) * el;
             float *b = dst + g * d + j;

@@ -161,6 +161,21 @@ AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, in
     }
 }
 
+/* The next block's lines [x, x + per) below `asks` asked for (kn's, 64 bytes each). `asking`, a
+ * constant: 0 none (no next block), 1 at most one (per 1, the usual geometry: one test, no
+ * loop), 2 any number. A loop of asks inside a row loop made GCC copy the loop's sums
+ * register to register at its end and spill one to the stack (the int8 value sum's: a fifth
+ * of its samples on the add after that reload), so each kind of asking gets a row loop of its
+ * own (docs/design.md, "Row loops without a loop of asks inside (AVX2)"). */
+AVX2 static inline __attribute__((always_inline)) void ask_lines(const char *kn, int64_t x, int64_t per, int64_t asks,
+                                                                  const int asking) {
+    if (asking == 1) {
+        if (x < asks) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+    } else if (asking == 2) {
+        for (int64_t e = x + per; x < e && x < asks; x++) _mm_prefetch(kn + x * 64, _MM_HINT_T1);
+    }
+}
+
 /* An int8 block's key and value scales (nt of them from ring row phys of KV head h) as float32 in
  * st->ksb and st->vsb, zeros from nt to TILE_T. */
 AVX2 static inline void block_scales_avx2(const gqa_cache_t *cc, int64_t h, int64_t phys, int64_t nt, state_t *st) {

@@ -413,6 +413,15 @@ enum { DEFER_NONE = 0, DEFER_HEAD = 1, DEFER_ROW = 2, DEFER_CODES = 3 };
 /* block_portable.c, block_avx2.c, block_avx2_int8.c, block_avx512.c, block_avx512_bf16.c, block_avx512_int8.c */
 GQA_INTERNAL void block_portable(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys, int64_t nt,
                                  state_t *st);
+/* The run of `order` from j (of d): how many of order[j], order[j + 1], .. are consecutive
+ * (order[j] + 1, ..); gather_rows_avx2 and gather_rows_avx512 move an int8 cache's query run
+ * by run. */
+static inline int64_t order_run(const int64_t *order, int64_t j, int64_t d) {
+    int64_t len = 1;
+    while (j + len < d && order[j + len] == order[j] + len) len++;
+    return len;
+}
+
 #if GQA_X86_64
 AVX2 GQA_INTERNAL void block_avx2_f32(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
 AVX2 GQA_INTERNAL void block_avx2_bf16(const gqa_cache_t *, const float *, int64_t, int64_t, int64_t, state_t *);
