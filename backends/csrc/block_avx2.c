@@ -10,7 +10,9 @@
  * - the online softmax of gqa_avx512.h's, the exponential from its exponent bits (no scalef);
  * - the value sum for all the tile's query heads at once over a slice of each row (16 channels
  *   for 3 or 4 heads, 32 for 1 or 2: up to 8 accumulators), every row of the block in order, so
- *   each value line is read (and widened) once per tile; bfloat16 rows widened as the keys are,
+ *   each value line is read (and widened) once per tile; four heads of a 16-bit encoding as two
+ *   pairs of 32 channels instead, the second pair on the lines the first just read (fewer loads
+ *   a line: pv_block_avx2); bfloat16 rows widened as the keys are,
  *   a 16-channel run's words split by a shift and a mask into its even and odd channels (the
  *   accumulators take that lane order for the block), two instructions where widening each half
  *   took four: on a CPU with 128-bit vector units (Zen 1) the widening had held the sum back.
@@ -362,11 +364,27 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
  * slice of 8 nv channels of every row per pass, then one of 16 and one of 8 for what is left
  * (so every whole 16-channel slice of a bfloat16 row is summed as even and odd channels, for
  * every tile alike); vn (or NULL): the next block's values (vbytes), asked for a line per row
- * read across the passes. */
+ * read across the passes.
+ * Four heads of a 16-bit encoding go as two pairs, each pass 32 channels (a row's whole 64-byte
+ * line) for heads 0-1, then the same lines, still in L1, for heads 2-3: two value loads and two
+ * weight broadcasts a row of a pair where four heads at 16 channels took one and four a row of
+ * 32 bytes. Fewer loads a line let the core run further ahead of its misses: a cold bfloat16 or
+ * float16 step read 2-8% faster (docs/design.md, "Four heads as two pairs"). Each (head,
+ * channel) sums the same products in the same order: the same bits. float32's 32 channels are
+ * two lines a row, read twice, and measured slower: it keeps 16 channels for four heads. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
                                                                       const int gt, const char *vn, int64_t vbytes,
                                                                       void *out, const float *l) {
+    if (gt == 4 && d % 32 == 0 && enc_size(enc) == 2) { /* two pairs of heads, a 64-byte line of each row a pass */
+        const int64_t slots = d / 32 * nt;
+        char *out2 = out ? (char *)out + 2 * d * enc_size(enc) : NULL;
+        for (int64_t j0 = 0, slot0 = 0; j0 < d; j0 += 32, slot0 += nt) {
+            pv_avx2(enc, acc, d, j0, vb, p, nt, 2, 4, vn, vbytes, slot0, slots, out, l); /* it asks */
+            pv_avx2(enc, acc + 2 * d, d, j0, vb, p + 2 * TILE_T, nt, 2, 4, NULL, vbytes, slot0, slots, out2, l + 2);
+        }
+        return;
+    }
     const int nv = gt >= 3 ? 2 : 4;
     const int64_t w = 8 * nv, rest = d % w, slots = (d / w + rest / 16 + rest % 16 / 8) * nt;
     int64_t j0 = 0, slot0 = 0;
