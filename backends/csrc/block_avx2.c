@@ -371,9 +371,9 @@ AVX2 static inline __attribute__((always_inline)) void pv_avx2(const int enc, fl
  * weight broadcasts a row of a pair where four heads at 16 channels took one and four a row of
  * 32 bytes. Fewer loads a line let the core run further ahead of its misses: on a Zen 3 the
  * blocks read cold 3-7% (bfloat16) and 10% (float16) faster (docs/design.md, "Four heads as two
- * pairs"). Each (head,
- * channel) sums the same products in the same order: the same bits. float32's 32 channels are
- * two lines a row, read twice, and measured slower: it keeps 16 channels for four heads. */
+ * pairs"). Each (head, channel) sums the same products in the same order: the same bits.
+ * float32's 32 channels are two lines a row, read twice, and measured slower: it keeps 16
+ * channels for four heads. */
 AVX2 static inline __attribute__((always_inline)) void pv_block_avx2(const int enc, float *acc, int64_t d,
                                                                       const char *vb, const float *p, int64_t nt,
                                                                       const int gt, const char *vn, int64_t vbytes,
@@ -424,7 +424,7 @@ AVX2 static inline __attribute__((always_inline)) void scores32_pair_f16(const f
         for (int i = 0; i < 4; i++) acc[g][i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < dk; j++) {
         const char *row = kb + (j * kline + t0) * 2;
-        if (kn && ask0 + j < asks) _mm_prefetch(kn + (ask0 + j) * 64, _MM_HINT_T1);
+        if (kn) ask_lines(kn, ask0 + j, 1, asks, 1);
         const __m256 a = _mm256_broadcast_ss(q + j), b = _mm256_broadcast_ss(q + dq + j);
         for (int i = 0; i < 4; i++) {
             const __m256 k = widen8(ENC_F16, row + 16 * i);
