@@ -19,12 +19,12 @@ needs_the_probe = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def exe(tmp_path_factory):
-    """One build for the module (the tree against itself): four block objects take ~30 s."""
+    """One build for the module (the tree against itself): its block objects take ~15-40 s."""
     return block_probe.build(block_probe.compiler(), ISA, None, tmp_path_factory.mktemp("block-probe"))
 
 
 @needs_the_probe
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "int8"])
 def test_the_probe_reports_both_sides(exe, dtype):
     out = block_probe.probe(exe, dtype=dtype, isa=ISA, length=256, heads=2, threads=2, rounds=2, evict_mib=4)
     sides = dict(re.findall(r"^([AB]): cold ([0-9.]+) GB/s, hot [0-9.]+ ns a line$", out, re.M))

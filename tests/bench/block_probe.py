@@ -1,11 +1,11 @@
-"""A probe, not a target: one ISA's float blocks from two revisions, side by side on long heads.
+"""A probe, not a target: one ISA's blocks from two revisions, side by side on long heads.
 
     PYTHONPATH=$PWD .venv/bin/python -m tests.bench.block_probe [--base REV] [--dtype bfloat16]
         [--isa auto|avx2|avx512] [--length 32768] [--heads 1] [--threads 2] [--rounds 9]
 
-Side A is the working tree's ``backends/csrc/block_avx2.c`` (and ``block_avx512.c`` for AVX-512),
-side B the same files at ``--base`` (default ``HEAD``: what a change in the tree does against
-the last commit). ``block_probe.c`` says what it runs: the real block functions over ``--heads``
+Side A is the working tree's ``backends/csrc/block_avx2.c`` and ``block_avx2_int8.c`` (and
+``block_avx512.c`` and ``block_avx512_int8.c`` for AVX-512), side B the same files at ``--base``
+(default ``HEAD``: what a change in the tree does against the last commit). ``block_probe.c`` says what it runs: the real block functions over ``--heads``
 KV heads a thread of ``--length`` positions, laid out as the cache lays them out, cold (the
 last-level cache evicted before every pass) and hot, the two sides alternated round by round
 in one process. It prints each side's cold GB/s and hot ns a line, and the median of the
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CSRC = ROOT / "backends" / "csrc"
 SOURCE = Path(__file__).with_name("block_probe.c")
 HEADERS = ("gqa_internal.h", "gqa_avx2.h", "gqa_avx512.h")
-ENCODINGS = {"float32": 0, "bfloat16": 1, "float16": 2}
+ENCODINGS = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 ISAS = {"avx2": 2, "avx512": 3}
 FLAGS = ("-O3", "-std=gnu11", "-pthread", "-fno-strict-aliasing")  # native_build.CFLAGS' code generation
 # a function the block files export: `GQA_INTERNAL <type> name(`
@@ -57,8 +57,9 @@ def cpu_isa() -> str:
 
 
 def block_files(isa: str) -> tuple[str, ...]:
-    """The block files one ISA's float blocks need (block_avx512.c calls block_avx2.c's short-ring scores)."""
-    return ("block_avx2.c",) if isa == "avx2" else ("block_avx2.c", "block_avx512.c")
+    """The block files one ISA's blocks need (block_avx512.c calls block_avx2.c's short-ring scores)."""
+    avx2 = ("block_avx2.c", "block_avx2_int8.c")
+    return avx2 if isa == "avx2" else (*avx2, "block_avx512.c", "block_avx512_int8.c")
 
 
 def write_base(rev: str | None, files: tuple[str, ...], into: Path) -> None:
