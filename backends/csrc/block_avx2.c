@@ -477,7 +477,7 @@ AVX2 static inline __attribute__((always_inline)) void tile_avx2(const int enc, 
             scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, 2, kend, kn, knline, p);
         else scores16_avx2(enc, q, cc->dk, cc->no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, 2, kend, kn, knline, p);
     }
-    softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d, NULL);
     /* a dense head's only block: its rows finished here (st->out) */
     void *out = enc != ENC_INT8 && st->out ? (char *)st->out + g0 * d * el : NULL;
     pv_block_avx2(enc, st->acc + g0 * d, d, vb, p, nt, gt, kn ? vb + nt * d * el : NULL, TILE_T * d * el, out,

@@ -123,19 +123,19 @@ AVX2 static inline __attribute__((always_inline)) void scores16_int8(
     scores16_finish(y, q, dq, dk, no, kob, c, t0, left, attended, gt, out);
 }
 
-/* The block's weights p (gt x TILE_T, valid below nt) as int16 against each head's largest:
- * wq[g * TILE_T + t] (0 from nt to the end of its group of 8), p ~= wq x scale[g]. Weights are >= 0. */
+/* The block's weights p (gt x TILE_T, valid below nt, 0 from nt to the end of its group of 8:
+ * softmax_avx2's) as int16 against each head's largest, pmax[g] (softmax_avx2's): wq[g * TILE_T
+ * + t], p ~= wq x scale[g]. Weights are >= 0. */
 AVX2 static inline __attribute__((always_inline)) void weights_int16_avx2(const float *p, int64_t nt, const int gt,
-                                                                           int16_t *wq, float *scale) {
+                                                                           const float *pmax, int16_t *wq,
+                                                                           float *scale) {
     const int64_t ng = (nt + 7) / 8;
     for (int g = 0; g < gt; g++) {
-        __m256 mx = _mm256_setzero_ps();
-        for (int64_t i = 0; i < ng; i++) mx = _mm256_max_ps(mx, _mm256_and_ps(lanes8(nt - 8 * i), _mm256_loadu_ps(p + g * TILE_T + 8 * i)));
-        const float wmax = hmax8(mx), inv = wmax > 0.0f ? 32767.0f / wmax : 0.0f;
+        const float wmax = pmax[g], inv = wmax > 0.0f ? 32767.0f / wmax : 0.0f;
         const __m256 vinv = _mm256_set1_ps(inv);
         scale[g] = wmax / 32767.0f;
         for (int64_t i = 0; i < ng; i++) {
-            const __m256 v = _mm256_and_ps(lanes8(nt - 8 * i), _mm256_loadu_ps(p + g * TILE_T + 8 * i));
+            const __m256 v = _mm256_loadu_ps(p + g * TILE_T + 8 * i);
             store8_int16(wq + g * TILE_T + 8 * i, _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v, vinv)), _mm256_set1_epi32(32767)));
         }
     }
@@ -240,10 +240,11 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8(const gqa_cache
         if (t0 + 16 <= room) scores16_int8(qw, qscale, q, dk, no, kb, kline, ko, cc->c, ks, t0, nt, gt, 1, kn, knline, p);
         else scores16_int8(qw, qscale, q, dk, no, kb, kline, ko, cc->c, ks, t0, nt, gt, 0, kn, knline, p);
     }
-    softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d);
+    float pmax[TILE_G];
+    softmax_avx2(p, nt, vs, d, gt, st->m + g0, st->l + g0, st->acc + g0 * d, pmax);
     _Alignas(32) int16_t wq[TILE_G * TILE_T];
     float scale[TILE_G];
-    weights_int16_avx2(p, nt, gt, wq, scale);
+    weights_int16_avx2(p, nt, gt, pmax, wq, scale);
     _Alignas(32) __m256i wb[TILE_T / 2 * TILE_G];
     weight_pairs(wq, nt, gt, wb);
     const int nc = gt >= 3 ? 1 : 2;

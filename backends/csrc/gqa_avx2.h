@@ -131,10 +131,13 @@ AVX2 static inline __attribute__((always_inline)) void scores16_finish(__m256 y[
 /* The online-softmax update of one block for `gt` query heads: p[g][t] holds the scores of
  * the block's first `ng` groups of 8 (-inf past nt) and becomes exp(score - m) (times vs[t]
  * when given, 0 past nt); the running max m, sum l and accumulators acc (gt x d) are rescaled
- * when the max grows. */
+ * when the max grows. pmax (or NULL, a constant): each head's largest weight as stored, for the
+ * int8 block's quantization of them (weights_int16_avx2). Only a short block's last group of 8
+ * is masked. */
 AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, int64_t nt, const float *vs, int64_t d,
-                                                                     const int gt, float *ms, float *ls, float *accs) {
-    const int64_t ng = (nt + 7) / 8;
+                                                                     const int gt, float *ms, float *ls, float *accs,
+                                                                     float *pmax) {
+    const int64_t ng = (nt + 7) / 8, whole = nt / 8;
     for (int g = 0; g < gt; g++) {
         float *pg = p + g * TILE_T;
         __m256 mx = _mm256_loadu_ps(pg);
@@ -151,13 +154,17 @@ AVX2 static inline __attribute__((always_inline)) void softmax_avx2(float *p, in
             *m = bmax;
         }
         const __m256 mm = _mm256_set1_ps(*m);
-        __m256 sum = _mm256_setzero_ps();
+        __m256 sum = _mm256_setzero_ps(), top = _mm256_setzero_ps();
         for (int64_t i = 0; i < ng; i++) {
-            const __m256 e = _mm256_and_ps(lanes8(nt - 8 * i), exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + 8 * i), mm)));
+            __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(pg + 8 * i), mm));
+            if (i == whole) e = _mm256_and_ps(lanes8(nt - 8 * i), e); /* the short last group */
             sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(pg + 8 * i, vs ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + 8 * i)) : e);
+            const __m256 w = vs ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + 8 * i)) : e;
+            _mm256_storeu_ps(pg + 8 * i, w);
+            if (pmax) top = _mm256_max_ps(top, w);
         }
         *l += hsum8(sum);
+        if (pmax) pmax[g] = hmax8(top);
     }
 }
 
