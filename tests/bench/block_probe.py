@@ -5,10 +5,10 @@
 
 Side A is the working tree's ``backends/csrc/block_avx2.c`` and ``block_avx2_int8.c`` (and
 ``block_avx512.c`` and ``block_avx512_int8.c`` for AVX-512), side B the same files at ``--base``
-(default ``HEAD``: what a change in the tree does against the last commit). ``block_probe.c`` says what it runs: the real block functions over ``--heads``
-KV heads a thread of ``--length`` positions, laid out as the cache lays them out, cold (the
-last-level cache evicted before every pass) and hot, the two sides alternated round by round
-in one process. It prints each side's cold GB/s and hot ns a line, and the median of the
+(default ``HEAD``: what a change in the tree does against the last commit). ``block_probe.c``
+says what it runs: the real block functions over ``--heads`` KV heads a thread of ``--length``
+positions, laid out as the cache lays them out, cold (the last-level cache evicted before every
+pass) and hot, the two sides alternated round by round in one process. It prints each side's cold GB/s and hot ns a line, and the median of the
 rounds' B/A time ratios, which is the figure to read on a machine whose memory speed drifts
 (docs/design.md, "A block probe"). The two revisions must share ``gqa_cache_t`` and
 ``state_t``. It builds with ``$CC`` (or ``cc``) into a temporary directory each run.
