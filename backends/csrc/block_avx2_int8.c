@@ -31,7 +31,7 @@
 
 /* The row loops with two passes written out as one: a pass is ~30 instructions, ~8 of them the
  * loop's own counting, addressing and asking, where Zen 3 dispatches six a cycle. The block ran
- * ~5% faster cold and ~3.5% hot (docs/design.md, "int8's block on Zen 3"). */
+ * ~6% faster cold and hot (docs/design.md, "The int8 row loops two passes at a time"). */
 #define UNROLL2 _Pragma("GCC unroll 2")
 
 #if GQA_X86_64
