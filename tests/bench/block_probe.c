@@ -186,8 +186,8 @@ int main(int argc, char **argv) {
      * the scales), on 2 MiB pages as host_memory's */
     const int int8 = enc == ENC_INT8, no = int8 ? OUTLIERS : 0, dk = D - no;
     const int64_t el = enc_size(enc), heads = threads * HEADS, half = heads * C * D * el;
-    const int64_t side_bytes = int8 ? heads * C * (2 * no + 2 * 2) : 0; /* float16 outliers, key and value scales */
-    const int64_t row_bytes = (dk + D) * el + (int8 ? 2 * no + 2 * 2 : 0); /* what a position of a head reads */
+    const int64_t side_row = int8 ? 2 * no + 2 * 2 : 0;                  /* float16 outliers, key and value scales */
+    const int64_t side_bytes = heads * C * side_row, row_bytes = (dk + D) * el + side_row; /* a head's position */
     const size_t bytes = (size_t)(2 * half + side_bytes), huge = (size_t)2 << 20;
     char *raw = mmap(NULL, bytes + huge, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     char *evict = malloc(evict_bytes ? evict_bytes : 1);
@@ -243,8 +243,8 @@ int main(int argc, char **argv) {
     }
     const double lines_hot = 16.0 * 8 * TILE_T * row_bytes / 64;
     for (int s = 0; s < 2; s++)
-        printf("%s: cold %.1f GB/s, hot %.2f ns a line\n", s ? "B" : "A", (double)(heads * C * row_bytes) / median(cold[s], rounds) / 1e9,
-               median(hot[s], rounds) / lines_hot * 1e9);
+        printf("%s: cold %.1f GB/s, hot %.2f ns a line\n", s ? "B" : "A",
+               (double)(heads * C * row_bytes) / median(cold[s], rounds) / 1e9, median(hot[s], rounds) / lines_hot * 1e9);
     printf("B/A time, the median of %d paired rounds: cold %.3f, hot %.3f\n", rounds, median(cold_ratio, rounds),
            median(hot_ratio, rounds));
     munmap(raw, bytes + huge);

@@ -8,9 +8,9 @@ Side A is the working tree's ``backends/csrc/block_avx2.c`` and ``block_avx2_int
 (default ``HEAD``: what a change in the tree does against the last commit). ``block_probe.c``
 says what it runs: the real block functions over ``--heads`` KV heads a thread of ``--length``
 positions, laid out as the cache lays them out, cold (the last-level cache evicted before every
-pass) and hot, the two sides alternated round by round in one process. It prints each side's cold GB/s and hot ns a line, and the median of the
-rounds' B/A time ratios, which is the figure to read on a machine whose memory speed drifts
-(docs/design.md, "A block probe"). The two revisions must share ``gqa_cache_t`` and
+pass) and hot, the two sides alternated round by round in one process. It prints each side's
+cold GB/s and hot ns a line, and the median of the rounds' B/A time ratios, which is the figure
+to read on a machine whose memory speed drifts (docs/design.md, "A block probe"). The two revisions must share ``gqa_cache_t`` and
 ``state_t``. It builds with ``$CC`` (or ``cc``) into a temporary directory each run.
 """
 
@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from backends.native_build import CFLAGS
+
 from .common import llc_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -33,7 +35,8 @@ SOURCE = Path(__file__).with_name("block_probe.c")
 HEADERS = ("gqa_internal.h", "gqa_avx2.h", "gqa_avx512.h")
 ENCODINGS = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 ISAS = {"avx2": 2, "avx512": 3}
-FLAGS = ("-O3", "-std=gnu11", "-pthread", "-fno-strict-aliasing")  # native_build.CFLAGS' code generation
+# the library's code generation (native_build.CFLAGS), as objects linked into a program
+FLAGS = tuple(f for f in CFLAGS if f not in ("-fPIC", "-shared"))
 # a function the block files export: `GQA_INTERNAL <type> name(`
 EXPORTED = re.compile(r"GQA_INTERNAL\s+[\w\s\*]*?\b(\w+)\s*\(")
 STRUCTS = re.compile(r"typedef struct \{.*?\} (?:gqa_cache_t|state_t);", re.S)
@@ -85,7 +88,7 @@ def write_base(rev: str | None, files: tuple[str, ...], into: Path) -> None:
 
 def build(cc: str, isa: str, base: str | None, tmp: Path) -> Path:
     """The probe linked with side A (the tree's block files) and side B (``base``'s, its exported
-    functions renamed B_*), the four or two objects compiled at once."""
+    functions renamed B_*), every object compiled at once."""
     files = block_files(isa)
     write_base(base, files, tmp / "b")
     renames: list[str] = []
