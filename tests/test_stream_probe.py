@@ -16,8 +16,8 @@ def _why_not() -> str | None:
     if stream_probe.compiler() is None:
         return "no C compiler ($CC or cc)"
     cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.exists() or " avx512f" not in cpuinfo.read_text():
-        return "the probe reads with AVX-512 loads; this CPU has none"
+    if not cpuinfo.exists() or not {"avx512f", "avx2"} & set(cpuinfo.read_text().split()):
+        return "the probe reads with AVX-512 or AVX2 loads; this CPU has neither"
     return None
 
 
