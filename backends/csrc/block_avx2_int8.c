@@ -158,13 +158,13 @@ AVX2 static inline __attribute__((always_inline)) void weights_int16_avx2(const 
 }
 
 /* Value rows t and t + 1 (pair 0: row t alone) of nc groups of 16 channels at r0 into the gt
- * heads' accumulators, times the weights of t and t + 1: wb[g], head g's pair of weights in
- * every int32 lane (weight_pairs), read by the multiply itself: broadcast in the loop, the
- * heads' weight registers beside the 8 accumulators and the rows' left AVX2's 16 registers
- * short, and the block ran ~10% slower (docs/design.md, "Row loops without a loop of asks
- * inside (AVX2)"). */
+ * heads' accumulators, times the weights of t and t + 1: wt[g * TILE_T], head g's two int16
+ * weights (weights_int16_avx2's wq at row t), broadcast as one int32 word into the register
+ * its two products share. A table of the broadcast words made once a block, read by the
+ * products, cost the block ~5% more (building it, and 4 KiB more in L1): docs/design.md, "The
+ * int8 value sum's loop, trimmed". */
 AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TILE_G][4], const char *r0, int64_t d,
-                                                                   const __m256i *wb, const int pair, const int gt,
+                                                                   const int16_t *wt, const int pair, const int gt,
                                                                    const int nc) {
     __m256i lo[2], hi[2];
     for (int i = 0; i < nc; i++) {
@@ -173,24 +173,15 @@ AVX2 static inline __attribute__((always_inline)) void value_pair(__m256i acc[TI
         lo[i] = _mm256_unpacklo_epi16(x, y);
         hi[i] = _mm256_unpackhi_epi16(x, y);
     }
-    for (int g = 0; g < gt; g++)
+    for (int g = 0; g < gt; g++) {
+        int32_t wpair;
+        memcpy(&wpair, wt + g * TILE_T, sizeof wpair);
+        const __m256i w = _mm256_set1_epi32(wpair);
         for (int i = 0; i < nc; i++) {
-            acc[g][2 * i] = _mm256_add_epi32(acc[g][2 * i], _mm256_madd_epi16(lo[i], _mm256_load_si256(wb + g)));
-            acc[g][2 * i + 1] = _mm256_add_epi32(acc[g][2 * i + 1], _mm256_madd_epi16(hi[i], _mm256_load_si256(wb + g)));
+            acc[g][2 * i] = _mm256_add_epi32(acc[g][2 * i], _mm256_madd_epi16(lo[i], w));
+            acc[g][2 * i + 1] = _mm256_add_epi32(acc[g][2 * i + 1], _mm256_madd_epi16(hi[i], w));
         }
-}
-
-/* The weights of rows t and t + 1 of each of gt heads (wq: weights_int16_avx2's) as one int32
- * word in all 8 lanes: wb[(t / 2) * TILE_G + g], for every pair of the block's nt rows (the odd
- * last row's partner is wq's 0). */
-AVX2 static inline __attribute__((always_inline)) void weight_pairs(const int16_t *wq, int64_t nt, const int gt,
-                                                                     __m256i *wb) {
-    for (int64_t t = 0; t < nt; t += 2)
-        for (int g = 0; g < gt; g++) {
-            int32_t wpair;
-            memcpy(&wpair, wq + g * TILE_T + t, sizeof wpair);
-            _mm256_store_si256(wb + (t / 2) * TILE_G + g, _mm256_set1_epi32(wpair));
-        }
+    }
 }
 
 /* acc[g][j0 : j0 + 16 nc] += scale[g] x sum_t wq[g][t] value[t][j0 : ...] for gt heads, nc (1 or
@@ -198,7 +189,7 @@ AVX2 static inline __attribute__((always_inline)) void weight_pairs(const int16_
  * vn (or NULL): the next block's values (vbytes), asked for a line per row read across the
  * passes (row t: lines slot0 + t, slot0 + t + slots, ...). */
 AVX2 static inline __attribute__((always_inline)) void pv_int8(float *acc_mem, int64_t d, int64_t j0, const char *vb,
-                                                                const __m256i *wb, const float *scale, int64_t nt,
+                                                                const int16_t *wq, const float *scale, int64_t nt,
                                                                 const int gt, const int nc, const char *vn,
                                                                 int64_t vbytes, int64_t slot0, int64_t slots) {
     __m256i acc[TILE_G][4];
@@ -212,22 +203,38 @@ AVX2 static inline __attribute__((always_inline)) void pv_int8(float *acc_mem, i
                 _mm_prefetch(vn + x, _MM_HINT_T1);
                 if (x + 64 < vbytes) _mm_prefetch(vn + x + 64, _MM_HINT_T1);
             }
-            value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
+            value_pair(acc, vb + t * d + j0, d, wq + t, 1, gt, nc);
         }
-    else if (vn) /* one line a row at most: no loop of asks (ask_lines), so the loop's sums stay in registers */
+    else if (vn) { /* one line a row at most: first the pairs whose two lines both lie below vbytes,
+                    * asking unchecked, then the rest, asking nothing. No loop of asks (the sums stay in
+                    * registers) and no test a row: ~40 instructions a pair were ~30 (docs/design.md,
+                    * "The int8 value sum's loop, trimmed") */
+        const int64_t asked = vbytes / 64 - slot0; /* rows t < asked ask for line slot0 + t */
+        const int64_t both = asked < nt ? asked : nt;
+        const char *ask = vn + slot0 * 64, *row = vb + j0;
+        const int16_t *w = wq;
         UNROLL2
-        for (; t + 1 < nt; t += 2) {
-            ask_lines(vn, slot0 + t, 1, vbytes / 64, 1);
-            ask_lines(vn, slot0 + t + 1, 1, vbytes / 64, 1);
-            value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
+        for (; t + 1 < both; t += 2, ask += 128, row += 2 * d, w += 2) {
+            _mm_prefetch(ask, _MM_HINT_T1);
+            _mm_prefetch(ask + 64, _MM_HINT_T1);
+            value_pair(acc, row, d, w, 1, gt, nc);
         }
-    else
+        if (t + 1 < nt && t < asked) { /* the last asking row's pair */
+            _mm_prefetch(ask, _MM_HINT_T1);
+            value_pair(acc, row, d, w, 1, gt, nc);
+            t += 2;
+            row += 2 * d;
+            w += 2;
+        }
         UNROLL2
-        for (; t + 1 < nt; t += 2) value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 1, gt, nc);
+        for (; t + 1 < nt; t += 2, row += 2 * d, w += 2) value_pair(acc, row, d, w, 1, gt, nc);
+    } else
+        UNROLL2
+        for (; t + 1 < nt; t += 2) value_pair(acc, vb + t * d + j0, d, wq + t, 1, gt, nc);
     if (t < nt) { /* the odd last row, paired with zeros */
         if (vn)
             for (int64_t x = (slot0 + t) * 64; x < vbytes; x += slots * 64) _mm_prefetch(vn + x, _MM_HINT_T1);
-        value_pair(acc, vb + t * d + j0, d, wb + (t / 2) * TILE_G, 0, gt, nc);
+        value_pair(acc, vb + t * d + j0, d, wq + t, 0, gt, nc);
     }
     for (int g = 0; g < gt; g++) {
         const __m256 s = _mm256_set1_ps(scale[g]);
@@ -264,14 +271,12 @@ AVX2 static inline __attribute__((always_inline)) void tile_int8(const gqa_cache
     _Alignas(32) int16_t wq[TILE_G * TILE_T];
     float scale[TILE_G];
     weights_int16_avx2(p, nt, gt, pmax, wq, scale);
-    _Alignas(32) __m256i wb[TILE_T / 2 * TILE_G];
-    weight_pairs(wq, nt, gt, wb);
     const int nc = gt >= 3 ? 1 : 2;
     const int64_t w = 16 * nc, slots = (d / w + d % w / 16) * nt;
     const char *vn = kn ? vb + nt * d : NULL;
     int64_t j0 = 0, slot0 = 0;
-    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wb, scale, nt, gt, nc, vn, TILE_T * d, slot0, slots);
-    for (; j0 < d; j0 += 16, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wb, scale, nt, gt, 1, vn, TILE_T * d, slot0, slots);
+    for (; j0 + w <= d; j0 += w, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wq, scale, nt, gt, nc, vn, TILE_T * d, slot0, slots);
+    for (; j0 < d; j0 += 16, slot0 += nt) pv_int8(st->acc + g0 * d, d, j0, vb, wq, scale, nt, gt, 1, vn, TILE_T * d, slot0, slots);
 }
 
 AVX2 GQA_INTERNAL void block_avx2_dot_int8(const gqa_cache_t *cc, const float *qf, int64_t h, int64_t phys,
