@@ -10,8 +10,9 @@ says what it runs: the real block functions over ``--heads`` KV heads a thread o
 positions, laid out as the cache lays them out, cold (the last-level cache evicted before every
 pass) and hot, the two sides alternated round by round in one process. It prints each side's
 cold GB/s and hot ns a line, and the median of the rounds' B/A time ratios, which is the figure
-to read on a machine whose memory speed drifts (docs/design.md, "A block probe"). The two revisions must share ``gqa_cache_t`` and
-``state_t``. It builds with ``$CC`` (or ``cc``) into a temporary directory each run.
+to read on a machine whose memory speed drifts (docs/design.md, "A block probe"). The two
+revisions must share ``gqa_cache_t`` and ``state_t``. It builds with ``$CC`` (or ``cc``) into a
+temporary directory each run.
 """
 
 from __future__ import annotations
