@@ -202,7 +202,7 @@ class Kernel:
         # a test build's failure injection (csrc/test_hooks.c); the production library has none
         self.test_hooks = hasattr(lib, "gqa_test_hooks")
         if self.test_hooks:  # pool.c's order, recorded (tests/test_dense_kernel.py)
-            lib.gqa_test_pool_order.argtypes = [i64, i32, i64, p, p]
+            lib.gqa_test_pool_order.argtypes = [i64, i32, i64, i64, p, p, p]
             lib.gqa_test_pool_order.restype = i32
         # a stamps build's time stamps of a step's parts (csrc/stamps.c, tests/bench/stamp_profile.py)
         self.stamps = hasattr(lib, "gqa_stamps")

@@ -227,10 +227,11 @@ def _long_steps(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_dt)
-def test_long_caches_read_by_items_of_several_splits_are_bit_identical(pool_size, dtype):
-    """A long cache's work item reads several consecutive splits of one head (run.c's
-    splits_per_item: 4, 2 and 1 here on 1, 2 and 3 threads); every grouping gives the same bits,
-    alone or batched with a short cache, and the oracle's output."""
+def test_long_caches_read_in_runs_of_splits_are_bit_identical(pool_size, dtype):
+    """A long cache's splits are claimed in runs of consecutive ones (run.c's claim_chunk: at most
+    4, 2 and 1 here on 1, 2 and 3 threads; runs of 1 take its items in another order, the heads'
+    short last splits in the middle); every grouping and order gives the same bits, alone or
+    batched with a short cache, and the oracle's output."""
     outs = {}
     for threads in (1, 2, 3):
         pool_size(threads)
@@ -564,34 +565,62 @@ def test_the_pools_workers_are_named(pool_size):
     assert {"gqa-pool-1", "gqa-pool-2"} <= names()
 
 
-def _pool_order(n: int, threads: int) -> tuple[list[int], list[int]]:
-    """One pool call of n items (each a 50 us wait) on up to `threads` threads: each item's
-    thread and its place in that thread's run (csrc/test_hooks.c's gqa_test_pool_order)."""
-    tid, seq = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
-    assert KERNEL._lib.gqa_test_pool_order(n, threads, 50_000, tid, seq) == 0
-    return list(tid), list(seq)
+def _pool_order(n: int, threads: int, chunk: int = 1) -> tuple[list[int], list[int], list[int]]:
+    """One pool call of n items (each a 50 us wait) on up to `threads` threads, claimed in runs of
+    at most `chunk`: each item's thread, its place in that thread's run, and the next item its
+    thread was told of (csrc/test_hooks.c's gqa_test_pool_order)."""
+    tid, seq, nxt = (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)(), (ctypes.c_int64 * n)()
+    assert KERNEL._lib.gqa_test_pool_order(n, threads, chunk, 50_000, tid, seq, nxt) == 0
+    return list(tid), list(seq), list(nxt)
 
 
+def _runs(items: list[int]) -> list[list[int]]:
+    """A thread's items, in the order it ran them, cut where one is not the one after the last."""
+    runs: list[list[int]] = []
+    for item in items:
+        if runs and item == runs[-1][-1] + 1:
+            runs[-1].append(item)
+        else:
+            runs.append([item])
+    return runs
+
+
+@pytest.mark.parametrize("chunk", [1, 8])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_pool_hands_out_items_from_both_ends(pool_size, threads):
-    """pool.c: the caller takes items ascending from the front, each worker descending from the
-    back, every item exactly once; attend.c prefetches a thread's next item by that order. A
-    worker joins when it wakes, so a call is repeated until one has (at most 20 calls)."""
+def test_the_pool_hands_out_runs_of_items_from_both_ends(pool_size, threads, chunk):
+    """pool.c: the caller takes items ascending from the front, each worker runs of consecutive
+    items descending from the back, each run in ascending order, every item exactly once; a run
+    is at most `chunk` items and at most a share of what was left when it was claimed (the runs
+    shrink as the call ends); each item is told the next one its thread runs when that is the
+    one after it (attend.c prefetches it). A worker joins when it wakes, so a call is repeated
+    until one has (at most 20 calls)."""
     pool_size(threads)
     n, joined = 48, False
     for _ in range(20):
-        tid, seq = _pool_order(n, threads)
+        tid, seq, nxt = _pool_order(n, threads, chunk)
         assert all(0 <= t < threads for t in tid), tid
-        runs = {t: sorted((s, item) for item, (tt, s) in enumerate(zip(tid, seq)) if tt == t) for t in set(tid)}
-        for t, run in runs.items():
-            assert [s for s, _ in run] == list(range(len(run))), (t, run)  # each place once
-        front = [item for _, item in runs[0]] if 0 in runs else []
+        order = {
+            t: [item for _, item in sorted((s, item) for item, (tt, s) in enumerate(zip(tid, seq)) if tt == t)]
+            for t in set(tid)
+        }
+        for t, items in order.items():
+            assert sorted(seq[x] for x in items) == list(range(len(items))), (t, items)  # each place once
+            for x, y in zip(items, items[1:]):
+                if y == x + 1:
+                    assert nxt[x] == y, (t, x, nxt[x])
+            assert -1 <= nxt[items[-1]] < n, (t, items[-1], nxt[items[-1]])
+        front = order.get(0, [])
         assert front == list(range(len(front))), front  # the caller: 0, 1, 2, ... ascending
-        for t in set(runs) - {0}:
-            items = [item for _, item in runs[t]]
-            assert items == sorted(items, reverse=True), (t, items)  # a worker: descending
-            assert min(items) >= len(front), (t, items)  # from the back
-        joined = len(runs) > 1
+        for t in set(order) - {0}:
+            runs = _runs(order[t])
+            assert min(order[t]) >= len(front), (t, runs)  # from the back
+            assert [r[0] for r in runs] == sorted((r[0] for r in runs), reverse=True), (t, runs)  # runs descend
+            for r in runs:
+                # claimed while at most r[-1] + 1 items were left: a share of them (pool.c's
+                # claim_size), and no more than the chunk
+                assert len(r) <= min(chunk, max(1, -(-(r[-1] + 1) // (2 * threads)))), (t, runs)
+            assert [len(r) for r in runs] == sorted((len(r) for r in runs), reverse=True), (t, runs)
+        joined = len(order) > 1
         if joined or threads == 1:
             break
     assert joined or threads == 1, "no worker took an item in 20 calls"

@@ -128,34 +128,32 @@ static void prefetch_item_start(const call_t *call, int64_t j) {
     prefetch_head_start(cc, (j - call->item_off[i]) * call->hpi[i]);
 }
 
-/* Of cache i with several splits, its work item `local` (counted from the cache's first): the
- * head and the splits [*sp0, *sp1) it reads. Items of one split: the first half of the heads'
- * splits but their last, then every head's last split (the shortest, often one position), then
- * the other heads' splits but their last, so that the threads, one ascending and the others
- * descending (pool.c), meet among the short items rather than in the middle of a long one
- * (int8 S=2048: 18.6 us between the threads' ends, 2.2 after). Items of several splits keep
- * head order: the same order for them measured no faster (docs/design.md, forty-fourth
- * session). */
-static void item_splits(const call_t *call, int64_t i, int64_t local, int64_t *h, int64_t *sp0, int64_t *sp1) {
-    const int64_t nsplit = call->nsplit[i], spi = call->hpi[i], per_head = (nsplit + spi - 1) / spi;
-    if (spi == 1) {
-        const int64_t n = call->caches[i].n, full = nsplit - 1, first = n / 2 * full;
-        if (local < first) {
-            *h = local / full;
-            *sp0 = local % full;
-        } else if (local < first + n) {
-            *h = local - first;
-            *sp0 = full;
-        } else {
-            *h = n / 2 + (local - first - n) / full;
-            *sp0 = (local - first - n) % full;
-        }
-        *sp1 = *sp0 + 1;
+/* Of cache i with several splits, its work item `local` (counted from the cache's first): one
+ * split, head *h's split *sp. In head order, a head's splits ascending, when the call's claims
+ * take runs of items (pool.c): a thread reads on from one split into the next, and the runs
+ * shrink where the threads meet. When a claim takes one item (a call of few splits), the first
+ * half of the heads' splits but their last, then every head's last split (the shortest, often
+ * one position), then the other heads' splits but their last, so that the threads, one
+ * ascending and the others descending, meet among the short items rather than in the middle of a
+ * long one (int8 S=2048: 18.6 us between the threads' ends, 2.2 after). */
+static void item_split(const call_t *call, int64_t i, int64_t local, int64_t *h, int64_t *sp) {
+    const int64_t nsplit = call->nsplit[i];
+    if (call->chunk > 1) {
+        *h = local / nsplit;
+        *sp = local % nsplit;
         return;
     }
-    *h = local / per_head;
-    *sp0 = local % per_head * spi;
-    *sp1 = *sp0 + spi < nsplit ? *sp0 + spi : nsplit;
+    const int64_t n = call->caches[i].n, full = nsplit - 1, first = n / 2 * full;
+    if (local < first) {
+        *h = local / full;
+        *sp = local % full;
+    } else if (local < first + n) {
+        *h = local - first;
+        *sp = full;
+    } else {
+        *h = n / 2 + (local - first - n) / full;
+        *sp = (local - first - n) % full;
+    }
 }
 
 /* Whether block function b asks for the block after its own through gqa_avx512.h's drip, which
@@ -191,9 +189,9 @@ static int item_first_block(const call_t *call, int64_t j, int64_t *ci, int64_t 
     const int64_t i = find_cache(call->item_off, call->ncaches, j);
     if (call->nsplit[i] <= 1) return 0;
     const gqa_cache_t *cc = &call->caches[i];
-    int64_t h, sp0, sp1;
-    item_splits(call, i, j - call->item_off[i], &h, &sp0, &sp1);
-    const int64_t l0 = sp0 * SPLIT_T;
+    int64_t h, sp;
+    item_split(call, i, j - call->item_off[i], &h, &sp);
+    const int64_t l0 = sp * SPLIT_T;
     int64_t base = 0;
     for (int64_t r = 0; r < cc->nruns; r++) {
         const int64_t a = cc->runs[2 * r], b = cc->runs[2 * r + 1];
@@ -210,18 +208,18 @@ static int item_first_block(const call_t *call, int64_t j, int64_t *ci, int64_t 
     return 0;
 }
 
-/* How the first block of a split was asked for already: not (CONT_NONE), by the block before it
- * in the same item (CONT_SPLIT, when it lies in the same run), or by this thread's previous item
- * (CONT_ITEM: item_first_block's, whatever its run). */
+/* How the first block of a split was asked for already: not (CONT_NONE), by the split before it
+ * on this thread, the same head's (CONT_SPLIT, when it lies in the same run), or by this
+ * thread's previous item (CONT_ITEM: item_first_block's, whatever its run). */
 enum { CONT_NONE = 0, CONT_SPLIT = 1, CONT_ITEM = 2 };
 
 /* Head h of cache i over its logical positions [l0, l1) of split `split`, block by block; the
- * item reads on to logical position `end` (>= l1): the split's last block prefetches the next
- * split's first one when that lies in the same run, and the item's last block prefetches the
- * first block of work item `next` (>= 0: this thread's next item, by pool.c's order), so that
- * the thread's next item starts on lines already on their way. `continued`: CONT_*. The item that
- * completes a head's splits merges them (in split order, whoever runs it), while its partials
- * are still in cache. */
+ * thread reads on to logical position `end` (>= l1; beyond l1 when its next item is the head's
+ * next split): the split's last block then prefetches the next split's first one when that lies
+ * in the same run. Else its last block prefetches the first block of work item `next` (>= 0:
+ * this thread's next item, by pool.c's order), so that the thread's next item starts on lines
+ * already on their way. `continued`: CONT_*. The item that completes a head's splits merges them
+ * (in split order, whoever runs it), while its partials are still in cache. */
 static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split, int64_t end, int continued,
                         int tid, int64_t next) {
     const gqa_cache_t *cc = &call->caches[i];
@@ -319,34 +317,35 @@ static void attend_head(const call_t *call, int64_t i, int64_t h, int64_t split,
         merge_head(call, i, h, call->part + call->part_off[i] + h * nsplit * G * (d + 2), tid);
 }
 
-/* One work item: of a cache with several splits, `hpi` consecutive splits of one head (each its
- * own partial, as if alone); of a one-split cache, `hpi` consecutive heads (a short cache's heads
- * in one item: its set-up, the item's lookup, paid once for all of them). Which splits or heads
- * share an item changes no output. */
-static void attend_item_(void *ctx, int64_t item, int tid);
-GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid) {
+/* One work item: of a cache with several splits, one split of a head (its own partial, as if
+ * alone); of a one-split cache, `hpi` consecutive heads (a short cache's heads in one item: its
+ * set-up, the item's lookup, paid once for all of them). Which heads share an item changes no
+ * output. next: the item this thread likely runs next (pool.c). */
+static void attend_item_(void *ctx, int64_t item, int64_t next, int tid);
+GQA_INTERNAL void attend_item(void *ctx, int64_t item, int64_t next, int tid) {
     STAMP_SET_ITEM(item);
     STAMP(tid, -1, STAMP_ITEM);
-    attend_item_(ctx, item, tid);
+    attend_item_(ctx, item, next, tid);
     STAMP(tid, -1, STAMP_ITEM_END);
     STAMP_SET_ITEM(-1);
 }
 
-static void attend_item_(void *ctx, int64_t item, int tid) {
+static void attend_item_(void *ctx, int64_t item, int64_t next, int tid) {
     const call_t *call = ctx;
     const int64_t i = find_cache(call->item_off, call->ncaches, item);
     const int64_t local = item - call->item_off[i], nsplit = call->nsplit[i];
     if (nsplit > 1) {
-        int64_t h, sp0, sp1;
-        item_splits(call, i, local, &h, &sp0, &sp1);
-        const int64_t end = sp1 * SPLIT_T < call->s[i] ? sp1 * SPLIT_T : call->s[i];
-        /* this thread's next item, by pool.c's order: the caller's ascend, the workers' descend */
-        const int64_t next = tid == 0 ? item + 1 : item - 1;
+        int64_t h, sp, nh = -1, nsp = -1;
+        item_split(call, i, local, &h, &sp);
+        /* this thread's next item the head's next split: the stream runs on into it, the split's
+         * last block asking for the next one's first as every block asks for the one after it */
+        if (next > item && next < call->item_off[i + 1]) item_split(call, i, next - call->item_off[i], &nh, &nsp);
+        const int follows = nh == h && nsp == sp + 1;
+        const int64_t end = (sp + 1 + follows) * SPLIT_T < call->s[i] ? (sp + 1 + follows) * SPLIT_T : call->s[i];
         int64_t *ahead = &call->ahead[tid * AHEAD_STRIDE];
-        const int first = *ahead == item ? CONT_ITEM : CONT_NONE;
-        for (int64_t sp = sp0; sp < sp1; sp++)
-            attend_head(call, i, h, sp, end, sp > sp0 ? CONT_SPLIT : first, tid, sp + 1 == sp1 ? next : -1);
-        *ahead = next;
+        attend_head(call, i, h, sp, end, ahead[0] == item ? (int)ahead[1] : CONT_NONE, tid, follows ? -1 : next);
+        ahead[0] = next;
+        ahead[1] = follows ? CONT_SPLIT : CONT_ITEM;
         return;
     }
     gqa_cache_t *cc = &call->caches[i];
@@ -362,7 +361,7 @@ static void attend_item_(void *ctx, int64_t item, int tid) {
          * follow one another in its key and value storage, two streams the hardware follows,
          * and asking for each next head's lines as well cost 5-15% of a short cache's head hot
          * and saved nothing cold (docs/design.md, forty-fourth session) */
-        if (h + 1 == h1) prefetch_item_start(call, tid == 0 ? item + 1 : item - 1);
+        if (h + 1 == h1) prefetch_item_start(call, next);
         attend_head(call, i, h, 0, call->s[i], 0, tid, -1);
     }
 }

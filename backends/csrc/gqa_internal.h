@@ -28,9 +28,9 @@
  * (q in the cache's key channel order, see backends/int8.py).
  *
  * The core, shared by every encoding: a split is SPLIT_T consecutive attended positions of a
- * (cache, KV head) (in logical order), a work item one or several consecutive splits of a head
- * (a long cache's: up to MAX_SPLITS_PER_ITEM, so a thread streams on from one split into the
- * next; a short cache's heads share one item instead); each split walks its positions a
+ * (cache, KV head) (in logical order), a work item one split (a short cache's heads share one
+ * item instead; threads claim runs of consecutive items, so a thread streams on from one split
+ * into the next); each split walks its positions a
  * block of up to TILE_T at a time on the physical TILE_T grid, scores the block for TILE_G query
  * heads at once (each key row is read once for the G heads that share it), keeps an online
  * softmax (running max, sum and float32 accumulator), and leaves a partial result; the item
@@ -126,8 +126,8 @@
 /* A one-split cache's heads share a work item up to this many positions in all (its set-up paid
  * once for them all), so a cache of a few hundred positions still makes an item a head or two. */
 #define HEADS_ITEM_T 512
-#define ITEMS_PER_THREAD 8     /* a long call's work items per thread (run.c: splits_per_item) */
-#define MAX_SPLITS_PER_ITEM 16 /* a head's consecutive splits one item reads at most */
+#define RUNS_PER_THREAD 8 /* a long call's claims per thread at its start (run.c: claim_chunk) */
+#define MAX_RUN_ITEMS 16  /* the most work items one claim takes (pool.c's runs) */
 #define MAX_RUNS 4
 #define MAX_THREADS 256
 /* A call's work, in positions read: each (cache, KV head) counts its attended positions plus
@@ -383,8 +383,9 @@ typedef struct {
     int64_t *item_off; /* ncaches + 1: first work item of each cache */
     int64_t *head_off; /* ncaches + 1: first (cache, head) of each cache, for the merge */
     int64_t *nsplit, *s, *part_off;
-    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit HEADS_ITEM_T),
-                     or a head's consecutive splits per work item (several-split caches) */
+    int64_t *hpi; /* per cache: KV heads per work item (one-split caches: as many as fit HEADS_ITEM_T;
+                     several-split caches: 1, each item one split of a head) */
+    int64_t chunk; /* the most items one claim takes (pool.c) */
     block_fn *block;
     float *part; /* per cache (N * nsplit, G, D + 2): accumulator, then running max and sum */
     float *scratch;
@@ -459,9 +460,11 @@ int gqa_usable_isas(int64_t d);
 GQA_INTERNAL block_fn choose_block(int enc, int isa);
 int gqa_auto_isa(int64_t d, int enc);
 
-/* pool.c: fn(ctx, item, tid) for item in [0, nitems) on up to `threads` threads (tid < threads) */
-typedef void (*task_fn)(void *ctx, int64_t item, int tid);
-GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads);
+/* pool.c: fn(ctx, item, next, tid) for item in [0, nitems) on up to `threads` threads (tid <
+ * threads), claimed in runs of at most `chunk` consecutive items; next: the item this thread
+ * likely runs after this one (-1: none) */
+typedef void (*task_fn)(void *ctx, int64_t item, int64_t next, int tid);
+GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int64_t chunk, int threads);
 /* ns on CLOCK_MONOTONIC since *t0 (pool.c's spins; test_hooks.c's) */
 GQA_INTERNAL int64_t elapsed_ns(const struct timespec *t0);
 int gqa_threads(void);
@@ -494,7 +497,7 @@ GQA_INTERNAL void stamp_at(int tid, int32_t block, int32_t kind);
 
 /* attend.c: one work item of a call (task_fn); head h's query as float32 times qscale, in the
  * stored key order, into qf (wide: the cache's vector width, ISA_AVX512 / ISA_AVX2 / 0) */
-GQA_INTERNAL void attend_item(void *ctx, int64_t item, int tid);
+GQA_INTERNAL void attend_item(void *ctx, int64_t item, int64_t next, int tid);
 GQA_INTERNAL void convert_query(const gqa_cache_t *cc, int64_t h, float *qf, int wide);
 
 /* write.c: the step's write of ring row write_row (restore: the saved bytes back) */

@@ -4,12 +4,16 @@
  * Items are claimed from one counter, so which thread runs which item varies from call to call;
  * nothing a thread computes depends on it.
  *
- * Items are taken from both ends: the caller ascending from the front, the workers descending
- * from the back, meeting wherever the work divides. A thread's next item is then the one beside
- * its last unless the other end has reached it (the call is ending), so an item can fetch the
- * first block of the next one while it computes its own last (attend.c): a long cache's items
- * are a head's consecutive splits, and each thread reads one stream through them instead of
- * starting a fresh one at every item (docs/design.md, "Items from both ends").
+ * Items are taken from both ends, a run of consecutive items a claim: the caller's runs
+ * ascending from the front, the workers' descending from the back, meeting wherever the work
+ * divides. A thread runs a run's items in ascending order, so its next item is known (the one
+ * after, or the next run's first as the counter stands) and an item can fetch the first block of
+ * the next one while it computes its own last (attend.c): a long cache's items are a head's
+ * consecutive splits, and each thread reads one stream through them instead of starting a fresh
+ * one at every item (docs/design.md, "Items from both ends"). A claim takes a share of what is
+ * left (guided self-scheduling), at most the call's `chunk`: long runs while there is much to
+ * do, single items where the threads meet, so that neither waits long for the other's last run
+ * (docs/design.md, "Runs of items that shrink as the call ends").
  *
  * A call ends when its items are done, not when every worker has answered: the caller starts on
  * the items at once, and a worker that wakes late (a sleeping thread takes 20 us to milliseconds
@@ -58,7 +62,7 @@ static struct {
     atomic_ullong published;   /* gen, for workers that poll it without the mutex */
     task_fn fn;
     void *ctx;
-    int64_t nitems;
+    int64_t nitems, chunk; /* the call's items, and the most one claim takes */
     atomic_ullong next; /* (gen mod 2^32) << 32 | the items of that call claimed so far */
     atomic_llong front, back; /* the next item from the front; one past the next from the back */
     atomic_llong completed; /* items of the current call done: the workers add under m (their
@@ -70,20 +74,38 @@ static struct {
 } pool = {.call_lock = PTHREAD_MUTEX_INITIALIZER, .m = PTHREAD_MUTEX_INITIALIZER,
           .wake = PTHREAD_COND_INITIALIZER, .done = PTHREAD_COND_INITIALIZER};
 
+/* How many items a claim takes when `left` are unclaimed and `threads` share the call: a share
+ * of them that shrinks with them, from `chunk` down to one. */
+static int64_t claim_size(int64_t left, int threads, int64_t chunk) {
+    const int64_t share = (left + 2 * threads - 1) / (2 * threads);
+    return share > chunk ? chunk : share < 1 ? 1 : share;
+}
+
 /* Runs items of the call of generation `gen` while it has some left; returns how many. A claim
- * (one more of the call's items, while its generation holds) is the right to take one item: the
+ * (k more of the call's items, while its generation holds) is the right to take k items: the
  * caller's from the front, the workers' from the back. Claims never exceed the items, so the
- * two ends never take the same one. */
-static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, uint64_t gen, int tid) {
+ * two ends never take the same one. Each item runs with the item this thread runs next: the one
+ * after it in its run, or, after a run's last, where the next claim would start as the counter
+ * stands now (a guess at the call's end: the other end may take it first). */
+static int64_t run_items(task_fn fn, void *ctx, int64_t nitems, int64_t chunk, int threads, uint64_t gen, int tid) {
     const unsigned long long tag = (unsigned long long)(uint32_t)gen << 32;
     unsigned long long at = atomic_load(&pool.next);
     int64_t ran = 0;
     for (;;) {
         if ((at & ~0xFFFFFFFFull) != tag || (int64_t)(at & 0xFFFFFFFFull) >= nitems) break;
-        if (!atomic_compare_exchange_weak(&pool.next, &at, at + 1)) continue; /* at reloaded */
-        const int64_t item = tid == 0 ? atomic_fetch_add(&pool.front, 1) : atomic_fetch_sub(&pool.back, 1) - 1;
-        fn(ctx, item, tid);
-        ran++;
+        const int64_t k = claim_size(nitems - (int64_t)(at & 0xFFFFFFFFull), threads, chunk);
+        if (!atomic_compare_exchange_weak(&pool.next, &at, at + (unsigned long long)k)) continue; /* at reloaded */
+        const int64_t first = tid == 0 ? atomic_fetch_add(&pool.front, k) : atomic_fetch_sub(&pool.back, k) - k;
+        for (int64_t x = first; x < first + k; x++) {
+            int64_t next = x + 1;
+            if (x + 1 == first + k) { /* the run's last: the next run's first, if any is left */
+                at = atomic_load(&pool.next);
+                const int64_t left = (at & ~0xFFFFFFFFull) == tag ? nitems - (int64_t)(at & 0xFFFFFFFFull) : 0;
+                next = left <= 0 ? -1 : tid == 0 ? first + k : atomic_load(&pool.back) - claim_size(left, threads, chunk);
+            }
+            fn(ctx, x, next, tid);
+        }
+        ran += k;
         at = atomic_load(&pool.next);
     }
     return ran;
@@ -153,9 +175,10 @@ static void *pool_worker(void *arg) {
         const int part = idx <= pool.want;
         task_fn fn = pool.fn;
         void *ctx = pool.ctx; /* dangling once that call has returned: then no item is claimed */
-        const int64_t nitems = pool.nitems;
+        const int64_t nitems = pool.nitems, chunk = pool.chunk;
+        const int threads = pool.want + 1;
         pthread_mutex_unlock(&pool.m);
-        if (part) items_done(seen, run_items(fn, ctx, nitems, seen, idx));
+        if (part) items_done(seen, run_items(fn, ctx, nitems, chunk, threads, seen, idx));
         pthread_mutex_lock(&pool.m);
     }
     pthread_mutex_unlock(&pool.m);
@@ -231,10 +254,16 @@ static void spin_until_done(int64_t nitems) {
     }
 }
 
-GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
+/* Every item on the calling thread, in order. */
+static void run_alone(task_fn fn, void *ctx, int64_t nitems) {
+    for (int64_t i = 0; i < nitems; i++) fn(ctx, i, i + 1 < nitems ? i + 1 : -1, 0);
+}
+
+GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int64_t chunk, int threads) {
+    if (chunk < 1) chunk = 1;
     /* one thread's work, or another call has the pool: this thread alone */
     if (threads <= 1 || nitems <= 1 || pthread_mutex_trylock(&pool.call_lock)) {
-        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+        run_alone(fn, ctx, nitems);
         return;
     }
     if (pool.started + 1 < pool.size) {
@@ -250,6 +279,7 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     pool.fn = fn;
     pool.ctx = ctx;
     pool.nitems = nitems;
+    pool.chunk = chunk;
     pool.want = want;
     atomic_store(&pool.completed, 0);
     atomic_store(&pool.front, 0);
@@ -260,9 +290,9 @@ GQA_INTERNAL void pool_run(task_fn fn, void *ctx, int64_t nitems, int threads) {
     if (want) pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.m);
     if (!want) {
-        for (int64_t i = 0; i < nitems; i++) fn(ctx, i, 0);
+        run_alone(fn, ctx, nitems);
     } else {
-        const int64_t ran = run_items(fn, ctx, nitems, gen, 0);
+        const int64_t ran = run_items(fn, ctx, nitems, chunk, want + 1, gen, 0);
         /* the items left are the workers' last ones, already running: wait for them awake for a
          * while (a thread put to sleep here took 30-70 us to run again on this VM once they
          * were done, docs/design.md "The caller waits awake"), then asleep */

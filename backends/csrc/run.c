@@ -55,17 +55,18 @@ static int call_arrays(call_t *call, gqa_cache_t *caches, int64_t ncaches) {
     return 0;
 }
 
-/* Splits per work item of a cache with nsplit splits per head, in a call of call_splits splits
- * (every several-split cache's heads x splits): enough items for every thread to take
- * ITEMS_PER_THREAD of the call's (the dynamic counter's balance), as few as that allows, so a
- * thread reads a head's consecutive splits as one stream (its prefetch runs on from one split
- * into the next instead of starting cold every SPLIT_T positions). Counted over the call, not the
- * cache: 64 caches are 64 x 8 heads of items already, and cutting each head in two (as one cache
- * alone needs) only restarted the streams. Outputs do not depend on it: every split's partial is
- * the same whichever item computes it. */
-static int64_t splits_per_item(int64_t nsplit, int64_t call_splits, int threads) {
-    const int64_t per = call_splits / ((int64_t)threads * ITEMS_PER_THREAD);
-    return per < 1 ? 1 : per > MAX_SPLITS_PER_ITEM ? MAX_SPLITS_PER_ITEM : per > nsplit ? nsplit : per;
+/* The most work items one claim of the call takes (pool.c's runs), in a call of call_splits
+ * splits (every several-split cache's heads x splits, each split an item): enough for every
+ * thread to make RUNS_PER_THREAD claims of the call's splits at the start, at most
+ * MAX_RUN_ITEMS (the claims shrink as the work runs out). A thread reads on from one split into
+ * the next within a run and from a run into its next when that follows (the caller's always
+ * do), so a long head is one stream; a worker's runs descend, each a fresh stream. 1 for a call
+ * of few splits, or of one-split caches alone (whose items, a head or a few each, are claimed
+ * one at a time). Outputs do not depend on it: every split's partial is the same whichever
+ * thread computes it. */
+static int64_t claim_chunk(int64_t call_splits, int threads) {
+    const int64_t per = call_splits / ((int64_t)threads * RUNS_PER_THREAD);
+    return per < 1 ? 1 : per > MAX_RUN_ITEMS ? MAX_RUN_ITEMS : per;
 }
 
 /* Cache i checked, its block chosen and its sizes counted (size so far). */
@@ -91,14 +92,14 @@ static int check_and_count(call_t *call, int64_t i, int isa, call_size_t *size) 
 }
 
 /* Cache i's work items laid out after those of the caches before it. */
-static void lay_out_cache(call_t *call, int64_t i, int threads, call_size_t *size) {
+static void lay_out_cache(call_t *call, int64_t i, call_size_t *size) {
     const gqa_cache_t *cc = &call->caches[i];
     call->item_off[i] = size->items;
     call->head_off[i] = size->heads;
     call->part_off[i] = size->parts;
-    if (call->nsplit[i] > 1) {
-        call->hpi[i] = splits_per_item(call->nsplit[i], size->splits, threads);
-        size->items += cc->n * ((call->nsplit[i] + call->hpi[i] - 1) / call->hpi[i]);
+    if (call->nsplit[i] > 1) { /* a split an item */
+        call->hpi[i] = 1;
+        size->items += cc->n * call->nsplit[i];
         size->parts += cc->n * call->nsplit[i] * cc->g * (cc->d + 2);
     } else { /* heads per item: as many as make up HEADS_ITEM_T positions */
         const int64_t per = HEADS_ITEM_T / (call->s[i] ? call->s[i] : 1);
@@ -178,7 +179,8 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     for (int64_t i = 0; i < ncaches && !rc; i++) rc = check_and_count(&call, i, isa, &size);
     if (rc) return rc;
     if (size.work < PARALLEL_MIN_WORK) threads = 1;
-    for (int64_t i = 0; i < ncaches; i++) lay_out_cache(&call, i, threads, &size);
+    call.chunk = claim_chunk(size.splits, threads);
+    for (int64_t i = 0; i < ncaches; i++) lay_out_cache(&call, i, &size);
     call.item_off[ncaches] = size.items;
     call.head_off[ncaches] = size.heads;
     if (threads > size.items) threads = (int)size.items;
@@ -188,7 +190,7 @@ int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa) {
     STAMP(0, -1, STAMP_WRITES);
     for (int64_t i = 0; i < ncaches; i++) write_before(&call, i);
     STAMP(0, -1, STAMP_ITEMS);
-    pool_run(attend_item, &call, size.items, threads); /* and the merges */
+    pool_run(attend_item, &call, size.items, call.chunk, threads); /* and the merges */
     STAMP(0, -1, STAMP_ITEMS_END);
     arena_trim(ARENA_CALL);
     arena_trim(ARENA_CACHES);
