@@ -397,8 +397,8 @@ typedef struct {
     int64_t wfloats;
     float *coded;           /* per DEFER_CODES cache: its quantized row, wfloats floats at coded_at[i] */
     int64_t *coded_at;      /* per cache: its room in coded (floats), or -1 */
-    int64_t *ahead; /* per thread (AHEAD_STRIDE apart): the item whose first block its last item
-                       prefetched (attend.c), -1: none */
+    int64_t *ahead; /* per thread (AHEAD_STRIDE apart): [0] the item whose first block its last item
+                       asked for (attend.c), -1: none; [1] how (CONT_SPLIT or CONT_ITEM) */
 } call_t;
 #define AHEAD_STRIDE (64 / (int)sizeof(int64_t))
 
