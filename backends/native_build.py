@@ -38,6 +38,10 @@ SANITIZE_FLAGS = ("-fsanitize=address,undefined", "-fno-sanitize-recover=all", "
 # GQA_KERNEL_STAMPS=1 (tests/bench/stamp_profile.py only): the library with time stamps of a
 # step's parts (csrc/stamps.c), under its own name; with the test hooks too when they are set.
 STAMPS_FLAGS = ("-DGQA_STAMPS",)
+# GQA_KERNEL_EMULATE_AVX512=1 (tests only: tests/test_avx512_emulated.py): the library whose
+# AVX-512 paths run on an AVX2 CPU, each intrinsic a portable function (csrc/gqa_emu512.h), so
+# that a machine without AVX-512 tests those paths too; under its own name, never served from.
+EMULATE_FLAGS = ("-DGQA_EMULATE_AVX512", "-Wno-psabi")
 
 
 def sources() -> list[Path]:
@@ -49,6 +53,7 @@ def _cflags() -> tuple[str, ...]:
     if os.environ.get("GQA_KERNEL_SANITIZE") == "1":
         return ("-O1",) + CFLAGS[1:] + TEST_HOOKS_FLAGS + SANITIZE_FLAGS
     flags = CFLAGS + (TEST_HOOKS_FLAGS if os.environ.get("GQA_KERNEL_TEST_HOOKS") == "1" else ())
+    flags += EMULATE_FLAGS if os.environ.get("GQA_KERNEL_EMULATE_AVX512") == "1" else ()
     return flags + (STAMPS_FLAGS if os.environ.get("GQA_KERNEL_STAMPS") == "1" else ())
 
 
@@ -76,6 +81,7 @@ def _library_name() -> str:
     key.update(" ".join(flags + LIBS).encode())
     key.update(f"{sys.platform}-{platform.machine()}".encode())
     kind = "-sanitize" if SANITIZE_FLAGS[0] in flags else "-testhooks" if TEST_HOOKS_FLAGS[0] in flags else ""
+    kind += "-emu512" if EMULATE_FLAGS[0] in flags else ""
     kind += "-stamps" if STAMPS_FLAGS[0] in flags else ""
     return f"gqa_decode{kind}-{key.hexdigest()[:16]}.so"
 

@@ -27,7 +27,11 @@
  * a {1to16} memory operand is a 512-bit load per instruction, and an Ice Lake issues those once
  * a cycle against two vpdpwssd, so the block was load-bound (docs/design.md, "int8: one
  * broadcast per word, not per product"). */
+#ifdef GQA_EMULATE_AVX512
+#define DPWSSD(acc, a, b) ((acc) = _mm512_dpwssd_epi32((acc), (a), (b)))
+#else
 #define DPWSSD(acc, a, b) __asm__("vpdpwssd %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b))
+#endif
 
 /* The int32 word at p in every lane (vpbroadcastd from memory: a load, no vector port). */
 AVX512VNNI static inline __m512i word_bcast(const void *p) {

@@ -11,6 +11,9 @@
 
 #if GQA_X86_64
 #include <immintrin.h>
+#ifdef GQA_EMULATE_AVX512
+#include "gqa_emu512.h"
+#endif
 
 /* exp(x) for x <= 0 (x = -inf gives 0): 2^n * e^r with |r| <= ln2 / 2, a degree-7 Taylor
  * polynomial for e^r (relative error below 1e-8, under float32's rounding). */

@@ -365,7 +365,13 @@ static inline void store_elem(int enc, void *p, int64_t i, float x) {
  * Between the files. Internal functions are hidden: the library exports only gqa_*.
  */
 #define GQA_INTERNAL __attribute__((visibility("hidden")))
-#if GQA_X86_64
+#if GQA_X86_64 && defined(GQA_EMULATE_AVX512)
+/* The test build whose AVX-512 paths run on AVX2 (gqa_emu512.h): their functions are AVX2's. */
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define AVX512 AVX2
+#define AVX512DOT AVX2
+#define AVX512VNNI AVX2
+#elif GQA_X86_64
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
 #define AVX512DOT __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))

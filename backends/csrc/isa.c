@@ -41,6 +41,10 @@ static int cpu_isas(void) {
                 if ((v & CPU_BF16) && amd_zen4()) v |= CPU_BF16_FAST;
             }
         }
+#ifdef GQA_EMULATE_AVX512
+        /* the test build's AVX-512 paths run on AVX2 (gqa_emu512.h): every one of them usable */
+        if (v & (1 << ISA_AVX2)) v |= 1 << ISA_AVX512 | 1 << ISA_AVX512_DOT | CPU_BF16 | (amd_zen4() ? CPU_BF16_FAST : 0);
+#endif
         atomic_store(&known, v);
     }
     return v;
