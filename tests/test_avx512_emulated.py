@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.library_builds import NOT_REBUILDING, build_variant, run_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
@@ -31,12 +31,8 @@ TESTS = [
     "tests/test_cpu_cache.py",
     "tests/test_plane.py",
 ]
-# the tests of an AVX-512 path (their ids name it), of which paths exist (isa), and the plane's;
-# not the tests that compile the library again (each another full build)
-SELECT = (
-    "(avx512 or isa or test_plane) and not build and not compiler and not cache_dir and not unwritable"
-    " and not prebuild and not falls_back and not production_library"
-)
+# the tests of an AVX-512 path (their ids name it), of which paths exist (isa), and the plane's
+SELECT = f"(avx512 or isa or test_plane) and {NOT_REBUILDING}"
 
 
 def _cpu_flags() -> set[str]:
@@ -57,20 +53,11 @@ AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
 @pytest.mark.skipif(NATIVE, reason="this CPU runs the AVX-512 paths natively: the suite's own tests cover them")
 def test_the_avx512_paths_pass_their_tests_emulated_on_avx2():
     env = dict(os.environ, GQA_KERNEL_EMULATE_AVX512="1", GQA_KERNEL_TEST_HOOKS="1", PYTHONPATH=str(ROOT))
-    build = subprocess.run(
-        [sys.executable, "-c", "from backends import native; print(native.build()); print(native.load().isas(128))"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    assert "emu512" in build.stdout, build.stdout
-    assert "'avx512', 'avx512dot'" in build.stdout, build.stdout  # the library offers both paths
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "not gpu", "-k", SELECT, *TESTS]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output[-4000:]
+    built = build_variant(env, then="print(native.load().isas(128))")
+    assert "emu512" in built, built
+    assert "'avx512', 'avx512dot'" in built, built  # the library offers both paths
+    returncode, output = run_tests(env, SELECT, TESTS, "-rs")
+    assert returncode == 0, output[-4000:]
     # every AVX-512 case ran: none skipped (-rs lists each skip with its reason)
     skipped = [line for line in output.splitlines() if line.startswith("SKIPPED") and "avx512" in line]
     assert not skipped, "\n".join(skipped)

@@ -11,22 +11,17 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.library_builds import NOT_REBUILDING, build_variant, run_tests
 
 ROOT = Path(__file__).resolve().parents[1]
 COMPILER = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 # the subset that drives the C library through every path: the plane (all encodings, policies,
 # refusals and injected failures, the C plan against policy.py) and the kernel's own tests
 TESTS = ["tests/test_plane.py", "tests/test_native_kernel.py"]
-# not the tests that compile the library again (each a sanitized build: ~20 s of CPU; the
-# production library's, under the preloaded runtime: ~30 s)
-SKIP = (
-    "not build and not compiler and not cache_dir and not unwritable and not prebuild and not falls_back"
-    " and not production_library"
-)
 
 
 def _runtime(name: str) -> str | None:
@@ -51,24 +46,15 @@ CXX_RUNTIME = _runtime("libstdc++.so")
 def test_kernel_and_plane_tests_pass_under_asan_and_ubsan(tmp_path):
     env = dict(os.environ, GQA_KERNEL_SANITIZE="1", GQA_KERNEL_CACHE=str(tmp_path / "kernel"), PYTHONPATH=str(ROOT))
     # built first, without the runtime preloaded (the compiler must not run under it)
-    build = subprocess.run(
-        [sys.executable, "-c", "from backends import native; print(native.build())"],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    assert "sanitize" in build.stdout, build.stdout
+    built = build_variant(env)
+    assert "sanitize" in built, built
     env.update(
         LD_PRELOAD=" ".join(p for p in (RUNTIME, CXX_RUNTIME) if p),
         ASAN_OPTIONS="detect_leaks=0:exitcode=86",
         UBSAN_OPTIONS="halt_on_error=1:print_stacktrace=1:exitcode=87",
     )
-    cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m", "not gpu", "-k", SKIP, *TESTS]
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
-    output = done.stdout + done.stderr
+    returncode, output = run_tests(env, NOT_REBUILDING, TESTS, "-x")
     reports = [line for line in output.splitlines() if "Sanitizer" in line or "runtime error:" in line]
     assert not reports, "\n".join(reports[:20]) + "\n" + output[-4000:]
-    assert done.returncode == 0, output[-4000:]
+    assert returncode == 0, output[-4000:]
     assert " passed" in output
