@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.bench import block_probe
 from tests.library_builds import NOT_REBUILDING, build_variant, run_tests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,24 +34,14 @@ TESTS = [
 ]
 # the tests of an AVX-512 path (their ids name it), of which paths exist (isa), and the plane's
 SELECT = f"(avx512 or isa or test_plane) and {NOT_REBUILDING}"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(next(row for row in f if row.startswith("flags")).partition(":")[2].split())
-    except (OSError, StopIteration):
-        return set()
-
-
-FLAGS = _cpu_flags()
-NATIVE = {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= FLAGS
-AVX2 = {"avx2", "fma", "f16c"} <= FLAGS
+ISA = block_probe.cpu_isa()  # the widest block ISA this CPU runs natively
 
 
 @pytest.mark.skipif(COMPILER is None, reason="no C compiler to build the emulating library with")
-@pytest.mark.skipif(not AVX2, reason="the emulation runs on AVX2 with FMA and F16C, which this CPU lacks")
-@pytest.mark.skipif(NATIVE, reason="this CPU runs the AVX-512 paths natively: the suite's own tests cover them")
+@pytest.mark.skipif(ISA == "", reason="the emulation runs on AVX2 with FMA and F16C, which this CPU lacks")
+@pytest.mark.skipif(
+    ISA == "avx512", reason="this CPU runs the AVX-512 paths natively: the suite's own tests cover them"
+)
 def test_the_avx512_paths_pass_their_tests_emulated_on_avx2():
     env = dict(os.environ, GQA_KERNEL_EMULATE_AVX512="1", GQA_KERNEL_TEST_HOOKS="1", PYTHONPATH=str(ROOT))
     built = build_variant(env, then="print(native.load().isas(128))")

@@ -75,11 +75,12 @@ EMULATED_AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni",
 def _cpu_flags() -> set[str] | None:
     """This CPU's feature flags as Linux names them (with the emulated AVX-512 ones where the
     library emulates them), or None off Linux or off x86-64."""
-    flags = _cpu_field("flags")
-    if flags is None:
+    field = _cpu_field("flags")
+    if field is None:
         return None
-    emulated = os.environ.get("GQA_KERNEL_EMULATE_AVX512") == "1" and {"avx2", "fma", "f16c"} <= set(flags.split())
-    return set(flags.split()) | (EMULATED_AVX512 if emulated else set())
+    flags = set(field.split())
+    emulated = os.environ.get("GQA_KERNEL_EMULATE_AVX512") == "1" and {"avx2", "fma", "f16c"} <= flags
+    return flags | (EMULATED_AVX512 if emulated else set())
 
 
 @pytest.mark.skipif(_cpu_flags() is None, reason="no /proc/cpuinfo flags (not Linux on x86-64)")

@@ -21,6 +21,15 @@ static int amd_zen4(void) {
  * vdpbf16ps is the faster way to a bfloat16 block (gqa_auto_isa). */
 enum { CPU_BF16 = 1 << 8, CPU_BF16_FAST = 1 << 9 };
 
+#if GQA_X86_64 && defined(GQA_EMULATE_AVX512)
+/* The test build's AVX-512 paths run on AVX2 (gqa_emu512.h): each AVX-512 feature counts as
+ * present wherever AVX2 is, and the rules below choose among them as on a CPU that has them. */
+#define AVX512_SUPPORTS(feature) \
+    (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+#else
+#define AVX512_SUPPORTS(feature) __builtin_cpu_supports(feature)
+#endif
+
 static int cpu_isas(void) {
 #if GQA_X86_64
     static atomic_int known = -1;
@@ -30,21 +39,17 @@ static int cpu_isas(void) {
         v = 0;
         if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
             v |= 1 << ISA_AVX2;
-        if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+        if (AVX512_SUPPORTS("avx512f") && AVX512_SUPPORTS("avx512bw") && AVX512_SUPPORTS("avx512vl") &&
+            AVX512_SUPPORTS("avx512dq")) {
             v |= 1 << ISA_AVX512;
             /* the dot products: VNNI (Ice Lake on) for int8; BF16 too (Cooper Lake, Sapphire Rapids,
              * Zen 4 on) for bfloat16. Every CPU with BF16 has VNNI. */
-            if (__builtin_cpu_supports("avx512vnni")) {
+            if (AVX512_SUPPORTS("avx512vnni")) {
                 v |= 1 << ISA_AVX512_DOT;
-                if (__builtin_cpu_supports("avx512bf16")) v |= CPU_BF16;
+                if (AVX512_SUPPORTS("avx512bf16")) v |= CPU_BF16;
                 if ((v & CPU_BF16) && amd_zen4()) v |= CPU_BF16_FAST;
             }
         }
-#ifdef GQA_EMULATE_AVX512
-        /* the test build's AVX-512 paths run on AVX2 (gqa_emu512.h): every one of them usable */
-        if (v & (1 << ISA_AVX2)) v |= 1 << ISA_AVX512 | 1 << ISA_AVX512_DOT | CPU_BF16 | (amd_zen4() ? CPU_BF16_FAST : 0);
-#endif
         atomic_store(&known, v);
     }
     return v;
