@@ -36,8 +36,9 @@ SOURCE = Path(__file__).with_name("block_probe.c")
 HEADERS = ("gqa_internal.h", "gqa_avx2.h", "gqa_avx512.h")
 ENCODINGS = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 ISAS = {"avx2": 2, "avx512": 3}
-# the library's code generation (native_build.CFLAGS), as objects linked into a program
-FLAGS = tuple(f for f in CFLAGS if f not in ("-fPIC", "-shared"))
+# the library's code generation (native_build.CFLAGS), as objects linked into a program; its
+# optimization level is build()'s `opt`
+FLAGS = tuple(f for f in CFLAGS if f not in ("-fPIC", "-shared", "-O3"))
 # a function the block files export: `GQA_INTERNAL <type> name(`
 EXPORTED = re.compile(r"GQA_INTERNAL\s+[\w\s\*]*?\b(\w+)\s*\(")
 STRUCTS = re.compile(r"typedef struct \{.*?\} (?:gqa_cache_t|state_t);", re.S)
@@ -87,9 +88,10 @@ def write_base(rev: str | None, files: tuple[str, ...], into: Path) -> None:
         raise RuntimeError(f"block_probe: gqa_cache_t or state_t differs at {rev!r}; the two sides must share them")
 
 
-def build(cc: str, isa: str, base: str | None, tmp: Path) -> Path:
+def build(cc: str, isa: str, base: str | None, tmp: Path, opt: str = "-O3") -> Path:
     """The probe linked with side A (the tree's block files) and side B (``base``'s, its exported
-    functions renamed B_*), every object compiled at once."""
+    functions renamed B_*), every object compiled at once; ``opt`` in place of the library's -O3
+    (the tests' probe, whose figures mean nothing, builds at -O1 in half the time)."""
     files = block_files(isa)
     write_base(base, files, tmp / "b")
     renames: list[str] = []
@@ -101,14 +103,14 @@ def build(cc: str, isa: str, base: str | None, tmp: Path) -> Path:
         for name in files:
             obj = tmp / f"{side}_{name}.o"
             objects.append(str(obj))
-            cmd = [cc, *FLAGS, *extra, "-I", str(src), "-c", str(src / name), "-o", str(obj)]
+            cmd = [cc, *FLAGS, opt, *extra, "-I", str(src), "-c", str(src / name), "-o", str(obj)]
             jobs.append(subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True))
     for job in jobs:
         _, err = job.communicate()
         if job.returncode:
             raise RuntimeError(f"block_probe: a block file did not build:\n{err}")
     exe = tmp / "block_probe"
-    link = [cc, *FLAGS, "-I", str(CSRC), str(SOURCE), *objects, "-o", str(exe), "-lm"]
+    link = [cc, *FLAGS, opt, "-I", str(CSRC), str(SOURCE), *objects, "-o", str(exe), "-lm"]
     subprocess.run(link, check=True, capture_output=True, text=True)
     return exe
 
