@@ -2,7 +2,9 @@
 
 The library is cached under ``GQA_KERNEL_CACHE`` (default ``$XDG_CACHE_HOME/gqa-serve``, else
 ``~/.cache/gqa-serve``), named by a hash of every source and header (names and contents), the
-flags and the machine type, so a changed source never loads a stale build. The build takes no
+flags and the machine type, so a changed source never loads a stale build; its objects are kept
+in ``objects/`` there, named by their source, every header, the compiler and their flags, so a
+build of another variant compiles only what differs. The build takes no
 ``-march`` flag: the AVX-512 path is chosen at run time, so a library built into a container
 image runs on any x86-64 node. ``python -m backends.native build`` builds ahead of time (the
 Dockerfile does, so the runtime image needs no compiler). Where no compiler or no writable cache
@@ -15,6 +17,7 @@ import concurrent.futures
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -29,6 +32,11 @@ CFLAGS = ("-O3", "-fPIC", "-shared", "-std=gnu11", "-pthread", "-fno-strict-alia
 # failure injection (csrc/test_hooks.c: FLAG_FAIL_AFTER_WRITE acted on), under its own name;
 # the production library has none of it.
 TEST_HOOKS_FLAGS = ("-DGQA_TEST_HOOKS",)
+# A source (or header) whose preprocessor lines test GQA_TEST_HOOKS: only such sources compile
+# with the define (every source, if a header tests it), so the test build's other objects are
+# the production build's own and come from the object cache (build(): a first `make test` built
+# the blocks twice, ~60 s on two cores).
+_TESTS_HOOKS = re.compile(rb"^[ \t]*#[ \t]*(?:if|ifdef|ifndef|elif)\b.*\bGQA_TEST_HOOKS\b", re.M)
 # GQA_KERNEL_SANITIZE=1 (tests only: tests/test_sanitizers.py): the library built with
 # AddressSanitizer and UndefinedBehaviorSanitizer (and the test hooks), under its own name; a
 # process loading it needs the ASan runtime preloaded (LD_PRELOAD=$(cc -print-file-name=libasan.so)).
@@ -115,17 +123,39 @@ def build(directory: Path | None = None) -> Path:
     work = _work_dir(directory)
     try:
         flags = _cflags()
-        # one object per source, compiled side by side (16 files: ~4x faster on 4 cores), then linked
+        # one object per source, compiled side by side (16 files: ~4x faster on 4 cores) unless the
+        # object cache has it, then linked
         files = sources()
-        objects = [str(work / f"{src.stem}.o") for src in files]
-        jobs = [[compiler, *flags, "-c", "-o", obj, str(src)] for obj, src in zip(objects, files)]
+        texts = {path.name: path.read_bytes() for path in sorted(CSRC.glob("*.h"))}
+        headers = b"".join(name.encode() + b"\0" + text for name, text in texts.items())
+        hooks_in_headers = any(_TESTS_HOOKS.search(text) for text in texts.values())
+        objects, jobs = [], []
+        for src in files:
+            text = src.read_bytes()
+            own = flags
+            if not hooks_in_headers and not _TESTS_HOOKS.search(text):
+                own = tuple(f for f in flags if f not in TEST_HOOKS_FLAGS)
+            key = hashlib.sha256("\0".join((compiler, *own, src.name)).encode() + b"\0" + text + b"\0" + headers)
+            obj = directory / "objects" / f"{src.stem}-{key.hexdigest()[:16]}.o"
+            objects.append(str(obj))
+            if not obj.exists():
+                jobs.append(([compiler, *own, "-c", "-o", str(work / obj.name), str(src)], obj))
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            list(pool.map(_compile, jobs))  # the first failure raises
+            list(pool.map(_compile_object, jobs))  # the first failure raises
         _compile([compiler, *flags, "-o", str(work / "lib.so"), *objects, *LIBS])
         os.replace(work / "lib.so", target)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
+
+
+def _compile_object(job: tuple[list[str], Path]) -> None:
+    """Compiles one object into the work folder, then renames it into the object cache (a
+    concurrent builder finds it whole or not at all)."""
+    cmd, obj = job
+    _compile(cmd)
+    obj.parent.mkdir(exist_ok=True)
+    os.replace(cmd[cmd.index("-o") + 1], obj)
 
 
 # The public step's optional entry with torch tensors (csrc/torch_step.cpp, the Python module

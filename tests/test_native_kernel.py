@@ -10,6 +10,7 @@ way it can fail says why.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import subprocess
@@ -308,6 +309,36 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
     second = native_build.build(out)
     assert second != first and second.exists()
     assert len(list(out.glob("*.so"))) == 2  # no temporaries left
+
+
+def test_the_test_build_shares_every_object_that_ignores_the_hooks(tmp_path, monkeypatch):
+    """Only a source that tests GQA_TEST_HOOKS compiles with it (every source, once a header
+    does); the test build reuses the production build's other objects from the object cache."""
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    (csrc / "gqa_internal.h").write_text("int gqa_plain(void);\n")
+    (csrc / "plain.c").write_text('#include "gqa_internal.h"\nint gqa_plain(void) { return 7; }\n')
+    (csrc / "hooks.c").write_text("#ifdef GQA_TEST_HOOKS\nint gqa_test_hooks(void) { return 1; }\n#endif\n")
+    monkeypatch.setattr(native_build, "CSRC", csrc)
+    monkeypatch.delenv("GQA_KERNEL_SANITIZE", raising=False)
+    out = tmp_path / "out"
+
+    def build(hooks: bool) -> ctypes.CDLL:
+        monkeypatch.setenv("GQA_KERNEL_TEST_HOOKS", "1" if hooks else "0")
+        return ctypes.CDLL(str(native_build.build(out)))
+
+    def objects(stem: str) -> int:
+        return len(list((out / "objects").glob(f"{stem}-*.o")))
+
+    production = build(hooks=False)
+    assert not hasattr(production, "gqa_test_hooks") and production.gqa_plain() == 7
+    test = build(hooks=True)
+    assert test.gqa_test_hooks() == 1 and test.gqa_plain() == 7
+    assert objects("plain") == 1 and objects("hooks") == 2  # plain.c compiled once for both
+    # a header that tests the define gives it to every source
+    (csrc / "gqa_internal.h").write_text("#ifdef GQA_TEST_HOOKS\n#define SEVEN 70\n#else\n#define SEVEN 7\n#endif\n")
+    (csrc / "plain.c").write_text('#include "gqa_internal.h"\nint gqa_plain(void) { return SEVEN; }\n')
+    assert build(hooks=False).gqa_plain() == 7 and build(hooks=True).gqa_plain() == 70
 
 
 def test_the_production_library_has_no_test_hooks(monkeypatch):

@@ -525,9 +525,9 @@ GQA_INTERNAL int plan_step(gqa_cache_t *cc, int64_t *res, int64_t rcols);
 /* run.c */
 int gqa_run(gqa_cache_t *caches, int64_t ncaches, int threads, int isa);
 
-#ifdef GQA_TEST_HOOKS
-/* test_hooks.c: a cache flagged FLAG_FAIL_AFTER_WRITE writes, restores and fails (-EIO) */
+/* test_hooks.c, defined in a test build alone (called under -DGQA_TEST_HOOKS, which only the
+ * sources that test it get: native_build.py): a cache flagged FLAG_FAIL_AFTER_WRITE writes,
+ * restores and fails (-EIO) */
 GQA_INTERNAL int injected_failure(gqa_cache_t *cc, float *wbuf);
-#endif
 
 #endif /* GQA_INTERNAL_H */
