@@ -32,9 +32,9 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # The int8 backend's C kernel is compiled here, into the venv, so the runtime image needs no
 # compiler (GQA_KERNEL_CACHE below). It takes no -march flag: it runs on any x86-64 node and
 # picks its AVX-512 path at run time. g++ builds the public step's C++ entry beside it
-# (backends/csrc/torch_step.cpp, against the venv's torch). Debian packages are not
-# version-pinned: the base image fixes the release, and a pin would break rebuilds when Debian
-# replaces a version.
+# (backends/csrc/torch_step.cpp, against the venv's torch); the build's object cache stays
+# behind. Debian packages are not version-pinned: the base image fixes the release, and a pin
+# would break rebuilds when Debian replaces a version.
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends gcc g++ libc6-dev \
@@ -43,7 +43,8 @@ RUN apt-get update \
 # CPU build and pip never reaches for the multi-GB default (CUDA) wheel.
 RUN pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==2.13.0" \
  && pip install --no-cache-dir --extra-index-url "${TORCH_INDEX_URL}" /src/clients/python /src \
- && python -m backends.native build /opt/venv/lib/gqa-kernels
+ && python -m backends.native build /opt/venv/lib/gqa-kernels \
+ && rm -rf /opt/venv/lib/gqa-kernels/objects
 
 FROM build-base AS build-cuda
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
