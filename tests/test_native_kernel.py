@@ -290,16 +290,28 @@ def test_hadamard_has_the_scalar_transforms_bits(d):
 # -- the build -------------------------------------------------------------------------------------
 
 
-def test_build_is_cached_by_content(tmp_path, monkeypatch):
-    """The cache key is every source's content. A tree of two small files and a header stands
-    in for the kernel's (the build steps are the same; the kernel's own build takes ~20 s and is
-    the one every other test loads)."""
+def _stand_in_tree(tmp_path, monkeypatch, files: dict[str, str]) -> Path:
+    """A small source tree (file name -> text) in place of the kernel's csrc/: the build steps
+    are the same, and the kernel's own build (35-60 s) is the one every other test loads."""
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    (csrc / "gqa_internal.h").write_text("#define GQA_TWO 2\n")
-    (csrc / "a.c").write_text('#include "gqa_internal.h"\nint gqa_a(int x) { return x * GQA_TWO; }\n')
-    (csrc / "b.c").write_text('#include "gqa_internal.h"\nint gqa_b(int x) { return x + GQA_TWO; }\n')
+    for name, text in files.items():
+        (csrc / name).write_text(text)
     monkeypatch.setattr(native_build, "CSRC", csrc)
+    return csrc
+
+
+def test_build_is_cached_by_content(tmp_path, monkeypatch):
+    """The cache key is every source's content (a stand-in tree of two files and a header)."""
+    csrc = _stand_in_tree(
+        tmp_path,
+        monkeypatch,
+        {
+            "gqa_internal.h": "#define GQA_TWO 2\n",
+            "a.c": '#include "gqa_internal.h"\nint gqa_a(int x) { return x * GQA_TWO; }\n',
+            "b.c": '#include "gqa_internal.h"\nint gqa_b(int x) { return x + GQA_TWO; }\n',
+        },
+    )
     out = tmp_path / "out"
     first = native_build.build(out)
     mtime = first.stat().st_mtime_ns
@@ -314,12 +326,15 @@ def test_build_is_cached_by_content(tmp_path, monkeypatch):
 def test_the_test_build_shares_every_object_that_ignores_the_hooks(tmp_path, monkeypatch):
     """Only a source that tests GQA_TEST_HOOKS compiles with it (every source, once a header
     does); the test build reuses the production build's other objects from the object cache."""
-    csrc = tmp_path / "csrc"
-    csrc.mkdir()
-    (csrc / "gqa_internal.h").write_text("int gqa_plain(void);\n")
-    (csrc / "plain.c").write_text('#include "gqa_internal.h"\nint gqa_plain(void) { return 7; }\n')
-    (csrc / "hooks.c").write_text("#ifdef GQA_TEST_HOOKS\nint gqa_test_hooks(void) { return 1; }\n#endif\n")
-    monkeypatch.setattr(native_build, "CSRC", csrc)
+    csrc = _stand_in_tree(
+        tmp_path,
+        monkeypatch,
+        {
+            "gqa_internal.h": "int gqa_plain(void);\n",
+            "plain.c": '#include "gqa_internal.h"\nint gqa_plain(void) { return 7; }\n',
+            "hooks.c": "#ifdef GQA_TEST_HOOKS\nint gqa_test_hooks(void) { return 1; }\n#endif\n",
+        },
+    )
     monkeypatch.delenv("GQA_KERNEL_SANITIZE", raising=False)
     out = tmp_path / "out"
 
@@ -373,9 +388,7 @@ def test_missing_compiler_says_so(tmp_path, monkeypatch):
 
 
 def test_compiler_errors_are_reported(tmp_path, monkeypatch):
-    (tmp_path / "csrc").mkdir()
-    (tmp_path / "csrc" / "broken.c").write_text("int f(void) { return undeclared_name; }\n")
-    monkeypatch.setattr(native_build, "CSRC", tmp_path / "csrc")
+    _stand_in_tree(tmp_path, monkeypatch, {"broken.c": "int f(void) { return undeclared_name; }\n"})
     with pytest.raises(native.NativeUnavailable, match="undeclared_name"):
         native_build.build(tmp_path / "cache")
     assert not [p for p in (tmp_path / "cache").iterdir()]  # the failed output was removed
