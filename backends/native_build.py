@@ -139,7 +139,7 @@ def build(directory: Path | None = None) -> Path:
             obj = directory / "objects" / f"{src.stem}-{key.hexdigest()[:16]}.o"
             objects.append(str(obj))
             if not obj.exists():
-                jobs.append(([compiler, *own, "-c", "-o", str(work / obj.name), str(src)], obj))
+                jobs.append(([compiler, *own, "-c", "-o", str(work / obj.name), str(src)], work / obj.name, obj))
         with concurrent.futures.ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
             list(pool.map(_compile_object, jobs))  # the first failure raises
         _compile([compiler, *flags, "-o", str(work / "lib.so"), *objects, *LIBS])
@@ -149,13 +149,13 @@ def build(directory: Path | None = None) -> Path:
     return target
 
 
-def _compile_object(job: tuple[list[str], Path]) -> None:
-    """Compiles one object into the work folder, then renames it into the object cache (a
-    concurrent builder finds it whole or not at all)."""
-    cmd, obj = job
+def _compile_object(job: tuple[list[str], Path, Path]) -> None:
+    """Runs one compile into the work folder (``built``), then renames the object into the
+    object cache (``obj``): a concurrent builder finds it whole or not at all."""
+    cmd, built, obj = job
     _compile(cmd)
     obj.parent.mkdir(exist_ok=True)
-    os.replace(cmd[cmd.index("-o") + 1], obj)
+    os.replace(built, obj)
 
 
 # The public step's optional entry with torch tensors (csrc/torch_step.cpp, the Python module

@@ -37,8 +37,9 @@ HEADERS = ("gqa_internal.h", "gqa_avx2.h", "gqa_avx512.h")
 ENCODINGS = {"float32": 0, "bfloat16": 1, "float16": 2, "int8": 3}
 ISAS = {"avx2": 2, "avx512": 3}
 # the library's code generation (native_build.CFLAGS), as objects linked into a program; its
-# optimization level is build()'s `opt`
-FLAGS = tuple(f for f in CFLAGS if f not in ("-fPIC", "-shared", "-O3"))
+# optimization level (LIBRARY_OPT) is build()'s `opt` by default
+LIBRARY_OPT = next(f for f in CFLAGS if f.startswith("-O"))
+FLAGS = tuple(f for f in CFLAGS if f not in ("-fPIC", "-shared", LIBRARY_OPT))
 # a function the block files export: `GQA_INTERNAL <type> name(`
 EXPORTED = re.compile(r"GQA_INTERNAL\s+[\w\s\*]*?\b(\w+)\s*\(")
 STRUCTS = re.compile(r"typedef struct \{.*?\} (?:gqa_cache_t|state_t);", re.S)
@@ -88,9 +89,9 @@ def write_base(rev: str | None, files: tuple[str, ...], into: Path) -> None:
         raise RuntimeError(f"block_probe: gqa_cache_t or state_t differs at {rev!r}; the two sides must share them")
 
 
-def build(cc: str, isa: str, base: str | None, tmp: Path, opt: str = "-O3") -> Path:
+def build(cc: str, isa: str, base: str | None, tmp: Path, opt: str = LIBRARY_OPT) -> Path:
     """The probe linked with side A (the tree's block files) and side B (``base``'s, its exported
-    functions renamed B_*), every object compiled at once; ``opt`` in place of the library's -O3
+    functions renamed B_*), every object compiled at once; ``opt`` in place of the library's level
     (the tests' probe, whose figures mean nothing, builds at -O1 in half the time)."""
     files = block_files(isa)
     write_base(base, files, tmp / "b")
